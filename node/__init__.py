@@ -1,0 +1,1 @@
+"""farloco.node: the agent daemon, trainer ranks, model, data, config and CLI."""
