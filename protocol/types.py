@@ -1,0 +1,47 @@
+"""Plain value types shared across farloco.protocol: who is in a round's group."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class GroupMember:
+    """One peer of a round's group: its hivemind peer id and the gRPC address it serves on."""
+
+    peer_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """The agreed group of one outer round. Every member of the round sees the same tuple (sorted by peer id)."""
+
+    round_id: int
+    group_id: str
+    members: tuple[GroupMember, ...]
+
+    @staticmethod
+    def make(round_id: int, members: list[GroupMember] | tuple[GroupMember, ...]) -> Group:
+        """Build a group with its members sorted and its id derived from the round and the member ids."""
+        ordered = tuple(sorted(members, key=lambda m: m.peer_id))
+        return Group(round_id, group_id_of(round_id, [m.peer_id for m in ordered]), ordered)
+
+    def index_of(self, peer_id: str) -> int:
+        """Position of `peer_id` in the group; ValueError naming the members if it is not one."""
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return index
+        raise ValueError(
+            f"peer {peer_id} is not in group {self.group_id[:12]} of round {self.round_id}: "
+            f"members are {[m.peer_id for m in self.members]}"
+        )
+
+
+def group_id_of(round_id: int, peer_ids: list[str]) -> str:
+    """sha256 over the round id and the sorted member ids: equal on every peer that agrees on the group."""
+    digest = hashlib.sha256(f"round={round_id}".encode())
+    for peer_id in sorted(peer_ids):
+        digest.update(b"\0" + peer_id.encode())
+    return digest.hexdigest()
