@@ -1,0 +1,439 @@
+"""The typed configuration tree of a farloco node: TOML file -> `--set` overrides -> frozen dataclasses.
+
+The `[run]` section describes the training run and must be identical on every peer of a swarm: it is hashed into
+`run_hash`, and a peer whose hash differs is refused with the list of differing keys. Every other section is
+local to the node (where it listens, how many trainer ranks it runs, its timeouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tomllib
+
+SCALAR = str | int | float | bool
+
+
+class ConfigError(ValueError):
+    """A config file, key or value that cannot be used; the message names the key, the value and what was expected."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the swarm trains and how. Identical on every peer (hashed into `run_hash`)."""
+
+    name: str = "farloco-demo"
+    """Run name; namespaces the DHT keys, so two runs can share one DHT."""
+    model: str = "tiny"
+    """Model size preset of the built-in Llama-style decoder (tiny, small, 125m, 350m, 1b)."""
+    dataset: str = "builtin"
+    """'builtin' (the bundled corpus, no download) or the path of a directory made by `farloco data prepare`."""
+    strategy: str = "diloco"
+    """Outer strategy: diloco, sparseloco (see `farloco.optim.available_strategies()`)."""
+    codec: str = "fp32"
+    """Codec of the outer update on the wire: fp32, fp16, bf16, int8, int4, topk, dct-topk."""
+    strategy_options: dict[str, SCALAR] = field(default_factory=dict)
+    """Extra hyper-parameters passed to the strategy (e.g. {beta = 0.95} for sparseloco)."""
+    codec_options: dict[str, SCALAR] = field(default_factory=dict)
+    """Extra options passed to the codec (e.g. {block_size = 256} for int8)."""
+    inner_steps: int = 20
+    """H: inner optimizer steps between two outer synchronisations."""
+    inner_lr: float = 3e-3
+    """Peak learning rate of the inner AdamW."""
+    inner_weight_decay: float = 0.1
+    """Decoupled weight decay of the inner AdamW."""
+    warmup_steps: int = 20
+    """Linear warm-up of the inner learning rate, in inner steps."""
+    grad_clip: float = 1.0
+    """Clip the inner gradient norm to this value (0 disables)."""
+    batch_size: int = 8
+    """Sequences per inner step per node (split across the node's trainer ranks)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo paper default 0.7)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum (DiLoCo paper default 0.9)."""
+    seed: int = 0
+    """Seed of the initial parameters (all peers start from the same theta_0) and the data order."""
+    data_slots: int = 8
+    """The training data is cut into this many disjoint slices; a node trains on the slice of its slot."""
+    min_peers: int = 1
+    """Commit rule: a round commits only if at least this many peers contributed, else it is aborted."""
+    max_rounds: int = 0
+    """Stop after this many outer rounds (0: train until told to leave)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "inner_steps", "batch_size", "seq_len", "data_slots", "min_peers")
+        _non_negative(
+            self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
+        )
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"run.outer_momentum: expected a number in [0, 1), got {self.outer_momentum!r}")
+        if not self.name or any(c in self.name for c in "/ \t\n"):
+            raise ConfigError(f"run.name: expected a non-empty name without '/' or spaces, got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How this node trains locally."""
+
+    num_ranks: int = 1
+    """Trainer ranks on this node (one per GPU; on CPU each takes `threads_per_rank` cores)."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when available). The backend follows: NCCL on cuda, gloo on cpu."""
+    threads_per_rank: int = 1
+    """torch intra-op threads per trainer rank on CPU."""
+    max_restarts: int = 3
+    """How many times the elastic launcher restarts crashed trainer ranks before the node gives up."""
+    eval_batches: int = 4
+    """Held-out batches evaluated on theta_outer after every round (0 disables)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_ranks", "threads_per_rank")
+        _non_negative(self, "max_restarts", "eval_batches")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"node.device: expected one of 'auto', 'cpu', 'cuda', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Where this node listens and whom it contacts first."""
+
+    host: str = "127.0.0.1"
+    """Address every listening part binds to (gRPC, DHT). Use 0.0.0.0 or a LAN address for real swarms."""
+    announce_host: str = ""
+    """Address other peers should dial (defaults to `host`); set it behind NAT or in containers."""
+    grpc_port: int = 0
+    """gRPC port (0: any free port)."""
+    dht_port: int = 0
+    """hivemind DHT port (0: any free port)."""
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of DHT peers to join through (e.g. from `farloco bootstrap`)."""
+    control_host: str = "127.0.0.1"
+    """Address of the local control/metrics HTTP endpoint (keep it on loopback)."""
+    control_port: int = 0
+    """Port of the control/metrics endpoint (0: any free port; it is written to the run directory)."""
+
+    def __post_init__(self) -> None:
+        for key in ("grpc_port", "dht_port", "control_port"):
+            value = getattr(self, key)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"network.{key}: expected a port in 0..65535, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TimeoutConfig:
+    """Time limits of the round protocol, in seconds."""
+
+    heartbeat_interval: float = 1.0
+    """How often the member record is refreshed on the DHT."""
+    member_ttl: float = 8.0
+    """A member whose record is older than this is considered gone."""
+    match_timeout: float = 5.0
+    """How long the round leader waits for stragglers before freezing the group."""
+    leader_timeout: float = 5.0
+    """How long followers wait for a group beyond `match_timeout` before the next peer leads."""
+    exchange_timeout: float = 60.0
+    """Deadline of one outer exchange."""
+    sync_timeout: float = 300.0
+    """Deadline of a state download when joining."""
+
+    def __post_init__(self) -> None:
+        _positive(self, *[f.name for f in dataclasses.fields(self)])
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """How peers prove they belong to the run."""
+
+    secret_file: str = ""
+    """File holding the run secret (HMAC key of every RPC). Empty: the FARLOCO_RUN_SECRET environment variable,
+    else a secret derived from the run hash (keeps other runs out, not attackers)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of the outer state."""
+
+    every_rounds: int = 5
+    """Write a checkpoint every this many committed rounds (0 disables)."""
+    keep: int = 3
+    """Keep this many most recent checkpoints."""
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "every_rounds")
+        _positive(self, "keep")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration of one node."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _positive(obj: object, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value <= 0:
+            raise ConfigError(f"{_section_of(obj)}.{key}: expected a positive number, got {value!r}")
+
+
+def _non_negative(obj: object, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value < 0:
+            raise ConfigError(f"{_section_of(obj)}.{key}: expected a number >= 0, got {value!r}")
+
+
+def _section_of(obj: object) -> str:
+    return next((name for name, cls in SECTIONS.items() if isinstance(obj, cls)), type(obj).__name__)
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "run": RunConfig,
+    "node": NodeConfig,
+    "network": NetworkConfig,
+    "timeouts": TimeoutConfig,
+    "auth": AuthConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+T = TypeVar("T")
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Check (and gently convert: int -> float) one value against its field's annotation."""
+    origin = typing.get_origin(annotation)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(annotation)
+        return [_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table, got {value!r}")
+        for key, item in value.items():
+            if isinstance(item, (dict, list)) or item is None:
+                raise ConfigError(f"{path}.{key}: expected a number, string or boolean, got {item!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    raise ConfigError(f"{path}: unsupported annotation {annotation!r}")
+
+
+def _build_section(name: str, cls: type[T], values: dict[str, Any]) -> T:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {name}.{unknown[0]}: expected one of {sorted(known)}")
+    kwargs = {key: _coerce(f"{name}.{key}", value, hints[key]) for key, value in values.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - dataclass signature mismatch is a programming error
+        raise ConfigError(f"[{name}]: {exc}") from exc
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse `section.key=value`; the value is read as a TOML literal, falling back to a plain string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. run.inner_steps=50")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts[0], parts[1], value
+
+
+def build_config(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Validate a parsed TOML document, apply `section.key=value` overrides, and build the frozen tree."""
+    merged: dict[str, dict[str, Any]] = {}
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]: expected one of {sorted(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}]: expected a table, got {values!r}")
+        merged[section] = dict(values)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"--set {text!r}: unknown section {section!r}, expected one of {sorted(SECTIONS)}"
+            )
+        merged.setdefault(section, {})[key] = value
+    return Config(**{name: _build_section(name, cls, merged.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def load_config(path: Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a TOML file (or the defaults when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    return build_config(data, overrides)
+
+
+def run_section(config: Config | RunConfig) -> dict[str, SCALAR]:
+    """The [run] section as a flat dict (nested option tables become `strategy_options.beta` etc.)."""
+    run = config.run if isinstance(config, Config) else config
+    flat: dict[str, SCALAR] = {}
+    for key, value in dataclasses.asdict(run).items():
+        if isinstance(value, dict):
+            for sub, item in sorted(value.items()):
+                flat[f"{key}.{sub}"] = item
+        else:
+            flat[key] = value
+    return flat
+
+
+def run_hash(config: Config | RunConfig) -> str:
+    """sha256 over the canonical JSON of the [run] section: equal on every peer of one run."""
+    canonical = json.dumps(run_section(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def diff_run(mine: dict[str, SCALAR], theirs: dict[str, SCALAR]) -> list[str]:
+    """Human-readable list of [run] keys whose values differ: 'run.inner_steps: 20 here, 50 there'."""
+    keys = sorted(set(mine) | set(theirs))
+    missing = "<unset>"
+    return [
+        f"run.{key}: {mine.get(key, missing)!r} here, {theirs.get(key, missing)!r} there"
+        for key in keys
+        if mine.get(key, missing) != theirs.get(key, missing)
+    ]
+
+
+def to_toml(config: Config) -> str:
+    """Render a config as TOML (written next to the checkpoints as the resolved config)."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"cannot render {value!r} as TOML")
+
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # ~1M parameters, rounds of a few seconds on one CPU core: try farloco on a laptop.
+    "tiny": {"run": {"model": "tiny", "inner_steps": 20, "batch_size": 8, "seq_len": 128}},
+    # A ~10M model for a workstation or a small GPU.
+    "small": {
+        "run": {"model": "small", "inner_steps": 100, "batch_size": 16, "seq_len": 256, "inner_lr": 1e-3}
+    },
+    # A real run: 1B parameters, H=500 as in the DiLoCo paper, int8 outer updates, one node per 8-GPU host.
+    "1b": {
+        "run": {
+            "model": "1b",
+            "inner_steps": 500,
+            "batch_size": 256,
+            "seq_len": 2048,
+            "inner_lr": 4e-4,
+            "warmup_steps": 1000,
+            "codec": "int8",
+            "min_peers": 2,
+        },
+        "node": {"num_ranks": 8, "device": "cuda"},
+        "network": {"host": "0.0.0.0"},
+        "timeouts": {"match_timeout": 60.0, "leader_timeout": 30.0, "exchange_timeout": 1800.0},
+    },
+}
+
+
+def example_config(preset: str = "tiny") -> str:
+    """A documented TOML config: every field with its docstring as a comment, values from the preset."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
+    config = build_config(PRESETS[preset])
+    docs = _field_docs()
+    lines = [f"# farloco config, preset {preset!r}. Override any key with --set section.key=value.", ""]
+    for section, values in config.to_dict().items():
+        cls = SECTIONS[section]
+        lines.append(f"# {(cls.__doc__ or '').strip()}")
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            for doc_line in docs.get((cls.__name__, key), "").splitlines():
+                lines.append(f"# {doc_line.strip()}")
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_docs() -> dict[tuple[str, str], str]:
+    """Field docstrings (the string literal under each field) read from this module's source."""
+    import ast
+    import inspect
+    import itertools
+    import sys
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for current, following in itertools.pairwise(body):
+            if (
+                isinstance(current, ast.AnnAssign)
+                and isinstance(current.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[(node.name, current.target.id)] = following.value.value
+    return docs

@@ -1,0 +1,275 @@
+"""The shared-memory hand-off between the agent and its trainer ranks.
+
+One file, owned and created by the agent (under /dev/shm when it exists), mapped by every rank with
+`torch.from_file(..., shared=True)`. Python's `multiprocessing.shared_memory` is avoided on purpose: on 3.11 its
+resource tracker unlinks a segment when *any* attached process exits, which would tear the buffer away from the
+agent whenever a trainer rank crashes.
+
+Layout (little-endian):
+
+    [0, 4096)                       header: int64 slots (see the constants below), one block per rank
+    [4096, 4096 + 4N)               theta: the outer parameters the agent publishes, float32, canonical order
+    [4096 + 4N, 4096 + 8N)          local: the ranks' parameters after their inner steps, float32, canonical order
+
+Canonical order: parameters sorted by fully-qualified name, each row-major. A rank that holds rows [a, b) of a
+parameter (FSDP2 shards on dim 0) reads and writes exactly that contiguous range, so the agent sees one flat
+vector whatever the node's sharding — a 1-rank node and an 8-rank node produce the same layout.
+
+Synchronisation is a sequence number, not a lock: the agent writes theta, then bumps `PUBLISH_SEQ`; a rank writes
+its rows of `local`, then sets its `DONE_SEQ`. Each side only reads a region after seeing the other side's
+sequence number, and never writes a region the other side may be reading.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEADER_BYTES = 4096
+MAGIC = 0x464C4F434F484F46  # "FLOCOHOF"
+VERSION = 1
+
+# Global header slots (int64 indices).
+SLOT_MAGIC = 0
+SLOT_VERSION = 1
+SLOT_NUM_PARAMS = 2
+SLOT_WORLD_SIZE = 3
+SLOT_PUBLISH_SEQ = 4  # bumped by the agent after writing theta (or deciding ranks keep their weights)
+SLOT_RELOAD = (
+    5  # 1: ranks load theta for this sequence; 0: keep local weights (aborted round, missed work kept)
+)
+SLOT_ROUND_ID = 6  # outer round the published sequence belongs to
+SLOT_COMMAND = 7  # COMMAND_RUN or COMMAND_STOP
+SLOT_INNER_STEPS = 8  # H for this sequence
+SLOT_STEP_BASE = 9  # global inner step at which this sequence starts (data position)
+
+COMMAND_RUN = 0
+COMMAND_STOP = 1
+
+RANK_BLOCK = 16  # int64 slots per rank
+RANK_BASE = 32
+MAX_RANKS = (HEADER_BYTES // 8 - RANK_BASE) // RANK_BLOCK
+
+# Per-rank slots (offset inside a rank block).
+R_DONE_SEQ = 0  # the publish sequence whose result this rank wrote to `local`
+R_INNER_STEP = 1  # global inner step the rank has reached
+R_TRAIN_LOSS = 2  # float64 bits: mean training loss over the last sequence
+R_EVAL_SEQ = 3  # the publish sequence whose theta was evaluated
+R_EVAL_LOSS = 4  # float64 bits: held-out loss of the published theta
+R_TOKENS = 5  # tokens processed by this rank since it started
+R_STEP_MICROS = 6  # mean inner-step time over the last sequence, microseconds
+R_PID = 7
+R_HEARTBEAT_NS = 8  # time.time_ns() of the last update
+
+
+def _f2i(value: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def _i2f(value: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", value))[0])
+
+
+def default_handoff_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path("/tmp")
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank last wrote into its header block."""
+
+    rank: int
+    done_seq: int
+    inner_step: int
+    train_loss: float
+    eval_seq: int
+    eval_loss: float
+    tokens: int
+    step_seconds: float
+    pid: int
+
+
+class Handoff:
+    """A mapped hand-off file. The agent `create`s it; ranks `attach` to it by path."""
+
+    def __init__(self, path: Path, num_params: int, world_size: int, *, owner: bool) -> None:
+        self.path = path
+        self.num_params = num_params
+        self.world_size = world_size
+        self.owner = owner
+        nbytes = HEADER_BYTES + 8 * num_params
+        self._buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        self.header = self._buffer[:HEADER_BYTES].view(torch.int64)
+        self.theta = self._buffer[HEADER_BYTES : HEADER_BYTES + 4 * num_params].view(torch.float32)
+        self.local = self._buffer[HEADER_BYTES + 4 * num_params :].view(torch.float32)
+
+    @classmethod
+    def create(cls, num_params: int, world_size: int, directory: Path | None = None) -> Handoff:
+        if not 1 <= world_size <= MAX_RANKS:
+            raise ValueError(f"hand-off: expected 1..{MAX_RANKS} ranks, got {world_size}")
+        directory = directory or default_handoff_dir()
+        path = directory / f"farloco-handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        with open(path, "wb") as handle:
+            handle.truncate(HEADER_BYTES + 8 * num_params)
+        handoff = cls(path, num_params, world_size, owner=True)
+        handoff.header.zero_()
+        handoff.header[SLOT_MAGIC] = MAGIC
+        handoff.header[SLOT_VERSION] = VERSION
+        handoff.header[SLOT_NUM_PARAMS] = num_params
+        handoff.header[SLOT_WORLD_SIZE] = world_size
+        handoff.header[SLOT_PUBLISH_SEQ] = 0
+        for rank in range(world_size):
+            handoff.header[RANK_BASE + rank * RANK_BLOCK + R_DONE_SEQ] = 0
+            handoff.header[RANK_BASE + rank * RANK_BLOCK + R_EVAL_SEQ] = 0
+        return handoff
+
+    @classmethod
+    def attach(cls, path: Path) -> Handoff:
+        size = path.stat().st_size
+        if size < HEADER_BYTES:
+            raise ValueError(f"hand-off {path}: expected at least {HEADER_BYTES} bytes, found {size}")
+        header = torch.from_file(str(path), shared=True, size=HEADER_BYTES, dtype=torch.uint8).view(
+            torch.int64
+        )
+        if int(header[SLOT_MAGIC]) != MAGIC or int(header[SLOT_VERSION]) != VERSION:
+            raise ValueError(f"hand-off {path}: not a farloco v{VERSION} hand-off file")
+        num_params = int(header[SLOT_NUM_PARAMS])
+        world_size = int(header[SLOT_WORLD_SIZE])
+        expected = HEADER_BYTES + 8 * num_params
+        if size != expected:
+            raise ValueError(
+                f"hand-off {path}: expected {expected} bytes for {num_params} params, found {size}"
+            )
+        return cls(path, num_params, world_size, owner=False)
+
+    # --- agent side -------------------------------------------------------------------------------------------
+    def publish(self, theta: torch.Tensor | None, *, round_id: int, step_base: int, inner_steps: int) -> int:
+        """Hand the ranks their next sequence of work. `theta` None: keep local weights (the round aborted)."""
+        if theta is not None:
+            if theta.shape != (self.num_params,) or theta.dtype != torch.float32:
+                raise ValueError(
+                    f"hand-off publish: expected float32[{self.num_params}], got {theta.dtype}{list(theta.shape)}"
+                )
+            self.theta.copy_(theta)
+        self.header[SLOT_RELOAD] = 1 if theta is not None else 0
+        self.header[SLOT_ROUND_ID] = round_id
+        self.header[SLOT_STEP_BASE] = step_base
+        self.header[SLOT_INNER_STEPS] = inner_steps
+        seq = int(self.header[SLOT_PUBLISH_SEQ]) + 1
+        self.header[SLOT_PUBLISH_SEQ] = seq  # written last: ranks read the fields above only after seeing it
+        return seq
+
+    def stop(self) -> None:
+        self.header[SLOT_COMMAND] = COMMAND_STOP
+
+    def all_done(self, seq: int) -> bool:
+        return all(self.report(rank).done_seq >= seq for rank in range(self.world_size))
+
+    def report(self, rank: int) -> RankReport:
+        block = self.header[RANK_BASE + rank * RANK_BLOCK : RANK_BASE + (rank + 1) * RANK_BLOCK].tolist()
+        return RankReport(
+            rank=rank,
+            done_seq=block[R_DONE_SEQ],
+            inner_step=block[R_INNER_STEP],
+            train_loss=_i2f(block[R_TRAIN_LOSS]),
+            eval_seq=block[R_EVAL_SEQ],
+            eval_loss=_i2f(block[R_EVAL_LOSS]),
+            tokens=block[R_TOKENS],
+            step_seconds=block[R_STEP_MICROS] / 1e6,
+            pid=block[R_PID],
+        )
+
+    def close(self) -> None:
+        """Drop the mapping; the owner also removes the file."""
+        del self.header, self.theta, self.local, self._buffer
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    # --- rank side --------------------------------------------------------------------------------------------
+    @property
+    def publish_seq(self) -> int:
+        return int(self.header[SLOT_PUBLISH_SEQ])
+
+    @property
+    def command(self) -> int:
+        return int(self.header[SLOT_COMMAND])
+
+    def work(self) -> tuple[bool, int, int, int]:
+        """(reload, round_id, step_base, inner_steps) of the current sequence."""
+        return (
+            bool(self.header[SLOT_RELOAD]),
+            int(self.header[SLOT_ROUND_ID]),
+            int(self.header[SLOT_STEP_BASE]),
+            int(self.header[SLOT_INNER_STEPS]),
+        )
+
+    def _set(self, rank: int, slot: int, value: int) -> None:
+        self.header[RANK_BASE + rank * RANK_BLOCK + slot] = value
+
+    def mark_progress(self, rank: int, *, inner_step: int, tokens: int, pid: int, now_ns: int) -> None:
+        self._set(rank, R_INNER_STEP, inner_step)
+        self._set(rank, R_TOKENS, tokens)
+        self._set(rank, R_PID, pid)
+        self._set(rank, R_HEARTBEAT_NS, now_ns)
+
+    def mark_eval(self, rank: int, seq: int, loss: float) -> None:
+        self._set(rank, R_EVAL_LOSS, _f2i(loss))
+        self._set(rank, R_EVAL_SEQ, seq)
+
+    def mark_done(self, rank: int, seq: int, *, train_loss: float, step_seconds: float) -> None:
+        self._set(rank, R_TRAIN_LOSS, _f2i(train_loss))
+        self._set(rank, R_STEP_MICROS, int(step_seconds * 1e6))
+        self._set(rank, R_DONE_SEQ, seq)  # written last: the agent reads `local` only after seeing it
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the canonical flat vector."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+def canonical_layout(named_shapes: dict[str, tuple[int, ...]]) -> list[ParamSlot]:
+    """Parameters sorted by fully-qualified name, packed back to back, row-major."""
+    slots = []
+    offset = 0
+    for name in sorted(named_shapes):
+        slot = ParamSlot(name, offset, tuple(named_shapes[name]))
+        slots.append(slot)
+        offset += slot.numel
+    return slots
+
+
+def layout_of(model: torch.nn.Module) -> list[ParamSlot]:
+    """The canonical layout of a (non-sharded) model; tied parameters appear once, under their first name."""
+    return canonical_layout({name: tuple(p.shape) for name, p in model.named_parameters()})
+
+
+def flatten(model: torch.nn.Module, layout: list[ParamSlot]) -> torch.Tensor:
+    """The model's parameters as one float32 vector in canonical order (a copy, on CPU)."""
+    params = dict(model.named_parameters())
+    total = layout[-1].offset + layout[-1].numel if layout else 0
+    flat = torch.empty(total, dtype=torch.float32)
+    for slot in layout:
+        flat[slot.offset : slot.offset + slot.numel].copy_(params[slot.name].detach().reshape(-1))
+    return flat
+
+
+def unflatten(flat: torch.Tensor, layout: list[ParamSlot]) -> dict[str, torch.Tensor]:
+    """Views of `flat` shaped like the model's parameters."""
+    return {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in layout}

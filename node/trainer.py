@@ -1,0 +1,227 @@
+"""A trainer rank: the inner loop of one node, launched and supervised by the agent via torch's elastic launcher.
+
+Each rank joins the node-local process group (gloo on CPU, NCCL on CUDA), builds the model from the run seed,
+shards it with FSDP2 (`fully_shard` per transformer block, then the root) on a 1-D DeviceMesh, and loops:
+
+    wait for the agent to publish a sequence -> load theta_outer rows (unless told to keep local weights)
+    -> evaluate theta_outer on held-out batches -> H AdamW steps on this rank's data share
+    -> write this rank's rows of the parameters into the hand-off -> mark the sequence done
+
+The inner optimizer state stays local across rounds, as in DiLoCo. A restarted rank starts with fresh AdamW
+state from the theta the agent last published. Run as `python -m farloco.node.trainer --handoff ... --run-dir ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from farloco.node.config import Config, load_config
+from farloco.node.data import BatchSampler, eval_batches, open_dataset
+from farloco.node.handoff import COMMAND_STOP, Handoff, ParamSlot, layout_of
+from farloco.node.model import Transformer, build_model, lm_loss, model_config
+
+POLL_SECONDS = 0.002
+
+
+def resolve_device(config: Config) -> torch.device:
+    if config.node.device == "cuda" or (config.node.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class ShardView:
+    """The contiguous range of the canonical flat vector that one local parameter shard covers."""
+
+    def __init__(self, param: torch.nn.Parameter, slot: ParamSlot) -> None:
+        self.param = param
+        if isinstance(param, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local_shape, global_offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            self.local = param.to_local()
+            if tuple(self.local.shape) != tuple(local_shape):
+                raise RuntimeError(f"{slot.name}: local shard {tuple(self.local.shape)} != expected {local_shape}")
+            row_numel = slot.numel // slot.shape[0] if slot.shape and slot.shape[0] else 0
+            start = global_offset[0] * row_numel if slot.shape else 0
+        else:
+            self.local = param.data
+            start = 0
+        self.begin = slot.offset + start
+        self.end = self.begin + self.local.numel()
+
+    def load(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.local.copy_(flat[self.begin : self.end].view(self.local.shape))
+
+    def store(self, flat: torch.Tensor) -> None:
+        flat[self.begin : self.end].copy_(self.local.detach().reshape(-1))
+
+
+@contextmanager
+def process_group(backend: str) -> Iterator[None]:
+    dist.init_process_group(backend=backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def learning_rate(config: Config, step: int) -> float:
+    """Linear warm-up to the peak, then constant: DiLoCo rounds do not know when the run ends."""
+    warmup = config.run.warmup_steps
+    if warmup and step < warmup:
+        return config.run.inner_lr * (step + 1) / warmup
+    return config.run.inner_lr
+
+
+def run_rank(args: argparse.Namespace) -> None:
+    config = load_config(Path(args.config))
+    device = resolve_device(config)
+    if device.type == "cpu":
+        torch.set_num_threads(config.node.threads_per_rank)
+    else:
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    handoff = Handoff.attach(Path(args.handoff))
+    with process_group(backend):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if world_size != handoff.world_size:
+            raise RuntimeError(f"hand-off made for {handoff.world_size} ranks, launched with {world_size}")
+        model = build_model(model_config(config.run.model), seed=config.run.seed)
+        layout = layout_of(model)
+        model.to(device)
+        mesh = init_device_mesh(device.type, (world_size,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        params = dict(model.named_parameters())
+        views = [ShardView(params[slot.name], slot) for slot in layout]
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.run.inner_lr,
+            betas=(0.9, 0.95),
+            weight_decay=config.run.inner_weight_decay,
+            fused=device.type == "cuda",
+        )
+        dataset = open_dataset(Path(args.dataset))
+        per_rank_batch = config.run.batch_size // world_size
+        if per_rank_batch < 1:
+            raise ValueError(f"run.batch_size {config.run.batch_size} is smaller than the {world_size} ranks")
+        sampler = BatchSampler(
+            dataset,
+            "train",
+            config.run.seq_len,
+            per_rank_batch,
+            slot=args.slot,
+            num_slots=config.run.data_slots,
+            rank=rank,
+            world_size=world_size,
+            seed=config.run.seed,
+        )
+        held_out = (
+            eval_batches(dataset, config.run.seq_len, per_rank_batch, config.node.eval_batches)
+            if config.node.eval_batches
+            else []
+        )
+        # Each rank evaluates its own share of the held-out batches; the mean is all-reduced.
+        held_out = held_out[rank::world_size] or held_out[:1]
+        loop(handoff, model, views, optimizer, sampler, held_out, config, rank, device)
+
+
+def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for inputs, targets in batches:
+            loss = lm_loss(model(inputs.to(device)), targets.to(device))
+            total[0] += loss.double()
+            total[1] += 1
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] else math.nan
+
+
+def loop(
+    handoff: Handoff,
+    model: Transformer,
+    views: list[ShardView],
+    optimizer: torch.optim.Optimizer,
+    sampler: BatchSampler,
+    held_out: list[tuple[torch.Tensor, torch.Tensor]],
+    config: Config,
+    rank: int,
+    device: torch.device,
+) -> None:
+    done_seq = handoff.report(rank).done_seq
+    loaded_once = False
+    tokens = 0
+    pid = os.getpid()
+    while True:
+        while handoff.publish_seq <= done_seq and handoff.command != COMMAND_STOP:
+            time.sleep(POLL_SECONDS)
+        if handoff.command == COMMAND_STOP:
+            return
+        seq = handoff.publish_seq
+        reload, _round_id, step_base, inner_steps = handoff.work()
+        if reload or not loaded_once:
+            for view in views:
+                view.load(handoff.theta)
+            loaded_once = True
+        if held_out and reload:
+            loss = evaluate(model, held_out, device)
+            handoff.mark_eval(rank, seq, loss)
+        losses = []
+        started = time.perf_counter()
+        for i in range(inner_steps):
+            step = step_base + i
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step)
+            inputs, targets = sampler.batch(step)
+            loss = lm_loss(model(inputs.to(device)), targets.to(device))
+            loss.backward()
+            if config.run.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.run.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            tokens += inputs.numel()
+            handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
+            if handoff.command == COMMAND_STOP:
+                return
+        elapsed = time.perf_counter() - started
+        train_loss = float(torch.stack(losses).mean()) if losses else math.nan
+        for view in views:
+            view.store(handoff.local)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        # Every rank's rows must be in place before any rank reports done: the agent reads the whole vector.
+        dist.barrier()
+        handoff.mark_done(rank, seq, train_loss=train_loss, step_seconds=elapsed / max(inner_steps, 1))
+        done_seq = seq
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="farloco trainer rank (started by the agent, not by hand)")
+    parser.add_argument("--handoff", required=True, help="path of the agent's shared-memory hand-off file")
+    parser.add_argument("--config", required=True, help="the node's resolved config (TOML)")
+    parser.add_argument("--dataset", required=True, help="prepared dataset directory")
+    parser.add_argument("--slot", type=int, required=True, help="this node's data slot")
+    run_rank(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
