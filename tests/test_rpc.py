@@ -1,0 +1,277 @@
+"""RpcServer / RpcClient over real grpc.aio on 127.0.0.1: frames, auth, rejections, limits, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import msgpack
+import pytest
+
+from farloco.protocol.auth import Authenticator
+from farloco.protocol.rpc import (
+    SERVICE,
+    CallContext,
+    Frame,
+    FrameError,
+    Reject,
+    RpcClient,
+    RpcError,
+    RpcServer,
+    TlsConfig,
+    decode_frame,
+    encode_frame,
+)
+
+RUN = "run-test"
+SECRET = b"test-secret"
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), timeout=60))
+
+
+async def echo(ctx: CallContext, frame: Frame) -> Frame:
+    if frame.header.get("refuse"):
+        raise Reject(
+            grpc.StatusCode.FAILED_PRECONDITION, "STALE_ROUND", f"expected round 9, got {ctx.round_id}"
+        )
+    if frame.header.get("crash"):
+        raise RuntimeError("boom")
+    return Frame(
+        {"sender": ctx.sender, "round": ctx.round_id, "method": ctx.method, **frame.header}, frame.payload
+    )
+
+
+async def doubler(ctx: CallContext, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+    async for frame in frames:
+        if frame.header.get("refuse"):
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "SIZE_MISMATCH", "expected 4 bytes, got 5")
+        yield Frame({"i": frame.header["i"], "sender": ctx.sender}, bytes(frame.payload) * 2)
+
+
+async def started(**server_options: Any) -> tuple[RpcServer, str]:
+    server = RpcServer(Authenticator(RUN, SECRET, "server"), **server_options)
+    server.add_unary("Echo", echo)
+    server.add_stream("Double", doubler)
+    return server, await server.start()
+
+
+def test_frame_round_trip_and_limits() -> None:
+    frame = Frame({"a": 1, "b": [1.5, "x"], "c": b"\x00\x01", "d": {"e": True}}, b"payload")
+    data = encode_frame(frame)
+    back = decode_frame(data, max_header_bytes=1024)
+    assert back.header == frame.header and bytes(back.payload) == b"payload"
+    # The header length is checked before anything is unpacked: a 4 GiB claim is refused at once.
+    with pytest.raises(FrameError) as info:
+        decode_frame(struct.pack("<I", 0xFFFFFFFF) + b"xx", max_header_bytes=1024)
+    assert info.value.reason == "FRAME_TOO_LARGE"
+    with pytest.raises(FrameError) as info:
+        decode_frame(struct.pack("<I", 100) + b"xx", max_header_bytes=1024)
+    assert info.value.reason == "MALFORMED_FRAME"
+    with pytest.raises(FrameError):
+        decode_frame(struct.pack("<I", 1) + msgpack.packb(7), max_header_bytes=1024)  # not a map
+    with pytest.raises(TypeError, match="header"):
+        encode_frame(Frame({"x": object()}))
+
+
+def test_unary_and_stream_round_trip() -> None:
+    async def body() -> None:
+        server, address = await started()
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            answer = await client.unary(
+                address, "Echo", Frame({"k": "v"}, b"\x01" * 1000), round_id=3, timeout=5
+            )
+            assert answer.header == {"sender": "client", "round": 3, "method": "Echo", "k": "v"}
+            assert bytes(answer.payload) == b"\x01" * 1000
+
+            async def frames() -> AsyncIterator[Frame]:
+                for i in range(20):
+                    yield Frame({"i": i}, bytes([i]) * 1000)
+
+            answers = [f async for f in client.stream(address, "Double", frames(), round_id=3, timeout=5)]
+            assert [f.header["i"] for f in answers] == list(range(20))
+            assert all(bytes(f.payload) == bytes([f.header["i"]]) * 2000 for f in answers)
+            assert not server.rejections
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_reject_reaches_caller_and_is_counted() -> None:
+    async def body() -> None:
+        server, address = await started()
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            with pytest.raises(RpcError) as info:
+                await client.unary(address, "Echo", Frame({"refuse": True}), round_id=4, timeout=5)
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert info.value.reason == "STALE_ROUND"
+            assert "expected round 9, got 4" in info.value.detail
+
+            async def frames() -> AsyncIterator[Frame]:
+                yield Frame({"i": 0}, b"abcd")
+                yield Frame({"i": 1, "refuse": True}, b"abcde")
+
+            got = []
+            with pytest.raises(RpcError) as info:
+                async for frame in client.stream(address, "Double", frames(), round_id=4, timeout=5):
+                    got.append(frame)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.reason == "SIZE_MISMATCH"
+            assert len(got) == 1
+
+            with pytest.raises(RpcError) as info:
+                await client.unary(address, "Echo", Frame({"crash": True}), round_id=4, timeout=5)
+            assert (info.value.code, info.value.reason) == (grpc.StatusCode.INTERNAL, "HANDLER_ERROR")
+            assert server.rejections == {"STALE_ROUND": 1, "SIZE_MISMATCH": 1, "HANDLER_ERROR": 1}
+            # The server keeps serving after refusals.
+            ok = await client.unary(address, "Echo", Frame({}), round_id=4, timeout=5)
+            assert ok.header["round"] == 4
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_unauthenticated_caller_refused_and_counted() -> None:
+    async def body() -> None:
+        server, address = await started()
+        intruder = RpcClient(Authenticator(RUN, b"wrong-secret", "intruder"))
+        other_run = RpcClient(Authenticator("run-other", SECRET, "lost"))
+        try:
+            for client, reason in ((intruder, "BAD_SIGNATURE"), (other_run, "RUN_MISMATCH")):
+                with pytest.raises(RpcError) as info:
+                    await client.unary(address, "Echo", Frame({}), round_id=1, timeout=5)
+                assert (info.value.code, info.value.reason) == (grpc.StatusCode.UNAUTHENTICATED, reason)
+            assert server.rejections == {"BAD_SIGNATURE": 1, "RUN_MISMATCH": 1}
+        finally:
+            await intruder.close()
+            await other_run.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_malformed_and_oversized_frames_refused() -> None:
+    async def body() -> None:
+        server, address = await started(max_message_bytes=1 << 20)
+        auth = Authenticator(RUN, SECRET, "raw")
+        channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)])
+        call = channel.unary_unary(f"/{SERVICE}/Echo")
+        try:
+            bad_header = struct.pack("<I", 3) + b"\xc1\xc1\xc1"  # 0xc1 is never valid msgpack
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(bad_header, timeout=5, metadata=auth.metadata("Echo", 1))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "MALFORMED_FRAME" in (info.value.details() or "")
+            huge_header = struct.pack("<I", 1 << 30) + b"\x80"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(huge_header, timeout=5, metadata=auth.metadata("Echo", 1))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert server.rejections == {"MALFORMED_FRAME": 1, "FRAME_TOO_LARGE": 1}
+            # A message above the server's max_message_bytes is refused by gRPC before the handler runs.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(
+                    encode_frame(Frame({}, bytes(2 << 20))), timeout=5, metadata=auth.metadata("Echo", 1)
+                )
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Our client refuses to send it at all, with a clear RpcError.
+            client = RpcClient(auth, max_message_bytes=1 << 20)
+            with pytest.raises(RpcError) as rpc_info:
+                await client.unary(address, "Echo", Frame({}, bytes(2 << 20)), round_id=1, timeout=5)
+            assert rpc_info.value.reason == "FRAME_TOO_LARGE"
+            await client.close()
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_transport_failures_become_rpc_errors() -> None:
+    async def slow(ctx: CallContext, frame: Frame) -> Frame:
+        await asyncio.sleep(5)
+        return frame
+
+    async def body() -> None:
+        server, address = await started()
+        server.add_unary("Slow", slow)  # added after start: methods are looked up per call
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            with pytest.raises(RpcError) as info:
+                await client.unary(address, "Slow", Frame({}), round_id=1, timeout=0.2)
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            with pytest.raises(RpcError) as info:
+                await client.unary(address, "Nope", Frame({}), round_id=1, timeout=5)
+            assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+            await server.stop(0)
+            with pytest.raises(RpcError) as info:
+                await client.unary(address, "Echo", Frame({}), round_id=1, timeout=2)
+            assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def _self_signed_tls() -> TlsConfig:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "farloco-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("farloco-test")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return TlsConfig(
+        root_certificates=pem, certificate_chain=pem, private_key=key_pem, server_name="farloco-test"
+    )
+
+
+def test_mutual_tls_round_trip() -> None:
+    pytest.importorskip("cryptography")
+    tls = _self_signed_tls()
+
+    async def body() -> None:
+        server, address = await started(tls=tls)
+        client = RpcClient(Authenticator(RUN, SECRET, "client"), tls=tls)
+        plain = RpcClient(Authenticator(RUN, SECRET, "plain"))
+        try:
+            answer = await client.unary(address, "Echo", Frame({"k": 1}), round_id=2, timeout=10)
+            assert answer.header["k"] == 1
+            with pytest.raises(RpcError) as info:
+                await plain.unary(address, "Echo", Frame({}), round_id=2, timeout=2)
+            assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        finally:
+            await client.close()
+            await plain.close()
+            await server.stop(0)
+
+    run(body)
