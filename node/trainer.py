@@ -54,7 +54,9 @@ class ShardView:
             )
             self.local = param.to_local()
             if tuple(self.local.shape) != tuple(local_shape):
-                raise RuntimeError(f"{slot.name}: local shard {tuple(self.local.shape)} != expected {local_shape}")
+                raise RuntimeError(
+                    f"{slot.name}: local shard {tuple(self.local.shape)} != expected {local_shape}"
+                )
             row_numel = slot.numel // slot.shape[0] if slot.shape and slot.shape[0] else 0
             start = global_offset[0] * row_numel if slot.shape else 0
         else:
@@ -142,7 +144,9 @@ def run_rank(args: argparse.Namespace) -> None:
         loop(handoff, model, views, optimizer, sampler, held_out, config, rank, device)
 
 
-def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+def evaluate(
+    model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> float:
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():

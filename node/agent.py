@@ -1,0 +1,744 @@
+"""The agent: the long-running daemon that `farloco join` starts, one per node.
+
+It owns everything network-facing and the outer state:
+- the hivemind DHT node (created first: it forks, and grpcio does not survive a fork taken after its threads
+  started), the member record and its heartbeats;
+- the gRPC server and clients (exchange, state transfer), on an asyncio loop in the main thread;
+- the outer state: a CPU master copy of theta_outer, the outer strategy (optimizer + error-feedback state), the
+  round id;
+- the trainer ranks, launched and supervised in a thread through torch's elastic launcher, fed through the
+  shared-memory hand-off;
+- the local control endpoint and the JSON-lines event log.
+
+It never initialises CUDA. The round loop (`_round`) is the heart; see ARCHITECTURE.md for one round step by step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from farloco.node.config import Config, diff_run, run_hash, run_section, to_toml
+from farloco.node.control import ControlServer
+from farloco.node.handoff import Handoff, flatten, layout_of
+from farloco.node.model import build_model, model_config, num_parameters
+
+log = logging.getLogger("farloco.agent")
+
+
+class Status(enum.Enum):
+    """Lifecycle of a node."""
+
+    STARTING = "starting"
+    SYNCING = "syncing"
+    TRAINING = "training"
+    EXCHANGING = "exchanging"
+    LEAVING = "leaving"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class AgentError(RuntimeError):
+    """The node cannot go on; the message says why."""
+
+
+def theta_hash(theta: torch.Tensor) -> str:
+    """sha256 of theta_outer's bytes: equal on every peer that holds a bit-identical model."""
+    return hashlib.sha256(theta.numpy().tobytes()).hexdigest()
+
+
+def ddp_bytes_per_round(num_params: int, inner_steps: int, num_peers: int) -> int:
+    """Bytes one worker of plain DDP would send for the same steps: a ring all-reduce of fp32 grads per step."""
+    if num_peers < 2:
+        return 0
+    return int(inner_steps * 2 * (num_peers - 1) / num_peers * 4 * num_params)
+
+
+class EventLog:
+    """Append-only JSON-lines log of what the node did (rounds, joins, errors): the source of `farloco report`."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the agent
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": event, **fields}
+        with self._lock:
+            self._file.write(json.dumps(record, default=str) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Counters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    ddp_bytes: int = 0
+    raw_bytes: int = 0
+    rounds_committed: int = 0
+    rounds_aborted: int = 0
+    rounds_late: int = 0
+    hash_mismatches: int = 0
+    resyncs: int = 0
+    trainer_restarts: int = 0
+    last_round_seconds: float = math.nan
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class Agent:
+    """One node of the swarm. `run()` blocks until the node has left; its return value is the exit code."""
+
+    def __init__(self, config: Config, run_dir: Path, *, verbose: bool = False) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(config))
+        self.events = EventLog(self.run_dir / "logs" / "agent.jsonl")
+        self.run_hash = run_hash(config)
+        self.status = Status.STARTING
+        self.counters = Counters()
+        self.round_id = 0
+        self.outer_hash = ""
+        self.eval_loss = math.nan
+        self.train_loss = math.nan
+        self.leave_mode: str | None = None
+        self.error: str | None = None
+        self.peer_id = ""
+        self.multiaddrs: list[str] = []
+        self.grpc_address = ""
+        self.slot = -1
+        self.peers_view: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._leave_event: asyncio.Event | None = None
+        self._trainer_thread: threading.Thread | None = None
+        self._trainer_error: BaseException | None = None
+        self._trainers_exited = threading.Event()
+        self.started_at = time.time()
+
+        model = build_model(model_config(config.run.model), seed=config.run.seed)
+        self.layout = layout_of(model)
+        self.num_params = num_parameters(model)
+        self.theta = flatten(model, self.layout)
+        if self.theta.numel() != self.num_params:
+            raise AgentError(f"flat layout has {self.theta.numel()} values, the model {self.num_params}")
+        del model
+        self.codec: Any = None
+        self.strategy: Any = None
+
+    # ---- public, thread-safe views ----------------------------------------------------------------------------
+    def status_dict(self) -> dict[str, Any]:
+        with self._lock:
+            reports = []
+            if getattr(self, "handoff", None) is not None:
+                reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
+            inner_step = max((r.inner_step for r in reports), default=0)
+            raw = self.counters.raw_bytes
+            return {
+                "peer_id": self.peer_id,
+                "state": self.status.value,
+                "round_id": self.round_id,
+                "inner_step": inner_step,
+                "loss": self.train_loss,
+                "eval_loss": self.eval_loss,
+                "num_peers": len(self.peers_view),
+                "outer_hash": self.outer_hash,
+                "bytes_sent": self.counters.bytes_sent,
+                "bytes_received": self.counters.bytes_received,
+                "ddp_bytes": self.counters.ddp_bytes,
+                "compression_ratio": (raw / self.counters.bytes_sent) if self.counters.bytes_sent else None,
+                "multiaddrs": self.multiaddrs,
+                "grpc_address": self.grpc_address,
+                "slot": self.slot,
+                "run_name": self.config.run.name,
+                "run_hash": self.run_hash,
+                "strategy": self.config.run.strategy,
+                "codec": self.config.run.codec,
+                "num_params": self.num_params,
+                "num_ranks": self.config.node.num_ranks,
+                "rounds_committed": self.counters.rounds_committed,
+                "rounds_aborted": self.counters.rounds_aborted,
+                "rounds_late": self.counters.rounds_late,
+                "hash_mismatches": self.counters.hash_mismatches,
+                "trainer_restarts": self.counters.trainer_restarts,
+                "last_round_seconds": self.counters.last_round_seconds,
+                "error": self.error,
+                "pid": os.getpid(),
+                "uptime_seconds": time.time() - self.started_at,
+            }
+
+    def peers_list(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.peers_view)
+
+    def request_leave(self, mode: str) -> None:
+        """Thread-safe: ask the node to leave ('graceful', 'drain' or 'now')."""
+        if self.leave_mode is None or mode == "now":
+            self.leave_mode = mode
+        if self._loop is not None and self._leave_event is not None:
+            self._loop.call_soon_threadsafe(self._leave_event.set)
+
+    def metrics_text(self) -> str:
+        status = self.status_dict()
+        lines = []
+
+        def metric(name: str, value: Any, help_text: str, kind: str = "gauge") -> None:
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                return
+            lines.append(f"# HELP farloco_{name} {help_text}")
+            lines.append(f"# TYPE farloco_{name} {kind}")
+            lines.append(f"farloco_{name} {float(value)}")
+
+        metric("loss", status["loss"], "Mean inner training loss of the last round.")
+        metric("eval_loss", status["eval_loss"], "Held-out loss of theta_outer.")
+        metric("round_id", status["round_id"], "Current outer round.")
+        metric("inner_step", status["inner_step"], "Inner steps done by this node.")
+        metric("peers", status["num_peers"], "Live members of the swarm seen by this node.")
+        metric("bytes_sent_total", status["bytes_sent"], "Bytes of outer updates sent.", "counter")
+        metric(
+            "bytes_received_total", status["bytes_received"], "Bytes of outer updates received.", "counter"
+        )
+        metric(
+            "compression_ratio", status["compression_ratio"], "fp32 bytes per wire byte actually achieved."
+        )
+        metric("round_seconds", status["last_round_seconds"], "Duration of the last outer round.")
+        metric("rounds_committed_total", status["rounds_committed"], "Committed rounds.", "counter")
+        metric("rounds_aborted_total", status["rounds_aborted"], "Aborted rounds.", "counter")
+        with self._lock:
+            rejected = dict(self.counters.rejected)
+        if rejected:
+            lines.append("# HELP farloco_rejected_messages_total Messages refused, by reason.")
+            lines.append("# TYPE farloco_rejected_messages_total counter")
+            for reason, count in sorted(rejected.items()):
+                lines.append(f'farloco_rejected_messages_total{{reason="{reason}"}} {count}')
+        return "\n".join(lines) + "\n"
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Blocking entry point (main thread)."""
+        try:
+            asyncio.run(self._main())
+        except AgentError as exc:
+            self.error = str(exc)
+            self.status = Status.FAILED
+            log.error("%s", exc)
+            self.events.write("failed", error=str(exc))
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.status = Status.FAILED
+            log.exception("node failed")
+            self.events.write("failed", error=self.error)
+        finally:
+            self.events.close()
+        return 0 if self.status is Status.STOPPED else 1
+
+    async def _main(self) -> None:
+        # Imported here: protocol pulls in grpc, which must not start threads before the DHT forks.
+        import hivemind
+
+        from farloco.protocol.membership import DHTMembership, make_record_validators
+
+        self._loop = asyncio.get_running_loop()
+        self._leave_event = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self.request_leave, "graceful")
+
+        net = self.config.network
+        identity = self.run_dir / "identity.key"
+        self.dht = hivemind.DHT(
+            host_maddrs=[f"/ip4/{net.host}/tcp/{net.dht_port}"],
+            announce_maddrs=[f"/ip4/{net.announce_host}/tcp/{net.dht_port}"] if net.announce_host else None,
+            initial_peers=list(net.initial_peers),
+            record_validators=make_record_validators(self.config.run.name),
+            identity_path=str(identity),
+            start=True,
+        )
+        try:
+            await self._serve(DHTMembership)
+        finally:
+            self.dht.shutdown()
+
+    async def _serve(self, membership_cls: Any) -> None:
+        from farloco.optim import get_codec, make_strategy
+        from farloco.protocol.auth import Authenticator
+        from farloco.protocol.exchange import Exchange
+        from farloco.protocol.rpc import RpcClient, RpcServer
+        from farloco.protocol.statesync import StateServer
+
+        net, run = self.config.network, self.config.run
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.multiaddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        secret = self._secret()
+        auth = Authenticator(f"{run.name}:{self.run_hash}", secret, self.peer_id)
+        self.server = RpcServer(auth, host=net.host, port=net.grpc_port)
+        self.client = RpcClient(auth)
+        self.exchange = Exchange(self.server, self.client, self.peer_id)
+        self.state_server = StateServer(self.server, self._state_snapshot)
+        bound = await self.server.start()
+        port = bound.rsplit(":", 1)[1]
+        self.grpc_address = f"{net.announce_host or net.host}:{port}"
+        self.codec = get_codec(run.codec, **run.codec_options)
+        self.strategy = make_strategy(run.strategy, self.num_params, self.codec, **self._strategy_hparams())
+        self._snapshot = self._make_snapshot()
+        self.membership = membership_cls(
+            self.dht,
+            run.name,
+            self.run_hash,
+            run_section(self.config),
+            ttl=self.config.timeouts.member_ttl,
+            heartbeat_interval=self.config.timeouts.heartbeat_interval,
+        )
+        self.control = ControlServer(
+            self.run_dir,
+            net.control_host,
+            net.control_port,
+            status=self.status_dict,
+            peers=self.peers_list,
+            leave=self.request_leave,
+            metrics=self.metrics_text,
+            ready=lambda: self.status in (Status.TRAINING, Status.EXCHANGING),
+        )
+        self.control.start()
+        (self.run_dir / "agent.pid").write_text(str(os.getpid()))
+        self.events.write(
+            "started",
+            peer_id=self.peer_id,
+            multiaddrs=self.multiaddrs,
+            grpc=self.grpc_address,
+            run_hash=self.run_hash,
+            num_params=self.num_params,
+        )
+        print(f"farloco node {self.peer_id} listening", flush=True)
+        for maddr in self.multiaddrs:
+            print(f"multiaddr {maddr}", flush=True)
+        heartbeat: asyncio.Task[None] | None = None
+        try:
+            await self._join()
+            heartbeat = asyncio.create_task(self._heartbeat_loop())
+            self._start_trainers()
+            await self._round_loop()
+            self.status = Status.STOPPED
+        finally:
+            self.status = Status.LEAVING if self.status is not Status.FAILED else self.status
+            if heartbeat is not None:
+                heartbeat.cancel()
+            with contextlib.suppress(Exception):
+                await self.membership.remove()
+            self._stop_trainers()
+            await self.client.close()
+            await self.server.stop(grace=1.0)
+            self.control.stop()
+            if self.status is not Status.FAILED:
+                self.status = Status.STOPPED
+            self.events.write("stopped", round_id=self.round_id, error=self.error)
+            if getattr(self, "handoff", None) is not None:
+                self.handoff.close()
+
+    def _secret(self) -> bytes:
+        path = self.config.auth.secret_file
+        if path:
+            return Path(path).read_bytes().strip()
+        env = os.environ.get("FARLOCO_RUN_SECRET")
+        if env:
+            return env.encode()
+        return hashlib.sha256(b"farloco-run-secret:" + self.run_hash.encode()).digest()
+
+    def _strategy_hparams(self) -> dict[str, Any]:
+        run = self.config.run
+        hparams: dict[str, Any] = dict(run.strategy_options)
+        if run.strategy == "diloco":
+            hparams.setdefault("lr", run.outer_lr)
+            hparams.setdefault("momentum", run.outer_momentum)
+        return hparams
+
+    # ---- state: snapshot for donors, install from a donor -------------------------------------------------------
+    def _make_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        tensors = {"theta": self.theta.clone()}
+        for name, tensor in self.strategy.state_dict().items():
+            tensors[f"strategy.{name}"] = tensor.clone()
+        meta = {
+            "round_id": self.round_id,
+            "run_hash": self.run_hash,
+            "outer_hash": self.outer_hash,
+            "run_config": run_section(self.config),
+        }
+        return meta, tensors
+
+    def _state_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return self._snapshot
+
+    def _install_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if meta.get("run_hash") != self.run_hash:
+            theirs = meta.get("run_config", {})
+            raise AgentError(
+                "donor serves another run: " + "; ".join(diff_run(run_section(self.config), theirs) or ["?"])
+            )
+        theta = tensors.get("theta")
+        if theta is None or theta.shape != self.theta.shape or theta.dtype != torch.float32:
+            got = None if theta is None else f"{theta.dtype}{list(theta.shape)}"
+            raise AgentError(f"donor state: expected theta float32[{self.num_params}], got {got}")
+        self.theta.copy_(theta)
+        self.strategy.load_state_dict(
+            {k.removeprefix("strategy."): v for k, v in tensors.items() if k.startswith("strategy.")}
+        )
+        self.round_id = int(meta["round_id"])
+        self.outer_hash = theta_hash(self.theta)
+        self._snapshot = self._make_snapshot()
+
+    async def _sync_from(self, donors: list[str], why: str) -> None:
+        from farloco.protocol.statesync import fetch_state
+
+        self.status = Status.SYNCING
+        started = time.monotonic()
+        meta, tensors = await fetch_state(self.client, donors, timeout=self.config.timeouts.sync_timeout)
+        self._install_state(meta, tensors)
+        self.counters.resyncs += 1
+        self.events.write(
+            "synced", why=why, round_id=self.round_id, donors=donors, seconds=time.monotonic() - started
+        )
+        log.info("synced state of round %d from %s (%s)", self.round_id, donors, why)
+
+    # ---- membership --------------------------------------------------------------------------------------------
+    def _record(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "address": self.grpc_address,
+            "state": self.status.value,
+            "round_id": self.round_id,
+            "inner_step": self.status_dict()["inner_step"],
+            "slot": self.slot,
+            "outer_hash": self.outer_hash,
+            "loss": 0.0 if math.isnan(self.train_loss) else self.train_loss,
+            "maddrs": self.multiaddrs,
+        }
+
+    async def _publish(self) -> None:
+        await self.membership.publish(self._record())
+
+    async def _refresh_peers(self) -> list[Any]:
+        members = await self.membership.members()
+        view = [
+            {
+                "peer_id": m.peer_id,
+                "address": m.address,
+                "state": m.state,
+                "round_id": m.round_id,
+                "inner_step": m.inner_step,
+                "slot": m.slot,
+                "loss": m.loss,
+                "outer_hash": m.outer_hash,
+                "heartbeat_age": max(0.0, _dht_now() - m.heartbeat),
+                "self": m.peer_id == self.peer_id,
+            }
+            for m in members
+        ]
+        with self._lock:
+            self.peers_view = view
+        return list(members)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.timeouts.heartbeat_interval)
+            try:
+                await self._publish()
+                await self._refresh_peers()
+            except Exception as exc:  # the DHT may hiccup; the next beat retries
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _join(self) -> None:
+        """Refuse a mismatched run, claim a data slot, and fetch the swarm's state if it is already training."""
+        self.status = Status.SYNCING
+        members = await self._refresh_peers()
+        mismatched = self.membership.mismatched()
+        if mismatched:
+            record, keys = mismatched[0]
+            raise AgentError(
+                f"refusing to join: peer {record.peer_id} trains run {self.config.run.name!r} with another "
+                f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): " + "; ".join(keys)
+            )
+        self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
+        others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0 and m.outer_hash]
+        if others:
+            newest = max(m.round_id for m in others)
+            donors = [m.address for m in others if m.round_id == newest]
+            await self._sync_from(donors, "join")
+        else:
+            self.outer_hash = theta_hash(self.theta)
+        self.status = Status.TRAINING
+        await self._publish()
+        self.events.write("joined", round_id=self.round_id, slot=self.slot, num_peers=len(members))
+
+    # ---- trainer ranks -----------------------------------------------------------------------------------------
+    def _start_trainers(self) -> None:
+        from farloco.node.data import builtin_dataset
+
+        run = self.config.run
+        if run.dataset == "builtin":
+            dataset = builtin_dataset(
+                Path(os.environ.get("FARLOCO_CACHE", Path.home() / ".cache" / "farloco"))
+            )
+        else:
+            dataset = Path(run.dataset)
+        self.handoff = Handoff.create(self.num_params, self.config.node.num_ranks)
+        self._trainer_thread = threading.Thread(
+            target=self._supervise_trainers, args=(dataset,), name="farloco-trainers", daemon=True
+        )
+        self._trainer_thread.start()
+
+    def _supervise_trainers(self, dataset: Path) -> None:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        node = self.config.node
+        log_dir = self.run_dir / "logs" / "trainer"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        launch = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=node.num_ranks,
+            run_id=f"farloco-{os.getpid()}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"is_host": True},
+            max_restarts=node.max_restarts,
+            monitor_interval=0.2,
+            start_method="spawn",
+            local_addr="127.0.0.1",
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee={r: 3 for r in range(node.num_ranks)}),
+        )
+        args = (
+            "-m",
+            "farloco.node.trainer",
+            "--handoff",
+            str(self.handoff.path),
+            "--config",
+            str(self.run_dir / "config.toml"),
+            "--dataset",
+            str(dataset),
+            "--slot",
+            str(self.slot),
+        )
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(node.threads_per_rank)
+        try:
+            elastic_launch(launch, entrypoint=sys.executable)(*args)
+        except BaseException as exc:
+            self._trainer_error = exc
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            self._trainers_exited.set()
+            if self._loop is not None and self._leave_event is not None:
+                self._loop.call_soon_threadsafe(self._leave_event.set)
+
+    def _stop_trainers(self) -> None:
+        if getattr(self, "handoff", None) is None or self._trainer_thread is None:
+            return
+        self.handoff.stop()
+        if not self._trainers_exited.wait(timeout=30):
+            # A rank stuck in a collective: terminate the ranks; with STOP set, restarted ranks exit at once.
+            for rank in range(self.handoff.world_size):
+                pid = self.handoff.report(rank).pid
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            self._trainers_exited.wait(timeout=30)
+
+    def _trainer_failure(self) -> str | None:
+        if self._trainers_exited.is_set() and self.handoff.command == 0:
+            return f"trainer ranks exited ({self._trainer_error or 'without error'})"
+        return None
+
+    async def _wait_ranks(self, seq: int) -> bool:
+        """Wait until every rank finished sequence `seq`; False if the node must leave now."""
+        while not self.handoff.all_done(seq):
+            failure = self._trainer_failure()
+            if failure:
+                raise AgentError(f"{failure}; leaving the swarm")
+            if self.leave_mode in ("graceful", "now"):
+                return False
+            assert self._leave_event is not None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._leave_event.wait(), timeout=0.01)
+            self._leave_event.clear()
+        return True
+
+    # ---- rounds ------------------------------------------------------------------------------------------------
+    async def _round_loop(self) -> None:
+        run = self.config.run
+        reload = True
+        while True:
+            if run.max_rounds and self.round_id >= run.max_rounds:
+                self.events.write("finished", round_id=self.round_id)
+                return
+            if self.leave_mode is not None:
+                return
+            step_base = self.round_id * run.inner_steps
+            seq = self.handoff.publish(
+                self.theta if reload else None,
+                round_id=self.round_id,
+                step_base=step_base,
+                inner_steps=run.inner_steps,
+            )
+            self.status = Status.TRAINING
+            if not await self._wait_ranks(seq):
+                self.events.write("withdrew", round_id=self.round_id)
+                return
+            reload = await self._round(seq)
+            if self.leave_mode == "drain":
+                return
+
+    async def _round(self, seq: int) -> bool:
+        """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
+        from farloco.protocol.exchange import ExchangeAborted
+        from farloco.protocol.matchmaking import LateForRound, form_group
+        from farloco.protocol.types import GroupMember
+
+        run, timeouts = self.config.run, self.config.timeouts
+        started = time.monotonic()
+        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
+        self.train_loss = sum(r.train_loss for r in reports) / len(reports)
+        evals = [r.eval_loss for r in reports if r.eval_seq == seq]
+        if evals:
+            self.eval_loss = evals[0]
+        theta_local = self.handoff.local.clone()
+        if not torch.isfinite(theta_local).all():
+            raise AgentError(f"round {self.round_id}: the trainer ranks produced non-finite parameters")
+        contribution = self.strategy.make_contribution(self.theta, theta_local)
+        self.status = Status.EXCHANGING
+        await self._publish()
+        await self._check_hashes()
+        me = GroupMember(self.peer_id, self.grpc_address)
+        try:
+            group = await form_group(
+                self.membership,
+                self.round_id,
+                me,
+                match_timeout=timeouts.match_timeout,
+                leader_timeout=timeouts.leader_timeout,
+            )
+        except LateForRound as exc:
+            self.counters.rounds_late += 1
+            self.events.write("late", round_id=self.round_id, reason=str(exc))
+            await self._catch_up(self.round_id + 1, "late for round")
+            return True
+        try:
+            if len(group.members) == 1:
+                transmitted = self.codec.decode(self.codec.encode(contribution))
+                averaged, contributors, sent, received = transmitted, (self.peer_id,), 0, 0
+            else:
+                result = await self.exchange.average(
+                    group, contribution, self.codec, timeout=timeouts.exchange_timeout
+                )
+                transmitted, averaged = result.transmitted, result.averaged
+                contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received
+        except ExchangeAborted as exc:
+            return self._abort(f"exchange aborted: {exc}", len(group.members))
+        self.counters.bytes_sent += sent
+        self.counters.bytes_received += received
+        if len(contributors) < run.min_peers:
+            return self._abort(
+                f"{len(contributors)} contributors < run.min_peers={run.min_peers}", len(contributors)
+            )
+        self.strategy.propose(contribution, transmitted)
+        self.strategy.apply(self.theta, averaged)
+        self.strategy.commit()
+        self.round_id += 1
+        self.outer_hash = theta_hash(self.theta)
+        self._snapshot = self._make_snapshot()
+        ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
+        self.counters.ddp_bytes += ddp
+        # What a dense fp32 all-reduce of the same round would have sent: the baseline of compression_ratio.
+        self.counters.raw_bytes += ddp_bytes_per_round(self.num_params, 1, len(group.members))
+        self.counters.rounds_committed += 1
+        self.counters.last_round_seconds = time.monotonic() - started
+        self.events.write(
+            "round",
+            round_id=self.round_id,
+            group_id=group.group_id,
+            group=[m.peer_id for m in group.members],
+            contributors=list(contributors),
+            train_loss=self.train_loss,
+            eval_loss=self.eval_loss,
+            outer_hash=self.outer_hash,
+            bytes_sent=sent,
+            bytes_received=received,
+            ddp_bytes=ddp,
+            seconds=self.counters.last_round_seconds,
+        )
+        await self._publish()
+        return True
+
+    def _abort(self, reason: str, num_peers: int) -> bool:
+        self.strategy.rollback()
+        self.counters.rounds_aborted += 1
+        self.events.write("aborted", round_id=self.round_id, reason=reason, num_peers=num_peers)
+        log.warning("round %d aborted: %s", self.round_id, reason)
+        return False  # keep local weights: the missed work rolls into the next delta
+
+    async def _catch_up(self, target_round: int, why: str) -> None:
+        """Fetch the swarm's state once some member has reached `target_round` (bounded wait)."""
+        deadline = (
+            time.monotonic() + self.config.timeouts.exchange_timeout + self.config.timeouts.match_timeout
+        )
+        while time.monotonic() < deadline:
+            members = await self._refresh_peers()
+            ahead = [m for m in members if m.peer_id != self.peer_id and m.round_id >= target_round]
+            if ahead:
+                newest = max(m.round_id for m in ahead)
+                await self._sync_from([m.address for m in ahead if m.round_id == newest], why)
+                return
+            await asyncio.sleep(0.2)
+        log.warning(
+            "no peer reached round %d in time; continuing alone from round %d", target_round, self.round_id
+        )
+
+    async def _check_hashes(self) -> None:
+        """Compare theta hashes with the members at our round; the minority resyncs from the majority."""
+        if self.round_id == 0:
+            return
+        members = await self._refresh_peers()
+        same_round = [m for m in members if m.round_id == self.round_id and m.outer_hash]
+        votes: dict[str, list[Any]] = {}
+        for m in same_round:
+            votes.setdefault(m.outer_hash, []).append(m)
+        if len(votes) <= 1:
+            return
+        self.counters.hash_mismatches += 1
+        majority_hash = max(votes, key=lambda h: (len(votes[h]), h))
+        self.events.write(
+            "hash_mismatch",
+            round_id=self.round_id,
+            ours=self.outer_hash,
+            votes={h: [m.peer_id for m in ms] for h, ms in votes.items()},
+        )
+        log.error(
+            "round %d: theta_outer hashes disagree: %s",
+            self.round_id,
+            {h[:12]: len(v) for h, v in votes.items()},
+        )
+        if self.outer_hash != majority_hash:
+            await self._sync_from([m.address for m in votes[majority_hash]], "hash mismatch")
+
+
+def _dht_now() -> float:
+    from hivemind.utils import get_dht_time
+
+    return float(get_dht_time())

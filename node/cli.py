@@ -1,0 +1,383 @@
+"""The `farloco` command line: run a node, steer it, inspect the swarm, prepare data, try a local demo."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from farloco.node.config import PRESETS, ConfigError, example_config, load_config
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("hivemind", "torch.distributed", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="farloco")
+def main() -> None:
+    """farloco: decentralized, low-bandwidth training of neural networks (DiLoCo and friends).
+
+    Start with `farloco demo` to watch three local peers train together, then
+    `farloco config example > node.toml` and `farloco join --config node.toml --run-dir runs/a`.
+    """
+
+
+# ---- join / bootstrap -------------------------------------------------------------------------------------------
+def _host_overrides(host: str | None, port: int | None, dht_port: int | None) -> list[str]:
+    overrides = []
+    if host is not None:
+        overrides.append(f'network.host="{host}"')
+    if port is not None:
+        overrides.append(f"network.grpc_port={port}")
+    if dht_port is not None:
+        overrides.append(f"network.dht_port={dht_port}")
+    return overrides
+
+
+@main.command()
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="TOML config file."
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory for this node's resolved config, logs, checkpoints and control endpoint.",
+)
+@click.option(
+    "--initial-peer",
+    "initial_peers",
+    multiple=True,
+    metavar="MADDR",
+    help="Multiaddr of a DHT peer to join through (repeatable); adds to network.initial_peers.",
+)
+@click.option("--host", default=None, help="Address every listening part binds to (overrides network.host).")
+@click.option("--port", type=int, default=None, help="gRPC port (overrides network.grpc_port; 0 = any).")
+@click.option("--dht-port", type=int, default=None, help="DHT port (overrides network.dht_port; 0 = any).")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one config value, e.g. --set run.inner_steps=50 (repeatable).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def join(
+    config_path: Path | None,
+    run_dir: Path,
+    initial_peers: tuple[str, ...],
+    host: str | None,
+    port: int | None,
+    dht_port: int | None,
+    overrides: tuple[str, ...],
+    verbose: bool,
+) -> None:
+    """Start a node and join (or found) a swarm. Prints the node's multiaddrs; runs until it leaves."""
+    _setup_logging(verbose)
+    try:
+        config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port)])
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if initial_peers:
+        network = dataclasses.replace(
+            config.network, initial_peers=[*config.network.initial_peers, *initial_peers]
+        )
+        config = dataclasses.replace(config, network=network)
+    from farloco.node.agent import Agent
+
+    agent = Agent(config, run_dir, verbose=verbose)
+    code = agent.run()
+    if agent.error:
+        click.echo(f"error: {agent.error}", err=True)
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the DHT node binds to.")
+@click.option("--port", type=int, default=0, show_default=True, help="DHT port (0 = any free port).")
+@click.option(
+    "--initial-peer", "initial_peers", multiple=True, metavar="MADDR", help="Other bootstrap nodes."
+)
+@click.option(
+    "--maddr-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the multiaddrs to this file (one per line), for scripts.",
+)
+@click.option(
+    "--identity",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Private key file: keeps the same peer id (and multiaddr) across restarts.",
+)
+def bootstrap(
+    host: str, port: int, initial_peers: tuple[str, ...], maddr_file: Path | None, identity: Path | None
+) -> None:
+    """Run a standalone DHT node that peers join through; prints its multiaddrs and runs until stopped."""
+    import signal
+    import threading
+
+    import hivemind
+
+    kwargs: dict[str, Any] = {}
+    if identity is not None:
+        kwargs["identity_path"] = str(identity)
+    dht = hivemind.DHT(
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=list(initial_peers), start=True, **kwargs
+    )
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    for maddr in maddrs:
+        click.echo(maddr)
+    sys.stdout.flush()
+    if maddr_file is not None:
+        tmp = maddr_file.with_suffix(".tmp")
+        tmp.write_text("\n".join(maddrs) + "\n")
+        tmp.replace(maddr_file)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    dht.shutdown()
+
+
+# ---- steering a running node ------------------------------------------------------------------------------------
+def _client(run_dir: Path) -> Any:
+    from farloco.node.control import ControlClient, ControlError
+
+    try:
+        return ControlClient(run_dir)
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--now", is_flag=True, help="Leave at once, abandoning the current round.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for the exit.")
+def leave(run_dir: Path, now: bool, timeout: float) -> None:
+    """Make a node leave gracefully: finish or withdraw from the round, deregister, stop trainers, exit."""
+    _leave(run_dir, "now" if now else "graceful", timeout)
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option(
+    "--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for the exit."
+)
+def drain(run_dir: Path, timeout: float) -> None:
+    """Finish the current round, then leave."""
+    _leave(run_dir, "drain", timeout)
+
+
+def _leave(run_dir: Path, mode: str, timeout: float) -> None:
+    from farloco.node.control import ControlError
+
+    client = _client(run_dir)
+    try:
+        client.leave(mode)
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from exc
+    deadline = time.monotonic() + timeout
+    while client.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if client.alive():
+        raise click.ClickException(f"node (pid {client.pid}) still running after {timeout:.0f}s")
+    click.echo(f"node in {run_dir} left")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.4g}"
+    if value is None:
+        return "-"
+    return str(value)
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(run_dir: Path, as_json: bool) -> None:
+    """Show a node's state: round, loss, peers, bytes, hash."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from farloco.node.control import ControlError
+
+    try:
+        data = _client(run_dir).status()
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"farloco node {data['peer_id'][:16]}…", show_header=False)
+    for key in (
+        "state",
+        "round_id",
+        "inner_step",
+        "loss",
+        "eval_loss",
+        "num_peers",
+        "outer_hash",
+        "bytes_sent",
+        "bytes_received",
+        "compression_ratio",
+        "strategy",
+        "codec",
+        "grpc_address",
+        "slot",
+        "error",
+    ):
+        value = data.get(key)
+        if key == "outer_hash" and value:
+            value = value[:16]
+        table.add_row(key, _fmt(value))
+    Console().print(table)
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def peers(run_dir: Path, as_json: bool) -> None:
+    """List the swarm as this node sees it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from farloco.node.control import ControlError
+
+    try:
+        members = _client(run_dir).peers()
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(members, indent=2))
+        return
+    table = Table(title=f"{len(members)} peers")
+    for column in ("peer", "state", "round", "step", "slot", "loss", "hash", "heartbeat", "address"):
+        table.add_column(column)
+    for m in members:
+        table.add_row(
+            m["peer_id"][:16] + ("*" if m.get("self") else ""),
+            m["state"],
+            str(m["round_id"]),
+            str(m["inner_step"]),
+            str(m["slot"]),
+            _fmt(m["loss"]),
+            (m["outer_hash"] or "-")[:12],
+            f"{m['heartbeat_age']:.1f}s ago",
+            m["address"],
+        )
+    Console().print(table)
+
+
+# ---- config / data ----------------------------------------------------------------------------------------------
+@main.group()
+def config() -> None:
+    """Config files: print a documented example, validate one."""
+
+
+@config.command("example")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
+def config_example(preset: str) -> None:
+    """Print a documented config (every key with its meaning)."""
+    click.echo(example_config(preset))
+
+
+@config.command("check")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+def config_check(path: Path, overrides: tuple[str, ...]) -> None:
+    """Validate a config file; prints its run_hash."""
+    from farloco.node.config import run_hash
+
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"ok: run {cfg.run.name!r}, run_hash {run_hash(cfg)}")
+
+
+@main.group()
+def data() -> None:
+    """Training data: turn text into memory-mapped token shards."""
+
+
+@data.command("prepare")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option(
+    "--tokenizer",
+    default="bytes",
+    show_default=True,
+    help="'bytes' (offline byte-level) or the path of a Hugging Face tokenizer.json.",
+)
+@click.option("--val-fraction", type=float, default=0.05, show_default=True)
+def data_prepare(inputs: tuple[Path, ...], out_dir: Path, tokenizer: str, val_fraction: float) -> None:
+    """Tokenize .txt / .jsonl files (or directories of them) into shards for `run.dataset`."""
+    from farloco.node.data import prepare_dataset
+
+    files: list[Path] = []
+    for item in inputs:
+        if item.is_dir():
+            files.extend(sorted(p for p in item.rglob("*") if p.suffix in (".txt", ".jsonl")))
+        else:
+            files.append(item)
+    if not files:
+        raise click.UsageError("no .txt or .jsonl files found in the inputs")
+    try:
+        info = prepare_dataset(files, out_dir, tokenizer, val_fraction=val_fraction, progress=True)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote {out_dir}: {info}")
+
+
+# ---- demo -------------------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--peers", "num_peers", type=int, default=3, show_default=True, help="Peers to start.")
+@click.option("--rounds", type=int, default=6, show_default=True, help="Outer rounds to train.")
+@click.option("--strategy", default=None, help="Outer strategy (default: the preset's, diloco).")
+@click.option("--codec", default=None, help="Wire codec (default: the preset's, fp32).")
+@click.option("--ranks", type=int, default=1, show_default=True, help="Trainer ranks of the first peer.")
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where run directories go (default: a temporary directory, removed afterwards).",
+)
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Config overrides.")
+def demo(
+    num_peers: int,
+    rounds: int,
+    strategy: str | None,
+    codec: str | None,
+    ranks: int,
+    work_dir: Path | None,
+    overrides: tuple[str, ...],
+) -> None:
+    """Train the tiny model with N local peers on loopback, then print what happened."""
+    from farloco.node.demo import run_demo
+
+    extra = list(overrides)
+    if strategy:
+        extra.append(f'run.strategy="{strategy}"')
+    if codec:
+        extra.append(f'run.codec="{codec}"')
+    sys.exit(
+        run_demo(num_peers=num_peers, rounds=rounds, overrides=extra, first_ranks=ranks, work_dir=work_dir)
+    )
+
+
+if __name__ == "__main__":
+    main()

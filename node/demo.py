@@ -1,0 +1,271 @@
+"""`farloco demo`: a whole swarm on this machine — a bootstrap DHT node and N peers on 127.0.0.1.
+
+Each peer is a real `farloco join` process (agent + trainer ranks); the demo only starts them, shows their
+progress, and at the end reads their event logs to print what happened: the loss per round, the bytes each peer
+sent against what plain data-parallel training would have sent, and whether every peer's theta_outer hash agreed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from farloco.node.config import PRESETS, ConfigError, build_config, to_toml
+
+DEMO_TIMEOUT_SECONDS = 900.0
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    run_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "logs" / "agent.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            events.append(json.loads(line))
+    return events
+
+
+def demo_config(rounds: int, overrides: list[str]) -> str:
+    base = {section: dict(values) for section, values in PRESETS["tiny"].items()}
+    base["run"]["name"] = "farloco-demo"
+    base["run"]["max_rounds"] = rounds
+    # Small timeouts: every peer is on this machine, so a silent peer is a dead one.
+    base["timeouts"] = {
+        "heartbeat_interval": 0.5,
+        "member_ttl": 5.0,
+        "match_timeout": 3.0,
+        "leader_timeout": 3.0,
+    }
+    config = build_config(base, overrides)
+    return to_toml(config)
+
+
+def _start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    maddr_file = work_dir / "bootstrap.maddr"
+    log = open(work_dir / "bootstrap.log", "wb")  # noqa: SIM115 - closed with the process
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "farloco.node.cli",
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--maddr-file",
+            str(maddr_file),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while not maddr_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"bootstrap DHT node failed to start; see {work_dir / 'bootstrap.log'}")
+        time.sleep(0.1)
+    return process, maddr_file.read_text().split()[0]
+
+
+def _start_peer(name: str, work_dir: Path, config_path: Path, maddr: str, ranks: int) -> PeerProcess:
+    run_dir = work_dir / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "stdout.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    command = [
+        sys.executable, "-m", "farloco.node.cli", "join",
+        "--config", str(config_path),
+        "--run-dir", str(run_dir),
+        "--initial-peer", maddr,
+        "--host", "127.0.0.1",
+        "--set", f"node.num_ranks={ranks}",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return PeerProcess(name, run_dir, process, log_path)
+
+
+def _stop(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_demo(
+    *,
+    num_peers: int = 3,
+    rounds: int = 6,
+    overrides: list[str] | None = None,
+    first_ranks: int = 1,
+    work_dir: Path | None = None,
+    console: Console | None = None,
+) -> int:
+    """Run the demo; returns the exit code (0: trained, loss fell, hashes agreed)."""
+    console = console or Console()
+    if num_peers < 1 or rounds < 1:
+        console.print(f"[red]--peers and --rounds must be >= 1 (got {num_peers}, {rounds})")
+        return 2
+    try:
+        config_text = demo_config(rounds, overrides or [])
+    except ConfigError as exc:
+        console.print(f"[red]bad config: {exc}")
+        return 2
+    temporary = work_dir is None
+    root = Path(tempfile.mkdtemp(prefix="farloco-demo-")) if work_dir is None else Path(work_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / "demo.toml"
+    config_path.write_text(config_text)
+    console.print(f"[bold]farloco demo[/]: {num_peers} peers, {rounds} rounds, run directories in {root}")
+    bootstrap: subprocess.Popen[bytes] | None = None
+    peers: list[PeerProcess] = []
+    started = time.monotonic()
+    try:
+        bootstrap, maddr = _start_bootstrap(root)
+        console.print(f"bootstrap DHT node: {maddr}")
+        for i in range(num_peers):
+            peers.append(_start_peer(f"peer-{i}", root, config_path, maddr, first_ranks if i == 0 else 1))
+        ok = _watch(peers, rounds, console)
+    finally:
+        for peer in peers:
+            _stop(peer.process)
+        if bootstrap is not None:
+            _stop(bootstrap)
+    elapsed = time.monotonic() - started
+    code = _report(peers, rounds, elapsed, console) if ok else 1
+    if code != 0:
+        for peer in peers:
+            console.print(f"[yellow]--- last lines of {peer.log_path}")
+            console.print(
+                "\n".join(peer.log_path.read_text(errors="replace").splitlines()[-15:]), markup=False
+            )
+    if temporary and code == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    elif code != 0:
+        console.print(f"run directories kept in {root}")
+    return code
+
+
+def _watch(peers: list[PeerProcess], rounds: int, console: Console) -> bool:
+    """Show a progress bar per peer until every peer exits; False if one failed or time ran out."""
+    deadline = time.monotonic() + DEMO_TIMEOUT_SECONDS
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        tasks = {p.name: progress.add_task(p.name, total=rounds, info="starting") for p in peers}
+        while True:
+            running = 0
+            for peer in peers:
+                events = read_events(peer.run_dir)
+                done = [e for e in events if e["event"] == "round"]
+                info = "starting"
+                if done:
+                    last = done[-1]
+                    info = f"loss {last['train_loss']:.3f}  sent {last['bytes_sent'] / 1e6:.2f} MB"
+                if peer.process.poll() is None:
+                    running += 1
+                else:
+                    info = (
+                        "exited"
+                        if peer.process.returncode == 0
+                        else f"[red]failed ({peer.process.returncode})"
+                    )
+                progress.update(tasks[peer.name], completed=len(done), info=info)
+            failed = [p for p in peers if p.process.poll() not in (None, 0)]
+            if failed:
+                return False
+            if running == 0:
+                return True
+            if time.monotonic() > deadline:
+                console.print(f"[red]demo did not finish within {DEMO_TIMEOUT_SECONDS:.0f}s")
+                return False
+            time.sleep(0.3)
+
+
+def _report(peers: list[PeerProcess], rounds: int, elapsed: float, console: Console) -> int:
+    per_peer = {p.name: [e for e in read_events(p.run_dir) if e["event"] == "round"] for p in peers}
+    problems: list[str] = []
+    table = Table(title="loss per round (eval loss of theta_outer at the start of the round)")
+    table.add_column("round", justify="right")
+    table.add_column("eval loss", justify="right")
+    for peer in peers:
+        table.add_column(f"{peer.name} train", justify="right")
+    table.add_column("peers", justify="right")
+    table.add_column("hashes agree")
+    eval_losses: list[float] = []
+    for round_id in range(1, rounds + 1):
+        row_events = {
+            name: next((e for e in ev if e["round_id"] == round_id), None) for name, ev in per_peer.items()
+        }
+        present = [e for e in row_events.values() if e is not None]
+        if not present:
+            problems.append(f"no peer committed round {round_id}")
+            continue
+        hashes = {e["outer_hash"] for e in present}
+        agree = len(hashes) == 1
+        if not agree:
+            problems.append(f"round {round_id}: theta hashes disagree ({len(hashes)} distinct)")
+        eval_loss = min((e["eval_loss"] for e in present if not math.isnan(e["eval_loss"])), default=math.nan)
+        eval_losses.append(eval_loss)
+        table.add_row(
+            str(round_id - 1),
+            f"{eval_loss:.4f}",
+            *[f"{e['train_loss']:.4f}" if e else "-" for e in row_events.values()],
+            str(len(present)),
+            "[green]yes" if agree else "[red]NO",
+        )
+    console.print(table)
+    bytes_table = Table(title="bytes sent per peer")
+    for column in ("peer", "rounds", "sent", "DDP would send", "ratio", "outer hash (last)"):
+        bytes_table.add_column(column, justify="right")
+    for name, events in per_peer.items():
+        sent = sum(e["bytes_sent"] for e in events)
+        ddp = sum(e["ddp_bytes"] for e in events)
+        bytes_table.add_row(
+            name,
+            str(len(events)),
+            f"{sent / 1e6:.2f} MB",
+            f"{ddp / 1e6:.2f} MB",
+            f"{ddp / sent:.0f}x fewer" if sent else "-",
+            events[-1]["outer_hash"][:16] if events else "-",
+        )
+        if len(events) < rounds:
+            problems.append(f"{name} committed {len(events)} of {rounds} rounds")
+    console.print(bytes_table)
+    finite = [x for x in eval_losses if not math.isnan(x)]
+    if len(finite) >= 2 and not finite[-1] < finite[0]:
+        problems.append(f"eval loss did not fall: {finite[0]:.4f} -> {finite[-1]:.4f}")
+    if problems:
+        for problem in problems:
+            console.print(f"[red]problem: {problem}")
+        return 1
+    console.print(f"[green]done in {elapsed:.0f}s: loss fell, every peer holds the same theta_outer.")
+    return 0
