@@ -1,1 +1,18 @@
-"""farloco.optim: outer strategies, codecs, error feedback and aggregation. Pure tensor math, no I/O."""
+"""farloco.optim: outer strategies, codecs, error feedback and aggregation. Pure tensor math, no I/O.
+
+Codecs turn a flat float32 pseudo-gradient into self-describing bytes and back (`get_codec`); strategies turn
+(theta_outer, theta_local) into a contribution and apply the swarm's mean as the outer step (`make_strategy`);
+`mean_of` is the deterministic aggregation the exchange uses between the two.
+"""
+
+from farloco.optim.aggregate import mean_of
+from farloco.optim.registry import available_codecs, get_codec
+from farloco.optim.wire import Codec, CodecError
+
+__all__ = [
+    "Codec",
+    "CodecError",
+    "available_codecs",
+    "get_codec",
+    "mean_of",
+]

@@ -1,0 +1,252 @@
+"""Dense codecs: fp32, fp16, bf16 casts and blockwise absmax int8 / int4 quantization.
+
+Dense means every value is sent, so a mean can be reduced part-wise (reduce-scatter + all-gather): the owner of a
+part decodes its peers' slices, averages in fp32 and re-encodes.
+
+Documented round-trip error bounds (x a finite input value, x' its decoded value):
+- fp32: exact.
+- fp16: |x - x'| <= 2^-11 |x| for |x| >= 2^-14, <= 2^-25 below (subnormals); |x| > 65504 is a CodecError
+  (fp16 has no room for it, and a silent inf/saturation would poison the average).
+- bf16: |x - x'| <= 2^-8 |x| for normal values; a value that rounds past the bf16 range is a CodecError.
+- int8 (blockwise absmax, block B): scale = max|block| / 127 in fp32, q = round(x / scale) in [-127, 127];
+  |x - x'| <= scale / 2 (+ fp32 rounding of one product, and an absolute 2^-126 floor for blocks whose scale
+  falls into the subnormal range).
+- int4: the same with 7 levels each side: scale = max|block| / 7, |x - x'| <= scale / 2 (+ the same slack).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from farloco.optim.wire import (
+    Codec,
+    CodecError,
+    Header,
+    ceil_div,
+    nonfinite_error,
+    positive_int_option,
+    section,
+    wire_ratio,
+)
+
+
+class _CastCodec(Codec):
+    """Sends the values cast to a float type; no header parameters."""
+
+    dense = True
+    wire_dtype: torch.dtype
+
+    def estimated_ratio(self, numel: int) -> float:
+        return wire_ratio(self.name, numel, self._body_bytes(numel, 0, 0, 0))
+
+    def _header_params(self) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+    def _check_header(self, header: Header) -> None:
+        if header.value_bits or header.block or header.k:
+            raise CodecError(
+                f"{self.name} header: expected value_bits=block=k=0, "
+                f"got {header.value_bits}, {header.block}, {header.k}"
+            )
+
+    def _body_bytes(self, numel: int, value_bits: int, block: int, k: int) -> int:
+        return numel * torch.empty((), dtype=self.wire_dtype).element_size()
+
+    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+        out, _ = section(body, 0, tensor.numel(), self.wire_dtype)
+        out.copy_(tensor)
+        # One check on the wire values catches NaN/Inf input and values that overflowed the narrower type.
+        if not bool(torch.isfinite(out).all()):
+            if not bool(torch.isfinite(tensor).all()):
+                raise nonfinite_error(f"{self.name} encode input", tensor)
+            limit = torch.finfo(self.wire_dtype).max
+            raise CodecError(
+                f"{self.name} encode input range: expected |x| <= {limit:g} after rounding, "
+                f"got max |x| = {float(tensor.abs().max()):g}"
+            )
+
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        values, _ = section(body, 0, header.numel, self.wire_dtype)
+        if self.wire_dtype == torch.float32:
+            out = values.clone()  # the bytes are immutable and shared; the caller gets its own tensor
+        else:
+            out = values.to(torch.float32)
+        if not bool(torch.isfinite(out).all()):
+            raise nonfinite_error(f"{self.name} payload values", out)
+        return out
+
+
+class Fp32Codec(_CastCodec):
+    """Lossless: the raw float32 values."""
+
+    name = "fp32"
+    lossless = True
+    wire_dtype = torch.float32
+
+
+class Fp16Codec(_CastCodec):
+    """IEEE half precision (round to nearest even); |x| > 65504 is refused."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class Bf16Codec(_CastCodec):
+    """bfloat16: fp32's range with 8 bits of mantissa."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+class _BlockQuantCodec(Codec):
+    """Blockwise absmax quantization to `levels` steps each side of zero.
+
+    Body: fp32 scales (one per block, last block may be short), then the codes (int8: one byte per value;
+    int4: two values per byte, low nibble first, code = q + 8 so a byte never holds the invalid -8).
+    """
+
+    dense = True
+    levels: int
+    bits: int
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = positive_int_option(self.name, "block_size", block_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+    def estimated_ratio(self, numel: int) -> float:
+        return wire_ratio(self.name, numel, self._body_bytes(numel, 0, self.block_size, 0))
+
+    def _header_params(self) -> tuple[int, int, int]:
+        return 0, self.block_size, 0
+
+    def _check_header(self, header: Header) -> None:
+        if header.block < 1 or header.value_bits or header.k:
+            raise CodecError(
+                f"{self.name} header: expected block >= 1 and value_bits=k=0, "
+                f"got block={header.block}, value_bits={header.value_bits}, k={header.k}"
+            )
+
+    def _code_bytes(self, numel: int) -> int:
+        return numel if self.bits == 8 else ceil_div(numel, 2)
+
+    def _body_bytes(self, numel: int, value_bits: int, block: int, k: int) -> int:
+        return 4 * ceil_div(numel, block) + self._code_bytes(numel)
+
+    def _scales(self, tensor: torch.Tensor, block: int) -> torch.Tensor:
+        """Per-block absmax / levels; a NaN/Inf anywhere shows up as a non-finite scale."""
+        numel = tensor.numel()
+        num_full = numel // block
+        absmax = torch.empty(ceil_div(numel, block), dtype=torch.float32)
+        if num_full:
+            torch.linalg.vector_norm(
+                tensor[: num_full * block].view(num_full, block), ord=math.inf, dim=1, out=absmax[:num_full]
+            )
+        if numel % block:
+            absmax[num_full] = tensor[num_full * block :].abs().max()
+        if not bool(torch.isfinite(absmax).all()):
+            raise nonfinite_error(f"{self.name} encode input", tensor)
+        return absmax.div_(self.levels)
+
+    def _quantize(self, tensor: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+        """Codes q = round(x / scale) in [-levels, levels], as float32 (one temporary of numel values)."""
+        numel = tensor.numel()
+        # An all-zero block has scale 0: divide by 1 instead so its codes are 0, not NaN.
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.empty(numel, dtype=torch.float32)
+        num_full = numel // block
+        if num_full:
+            head = slice(0, num_full * block)
+            torch.div(
+                tensor[head].view(num_full, block), safe[:num_full, None], out=q[head].view(num_full, block)
+            )
+        if numel % block:
+            torch.div(tensor[num_full * block :], safe[num_full], out=q[num_full * block :])
+        return q.round_().clamp_(-self.levels, self.levels)
+
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+        numel = q.numel()
+        out = torch.empty(numel, dtype=torch.float32)
+        num_full = numel // block
+        if num_full:
+            head = slice(0, num_full * block)
+            torch.mul(
+                q[head].view(num_full, block), scales[:num_full, None], out=out[head].view(num_full, block)
+            )
+        if numel % block:
+            torch.mul(q[num_full * block :], scales[num_full], out=out[num_full * block :])
+        return out
+
+    def _check_scales(self, scales: torch.Tensor) -> None:
+        bad = ~(torch.isfinite(scales) & (scales >= 0))
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            raise CodecError(
+                f"{self.name} payload scale {first}: expected a finite value >= 0, got {float(scales[first])}"
+            )
+
+
+class Int8Codec(_BlockQuantCodec):
+    """Blockwise absmax int8 with fp32 scales (fp16 scales would underflow on tiny pseudo-gradients)."""
+
+    name = "int8"
+    levels = 127
+    bits = 8
+
+    def __init__(self, block_size: int = 128) -> None:
+        super().__init__(block_size)
+
+    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+        numel = tensor.numel()
+        scales = self._scales(tensor, self.block_size)
+        scale_view, offset = section(body, 0, scales.numel(), torch.float32)
+        scale_view.copy_(scales)
+        codes, _ = section(body, offset, numel, torch.int8)
+        codes.copy_(self._quantize(tensor, scales, self.block_size))
+
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        scales, offset = section(body, 0, ceil_div(header.numel, header.block), torch.float32)
+        self._check_scales(scales)
+        codes, _ = section(body, offset, header.numel, torch.int8)
+        if bool((codes == -128).any()):
+            raise CodecError("int8 payload codes: expected values in [-127, 127], got -128")
+        return self._dequantize(codes, scales, header.block)
+
+
+class Int4Codec(_BlockQuantCodec):
+    """Blockwise absmax 4-bit (codes -7..7), two values per byte."""
+
+    name = "int4"
+    levels = 7
+    bits = 4
+
+    def __init__(self, block_size: int = 64) -> None:
+        super().__init__(block_size)
+
+    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+        numel = tensor.numel()
+        scales = self._scales(tensor, self.block_size)
+        scale_view, offset = section(body, 0, scales.numel(), torch.float32)
+        scale_view.copy_(scales)
+        num_bytes = ceil_div(numel, 2)
+        nibbles = torch.full((2 * num_bytes,), 8, dtype=torch.uint8)  # an odd tail pads with code 8 (= 0)
+        nibbles[:numel] = self._quantize(tensor, scales, self.block_size).add_(8)
+        pairs = nibbles.view(num_bytes, 2)
+        packed, _ = section(body, offset, num_bytes, torch.uint8)
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=packed)
+
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        numel = header.numel
+        scales, offset = section(body, 0, ceil_div(numel, header.block), torch.float32)
+        self._check_scales(scales)
+        packed, _ = section(body, offset, ceil_div(numel, 2), torch.uint8)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)
+        if bool((nibbles[:numel] == 0).any()):
+            raise CodecError("int4 payload codes: expected nibbles in 1..15 (q + 8, q in [-7, 7]), got 0")
+        if numel % 2 and int(nibbles[-1]) != 8:
+            raise CodecError(f"int4 payload padding nibble: expected 8, got {int(nibbles[-1])}")
+        q = nibbles[:numel].to(torch.int8).sub_(8)
+        return self._dequantize(q, scales, header.block)

@@ -1,0 +1,383 @@
+"""Sparse codecs: chunk top-k (SparseLoCo) and chunked DCT top-k (DeMo), plus the fixed DCT-II tables.
+
+Both split the flat vector into chunks of `chunk` values (the last chunk may be shorter) and keep `k` entries
+per chunk (min(k, len) for a short last chunk). Sparse payloads cannot be reduced part-wise, so the exchange
+all-gathers them (`dense = False`).
+
+Indices are chunk-local, sorted strictly ascending within a chunk: the decoder checks that, which rules out
+duplicate indices (a scatter with duplicates would be order-dependent, i.e. not deterministic) and out-of-range
+ones in one cheap pass. Index width: uint8 if chunk <= 256, uint16 if chunk <= 65536, else int32.
+
+topk values: fp16 (value_bits=16; |v| > 65504 is a CodecError), or 2 bits (value_bits=2) — a sign bit and one
+magnitude bit choosing between two fp32 levels per chunk, lo = m + (M-m)/4 and hi = m + 3(M-m)/4 where m, M are
+the smallest and largest kept magnitudes of the chunk; so |v - v'| <= (M - m) / 4 for every kept value.
+
+dct-topk: orthonormal DCT-II of each chunk, keep the k largest coefficients by magnitude, send them as int16
+codes with one fp32 scale per chunk (scale = max|kept| / 32767). Decoding is exact integer arithmetic: the DCT
+table is rounded once to integers on a 2^-28 grid, and code * table products summed over a chunk stay below
+2^53, so float64 computes them exactly whatever the summation order or BLAS — the decoded tensor is then one
+scale multiplication and one float32 rounding away, bit-identical on every machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from farloco.optim.wire import (
+    Codec,
+    CodecError,
+    Header,
+    ceil_div,
+    nonfinite_error,
+    positive_int_option,
+    section,
+    wire_ratio,
+)
+
+DCT_GRID_BITS = 28  # decoder table = round(D * 2^28); see the exactness argument in the module docstring
+DCT_MAX_CHUNK = 1024  # keeps the decoder's gathered table rows, and the encoder's dense matmul, affordable
+_INT16_LEVELS = 32767
+
+
+def _index_dtype(chunk: int) -> torch.dtype:
+    if chunk <= 256:
+        return torch.uint8
+    if chunk <= 65536:
+        return torch.uint16
+    return torch.int32
+
+
+def _chunk_layout(numel: int, chunk: int, k: int) -> tuple[int, int, int]:
+    """(full chunks, tail length, kept values in total)."""
+    num_full, tail = divmod(numel, chunk)
+    return num_full, tail, num_full * k + min(k, tail)
+
+
+class _ChunkedSparseCodec(Codec):
+    """Shared option checks and the sorted chunk-local index section of topk and dct-topk."""
+
+    dense = False
+    max_chunk: int
+
+    def __init__(self, k: int, chunk: int) -> None:
+        self.chunk = positive_int_option(self.name, "chunk", chunk, maximum=self.max_chunk)
+        self.k = positive_int_option(self.name, "k", k, maximum=self.chunk)
+
+    def _check_chunk_k(self, header: Header) -> None:
+        if not 1 <= header.block <= self.max_chunk or not 1 <= header.k <= header.block:
+            raise CodecError(
+                f"{self.name} header: expected 1 <= k <= chunk <= {self.max_chunk}, "
+                f"got k={header.k}, chunk={header.block}"
+            )
+
+    def _select(self, rows: torch.Tensor, k: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of `scores` per row, returned as (ascending indices, the matching entries of `rows`)."""
+        _, idx = scores.topk(k, dim=1, sorted=False)
+        idx, _ = idx.sort(dim=1)
+        return idx, rows.gather(1, idx)
+
+    def _read_indices(
+        self, body: memoryview, offset: int, header: Header, num_full: int, tail: int, count: int
+    ) -> tuple[torch.Tensor, int]:
+        """Read and validate the index section: strictly ascending per chunk and inside the chunk."""
+        raw, offset = section(body, offset, count, _index_dtype(header.block))
+        idx = raw.to(torch.int64)
+        k = header.k
+        for rows, length in ((idx[: num_full * k].view(num_full, k), header.block),
+                             (idx[num_full * k :].view(1, -1), tail)):  # fmt: skip
+            if rows.numel() == 0:
+                continue
+            if not bool((rows[:, 1:] > rows[:, :-1]).all()):
+                raise CodecError(
+                    f"{self.name} payload indices: expected strictly ascending within each chunk"
+                )
+            top = int(rows[:, -1].max())
+            if top >= length:
+                raise CodecError(f"{self.name} payload index: expected < {length} (chunk length), got {top}")
+        return idx, offset
+
+
+class TopKCodec(_ChunkedSparseCodec):
+    """Chunk top-k by magnitude; values as fp16 or SparseLoCo-style 2 bits."""
+
+    name = "topk"
+    max_chunk = 2**31 - 1
+
+    def __init__(self, k: int = 64, chunk: int = 4096, value_bits: int = 16) -> None:
+        super().__init__(k, chunk)
+        if value_bits not in (16, 2):
+            raise CodecError(f"topk option value_bits: expected 16 or 2, got {value_bits!r}")
+        self.value_bits = value_bits
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(k={self.k}, chunk={self.chunk}, value_bits={self.value_bits})"
+
+    def estimated_ratio(self, numel: int) -> float:
+        return wire_ratio(self.name, numel, self._body_bytes(numel, self.value_bits, self.chunk, self.k))
+
+    def _header_params(self) -> tuple[int, int, int]:
+        return self.value_bits, self.chunk, self.k
+
+    def _check_header(self, header: Header) -> None:
+        self._check_chunk_k(header)
+        if header.value_bits not in (16, 2):
+            raise CodecError(f"topk header value_bits: expected 16 or 2, got {header.value_bits}")
+
+    def _body_bytes(self, numel: int, value_bits: int, block: int, k: int) -> int:
+        num_full, tail, count = _chunk_layout(numel, block, k)
+        index_bytes = count * torch.empty((), dtype=_index_dtype(block)).element_size()
+        if value_bits == 16:
+            return index_bytes + 2 * count
+        num_chunks = num_full + (1 if tail else 0)
+        return 8 * num_chunks + index_bytes + ceil_div(count, 4)
+
+    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+        if not bool(torch.isfinite(tensor).all()):
+            raise nonfinite_error("topk encode input", tensor)
+        numel, chunk, k = tensor.numel(), self.chunk, self.k
+        num_full, tail, count = _chunk_layout(numel, chunk, k)
+        parts = []
+        if num_full:
+            rows = tensor[: num_full * chunk].view(num_full, chunk)
+            parts.append(self._select(rows, k, rows.abs()))
+        if tail:
+            rows = tensor[num_full * chunk :].view(1, tail)
+            parts.append(self._select(rows, min(k, tail), rows.abs()))
+        indices = _cat([idx.view(-1) for idx, _ in parts])
+        values = _cat([v.view(-1) for _, v in parts])
+        offset = 0
+        if self.value_bits == 2:
+            # 2-bit codes: bit 1 = sign, bit 0 = high magnitude level; four codes per byte, first in the low bits.
+            levels = [_two_level_magnitudes(v) for _, v in parts]
+            level_view, offset = section(body, offset, 2 * sum(lv.shape[0] for lv in levels), torch.float32)
+            level_view.copy_(_cat([lv.view(-1) for lv in levels]))
+            high = _cat(
+                [(v.abs() >= lv.mean(dim=1, keepdim=True)).view(-1) for lv, (_, v) in zip(levels, parts)]
+            )
+        index_view, offset = section(body, offset, count, _index_dtype(chunk))
+        index_view.copy_(indices)
+        if self.value_bits == 16:
+            value_view, _ = section(body, offset, count, torch.float16)
+            value_view.copy_(values)
+            if not bool(torch.isfinite(value_view).all()):
+                raise CodecError(
+                    f"topk encode input range: expected kept |x| <= 65504 for fp16 values, "
+                    f"got max |x| = {float(values.abs().max()):g}"
+                )
+            return
+        codes = torch.zeros(4 * ceil_div(count, 4), dtype=torch.uint8)
+        codes[:count] = (values < 0).to(torch.uint8) * 2 + high.to(torch.uint8)
+        quads = codes.view(-1, 4)
+        packed, _ = section(body, offset, quads.shape[0], torch.uint8)
+        torch.bitwise_or(
+            quads[:, 0] | (quads[:, 1] << 2), (quads[:, 2] << 4) | (quads[:, 3] << 6), out=packed
+        )
+
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        numel, chunk, k = header.numel, header.block, header.k
+        num_full, tail, count = _chunk_layout(numel, chunk, k)
+        offset = 0
+        levels = torch.empty(0, 2)
+        if header.value_bits == 2:
+            num_chunks = num_full + (1 if tail else 0)
+            flat_levels, offset = section(body, 0, 2 * num_chunks, torch.float32)
+            levels = flat_levels.view(num_chunks, 2)
+            ok = torch.isfinite(levels).all(dim=1) & (levels[:, 0] >= 0) & (levels[:, 1] >= levels[:, 0])
+            if not bool(ok.all()):
+                bad = int((~ok).nonzero()[0, 0])
+                raise CodecError(
+                    f"topk payload levels of chunk {bad}: expected finite 0 <= lo <= hi, "
+                    f"got {levels[bad].tolist()}"
+                )
+        idx, offset = self._read_indices(body, offset, header, num_full, tail, count)
+        if header.value_bits == 16:
+            raw, _ = section(body, offset, count, torch.float16)
+            values = raw.to(torch.float32)
+            if not bool(torch.isfinite(values).all()):
+                raise nonfinite_error("topk payload values", values)
+        else:
+            packed, _ = section(body, offset, ceil_div(count, 4), torch.uint8)
+            codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)
+            if bool(codes[count:].any()):
+                raise CodecError("topk payload padding codes: expected 0, got non-zero")
+            codes = codes[:count]
+            chunk_of_value = torch.arange(num_full, dtype=torch.int64).repeat_interleave(k)
+            if tail:
+                chunk_of_value = torch.cat([chunk_of_value, torch.full((min(k, tail),), num_full)])
+            magnitude = levels[chunk_of_value, (codes & 1).to(torch.int64)]
+            values = torch.where((codes & 2) > 0, -magnitude, magnitude)
+        return _scatter_chunks(numel, chunk, k, num_full, tail, idx, values)
+
+
+class DctTopKCodec(_ChunkedSparseCodec):
+    """DeMo's chunked orthonormal DCT-II, top-k coefficients per chunk, int16 codes with a per-chunk scale."""
+
+    name = "dct-topk"
+    max_chunk = DCT_MAX_CHUNK
+
+    def __init__(self, k: int = 4, chunk: int = 128) -> None:
+        super().__init__(k, chunk)
+
+    def __repr__(self) -> str:
+        return f"DctTopKCodec(k={self.k}, chunk={self.chunk})"
+
+    def estimated_ratio(self, numel: int) -> float:
+        return wire_ratio(self.name, numel, self._body_bytes(numel, 0, self.chunk, self.k))
+
+    def _header_params(self) -> tuple[int, int, int]:
+        return 0, self.chunk, self.k
+
+    def _check_header(self, header: Header) -> None:
+        self._check_chunk_k(header)
+        if header.value_bits:
+            raise CodecError(f"dct-topk header value_bits: expected 0, got {header.value_bits}")
+
+    def _body_bytes(self, numel: int, value_bits: int, block: int, k: int) -> int:
+        num_full, tail, count = _chunk_layout(numel, block, k)
+        num_chunks = num_full + (1 if tail else 0)
+        index_bytes = count * torch.empty((), dtype=_index_dtype(block)).element_size()
+        return 4 * num_chunks + 2 * count + index_bytes
+
+    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+        if not bool(torch.isfinite(tensor).all()):
+            raise nonfinite_error("dct-topk encode input", tensor)
+        numel, chunk, k = tensor.numel(), self.chunk, self.k
+        num_full, tail, count = _chunk_layout(numel, chunk, k)
+        parts = []
+        for rows in (
+            tensor[: num_full * chunk].view(num_full, chunk),
+            tensor[num_full * chunk :].view(1, tail),
+        ):
+            if rows.numel() == 0:
+                continue
+            # The encoder's matmul need not be bit-reproducible across machines: only its output bytes travel.
+            coefficients = rows @ dct_matrix(rows.shape[1]).T
+            if not bool(torch.isfinite(coefficients).all()):
+                raise CodecError(
+                    f"dct-topk encode input range: expected DCT coefficients within float32, "
+                    f"got overflow (max |x| = {float(rows.abs().max()):g})"
+                )
+            parts.append(self._select(coefficients, min(k, rows.shape[1]), coefficients.abs()))
+        scales, codes = [], []
+        for _, values in parts:
+            part_scales = torch.linalg.vector_norm(values, ord=math.inf, dim=1, keepdim=True) / _INT16_LEVELS
+            safe = torch.where(part_scales > 0, part_scales, torch.ones_like(part_scales))  # all-zero chunk
+            codes.append((values / safe).round_().clamp_(-_INT16_LEVELS, _INT16_LEVELS).view(-1))
+            scales.append(part_scales.view(-1))
+        scale_view, offset = section(body, 0, num_full + (1 if tail else 0), torch.float32)
+        scale_view.copy_(_cat(scales))
+        code_view, offset = section(body, offset, count, torch.int16)
+        code_view.copy_(_cat(codes))
+        index_view, _ = section(body, offset, count, _index_dtype(chunk))
+        index_view.copy_(_cat([idx.view(-1) for idx, _ in parts]))
+
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        numel, chunk, k = header.numel, header.block, header.k
+        num_full, tail, count = _chunk_layout(numel, chunk, k)
+        num_chunks = num_full + (1 if tail else 0)
+        scales, offset = section(body, 0, num_chunks, torch.float32)
+        ok = torch.isfinite(scales) & (scales >= 0)
+        if not bool(ok.all()):
+            bad = int((~ok).nonzero()[0, 0])
+            raise CodecError(
+                f"dct-topk payload scale {bad}: expected a finite value >= 0, got {float(scales[bad])}"
+            )
+        codes, offset = section(body, offset, count, torch.int16)
+        if bool((codes == -32768).any()):
+            raise CodecError("dct-topk payload codes: expected values in [-32767, 32767], got -32768")
+        idx, _ = self._read_indices(body, offset, header, num_full, tail, count)
+        out = torch.empty(numel, dtype=torch.float32)
+        if num_full:
+            _inverse_dct_rows(
+                codes[: num_full * k].view(num_full, k), idx[: num_full * k].view(num_full, k),
+                scales[:num_full], out[: num_full * chunk].view(num_full, chunk),
+            )  # fmt: skip
+        if tail:
+            kt = min(k, tail)
+            _inverse_dct_rows(
+                codes[num_full * k :].view(1, kt), idx[num_full * k :].view(1, kt),
+                scales[num_full:], out[num_full * chunk :].view(1, tail),
+            )  # fmt: skip
+        return out
+
+
+def _two_level_magnitudes(values: torch.Tensor) -> torch.Tensor:
+    """Per row of kept values: the two fp32 magnitude levels (lo, hi) of the 2-bit code."""
+    magnitudes = values.abs()
+    low, high = magnitudes.amin(dim=1), magnitudes.amax(dim=1)
+    quarter = (high - low) / 4
+    return torch.stack((low + quarter, high - quarter), dim=1)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.empty(0)
+
+
+def _scatter_chunks(
+    numel: int, chunk: int, k: int, num_full: int, tail: int, idx: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=torch.float32)
+    if num_full:
+        head = out[: num_full * chunk].view(num_full, chunk)
+        head.scatter_(1, idx[: num_full * k].view(num_full, k), values[: num_full * k].view(num_full, k))
+    if tail:
+        out[num_full * chunk :].scatter_(0, idx[num_full * k :], values[num_full * k :])
+    return out
+
+
+# Rows of gathered table entries handled at once by the decoder: bounds its float64 temporaries (~32 MiB).
+_DECODE_ELEMENTS_PER_BLOCK = 1 << 22
+
+
+def _inverse_dct_rows(
+    codes: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out[r] = float32(scale[r] * 2^-28 * sum_s codes[r, s] * table[idx[r, s], :]), exactly (see module doc)."""
+    num_rows, k = codes.shape
+    length = out.shape[1]
+    table = _dct_integer_table(length)
+    rows_per_block = max(1, _DECODE_ELEMENTS_PER_BLOCK // (k * length))
+    for start in range(0, num_rows, rows_per_block):
+        stop = min(start + rows_per_block, num_rows)
+        gathered = table[idx[start:stop]]  # (rows, k, length), integers < 2^29 in magnitude
+        sums = torch.bmm(codes[start:stop].to(torch.float64).unsqueeze(1), gathered).squeeze(1)
+        sums.mul_(scales[start:stop, None].to(torch.float64)).mul_(2.0**-DCT_GRID_BITS)
+        out[start:stop] = sums
+
+
+@functools.lru_cache(maxsize=8)
+def dct_matrix(length: int) -> torch.Tensor:
+    """Orthonormal DCT-II matrix D (float32, length x length): coefficients = D @ x, x = D.T @ coefficients."""
+    return _dct_float64(length).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _dct_float64(length: int) -> torch.Tensor:
+    # cos(pi * (2n + 1) * u / (2N)) only takes the values cos(pi * m / (2N)) for m = (2n + 1) * u mod 4N, so
+    # compute that small table with math.cos and index it with exact integer arithmetic.
+    angles = torch.tensor(
+        [math.cos(math.pi * m / (2 * length)) for m in range(4 * length)], dtype=torch.float64
+    )
+    u = torch.arange(length, dtype=torch.int64)[:, None]
+    n = torch.arange(length, dtype=torch.int64)[None, :]
+    matrix = angles[((2 * n + 1) * u) % (4 * length)]
+    matrix[0] *= math.sqrt(1 / length)
+    matrix[1:] *= math.sqrt(2 / length)
+    return matrix
+
+
+@functools.lru_cache(maxsize=8)
+def _dct_integer_table(length: int) -> torch.Tensor:
+    """round(D * 2^28) as float64 integers. Refuses a length whose table could round differently elsewhere."""
+    scaled = _dct_float64(length) * 2.0**DCT_GRID_BITS
+    # libm's cos may differ by an ulp across machines; that can only change the rounding of an entry that sits
+    # within ~1e-7 of a half-integer. Checking that no entry is that close makes the table identical everywhere.
+    distance_to_half = ((scaled - scaled.floor()) - 0.5).abs()
+    if bool((distance_to_half < 1e-6).any()):
+        raise CodecError(
+            f"dct-topk chunk {length}: DCT table is not reproducible on this grid; pick another chunk"
+        )
+    return scaled.round()

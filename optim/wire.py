@@ -1,0 +1,226 @@
+"""The codec interface and the self-describing byte layout every farloco codec writes.
+
+This file owns `CodecError`, the `Codec` base class, the fixed 32-byte payload header (pack, parse, validate),
+and the small helpers codecs use to view payload sections as tensors without copying.
+
+Payload layout (all little-endian)::
+
+    offset size field
+    0      4    magic  b"FLOC"
+    4      1    format version (1)
+    5      1    codec id (see CODEC_IDS)
+    6      1    value_bits (topk: 16 or 2; 0 for every other codec)
+    7      1    reserved, must be 0
+    8      8    numel (u64)
+    16     4    block (int8/int4: block size; topk/dct-topk: chunk; else 0)
+    20     4    k (topk/dct-topk: kept values per chunk; else 0)
+    24     4    CRC-32 of bytes 0..23 followed by the whole body
+    28     4    reserved, must be 0
+    32     ...  body: raw sections, widest element type first, so every section is naturally aligned
+
+The CRC makes a flipped or truncated byte a `CodecError` instead of a silently wrong tensor: the transport has
+its own checksums, but a codec payload also sits in checkpoints and test fixtures, and "never garbage" must hold
+wherever the bytes come from.
+"""
+
+from __future__ import annotations
+
+import abc
+import struct
+import sys
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"FLOC"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sBBBBQIII4x")
+HEADER_BYTES = HEADER.size  # 32
+_CRC_OFFSET = 24
+
+# Stable wire ids: never renumber, only append.
+CODEC_IDS: dict[str, int] = {
+    "fp32": 1,
+    "fp16": 2,
+    "bf16": 3,
+    "int8": 4,
+    "int4": 5,
+    "topk": 6,
+    "dct-topk": 7,
+}
+_CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("farloco.optim codecs write raw little-endian buffers and need a little-endian host")
+
+
+class CodecError(ValueError):
+    """Bad input to `Codec.encode` (non-finite values, wrong dtype/shape) or malformed bytes to `decode`."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """The parsed fixed header of one payload."""
+
+    codec_id: int
+    value_bits: int
+    numel: int
+    block: int
+    k: int
+
+
+class Codec(abc.ABC):
+    """Turns a 1-D float32 CPU tensor into self-describing bytes and back.
+
+    Subclasses set `name`, `dense` and `lossless`, and implement `_encode_body`/`_decode_body`; this base class
+    checks inputs, writes and checks the header and the CRC, so every codec refuses bad input the same way.
+    """
+
+    name: str
+    dense: bool  # a mean can be reduced part-wise (reduce-scatter + all-gather)
+    lossless: bool = False  # decode(encode(x)) == x bit for bit; error feedback is pointless then
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        """Encode a 1-D float32 CPU tensor (any length >= 0). Raises CodecError on NaN/Inf or bad dtype/ndim."""
+        check_input(tensor)
+        tensor = tensor.contiguous()
+        value_bits, block, k = self._header_params()
+        body_bytes = self._body_bytes(tensor.numel(), value_bits, block, k)
+        out = bytearray(HEADER_BYTES + body_bytes)
+        self._encode_body(tensor, memoryview(out)[HEADER_BYTES:])
+        HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, 0,
+                         tensor.numel(), block, k, 0)  # fmt: skip
+        crc = zlib.crc32(memoryview(out)[HEADER_BYTES:], zlib.crc32(memoryview(out)[:_CRC_OFFSET]))
+        struct.pack_into("<I", out, _CRC_OFFSET, crc)
+        return bytes(out)
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        """Decode bytes from `encode` into a new 1-D float32 tensor; same bytes -> bit-identical tensor.
+
+        Everything is validated (magic, version, codec id, lengths vs numel, CRC, then codec-specific ranges)
+        before any numel-sized buffer is allocated.
+        """
+        view = memoryview(data).cast("B")
+        header = parse_header(view)
+        if header.codec_id != CODEC_IDS[self.name]:
+            raise CodecError(
+                f"payload codec: expected {self.name!r} (id {CODEC_IDS[self.name]}), "
+                f"got {_CODEC_NAMES.get(header.codec_id, 'unknown')!r} (id {header.codec_id})"
+            )
+        self._check_header(header)
+        expected = self._body_bytes(header.numel, header.value_bits, header.block, header.k)
+        got = len(view) - HEADER_BYTES
+        if got != expected:
+            raise CodecError(
+                f"{self.name} payload body for numel={header.numel}: expected {expected} bytes, got {got}"
+            )
+        check_crc(view)
+        return self._decode_body(header, view[HEADER_BYTES:])
+
+    @abc.abstractmethod
+    def estimated_ratio(self, numel: int) -> float:
+        """Wire bytes / (4 * numel) for a tensor of `numel` values (header included)."""
+
+    @abc.abstractmethod
+    def _header_params(self) -> tuple[int, int, int]:
+        """(value_bits, block, k) this instance writes into the header."""
+
+    @abc.abstractmethod
+    def _check_header(self, header: Header) -> None:
+        """Refuse header parameters this codec cannot decode (e.g. block size 0)."""
+
+    @abc.abstractmethod
+    def _body_bytes(self, numel: int, value_bits: int, block: int, k: int) -> int:
+        """Exact body length for these header parameters."""
+
+    @abc.abstractmethod
+    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+        """Write the body of a checked, contiguous input into `body` (exactly `_body_bytes` long)."""
+
+    @abc.abstractmethod
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        """Decode a body whose length and CRC were already checked."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_input(tensor: object) -> None:
+    """Refuse anything but a 1-D float32 CPU tensor; finiteness is checked by each codec where it is cheapest."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CodecError(f"encode input: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != torch.float32:
+        raise CodecError(f"encode input dtype: expected torch.float32, got {tensor.dtype}")
+    if tensor.ndim != 1:
+        raise CodecError(f"encode input shape: expected a 1-D tensor, got shape {list(tensor.shape)}")
+    if tensor.device.type != "cpu":
+        raise CodecError(f"encode input device: expected cpu, got {tensor.device}")
+
+
+def nonfinite_error(what: str, tensor: torch.Tensor) -> CodecError:
+    """A CodecError that says how many non-finite values came and where the first one is."""
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    first = int(bad.nonzero()[0, 0]) if count else -1
+    return CodecError(
+        f"{what}: expected only finite values, got {count} NaN/Inf (first at index {first}, "
+        f"value {float(tensor[first]) if count else 'n/a'})"
+    )
+
+
+def parse_header(view: memoryview) -> Header:
+    if len(view) < HEADER_BYTES:
+        raise CodecError(f"payload: expected at least {HEADER_BYTES} header bytes, got {len(view)}")
+    magic, version, codec_id, value_bits, reserved, numel, block, k, _crc = HEADER.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError(f"payload magic: expected {MAGIC!r}, got {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"payload format version: expected {FORMAT_VERSION}, got {version}")
+    if reserved != 0 or bytes(view[28:HEADER_BYTES]) != b"\0\0\0\0":
+        raise CodecError("payload header: expected reserved bytes to be zero, got non-zero")
+    return Header(codec_id=codec_id, value_bits=value_bits, numel=numel, block=block, k=k)
+
+
+def check_crc(view: memoryview) -> None:
+    (stored,) = struct.unpack_from("<I", view, _CRC_OFFSET)
+    actual = zlib.crc32(view[HEADER_BYTES:], zlib.crc32(view[:_CRC_OFFSET]))
+    if stored != actual:
+        raise CodecError(f"payload CRC-32: expected {stored:#010x} (stored), got {actual:#010x} (computed)")
+
+
+def section(body: memoryview, offset: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A tensor view of `count` elements of `dtype` at `offset` of the body, and the offset after it.
+
+    Encode passes a writable bytearray view (the codec writes into it); decode passes read-only bytes. Torch
+    warns once per process that it cannot mark a tensor read-only; decode only ever reads these views, so the
+    warning is silenced here rather than paying a copy of every payload.
+    """
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if count == 0:
+        return torch.empty(0, dtype=dtype), offset + nbytes
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        tensor = torch.frombuffer(body, dtype=dtype, count=count, offset=offset)
+    return tensor, offset + nbytes
+
+
+def positive_int_option(codec: str, option: str, value: object, *, maximum: int = 2**32 - 1) -> int:
+    """Validate an integer codec option (bools are refused: True is not a block size)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CodecError(f"{codec} option {option}: expected an int, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= maximum:
+        raise CodecError(f"{codec} option {option}: expected 1 <= {option} <= {maximum}, got {value}")
+    return value
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def wire_ratio(codec: str, numel: int, body_bytes: int) -> float:
+    """Wire bytes (header + body) / (4 * numel); numel must be >= 1 (a ratio over zero bytes means nothing)."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise CodecError(f"{codec} estimated_ratio numel: expected an int >= 1, got {numel!r}")
+    return (HEADER_BYTES + body_bytes) / (4 * numel)
