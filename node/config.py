@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-import tomllib
 
 SCALAR = str | int | float | bool
 

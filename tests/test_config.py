@@ -1,0 +1,93 @@
+"""Config: TOML loading, --set overrides, validation messages, run_hash, documented examples."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from farloco.node.config import (
+    PRESETS,
+    ConfigError,
+    build_config,
+    diff_run,
+    example_config,
+    load_config,
+    run_hash,
+    run_section,
+    to_toml,
+)
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text(
+        '[run]\ninner_steps = 7\nname = "exp"\n[network]\ninitial_peers = ["/ip4/127.0.0.1/tcp/1"]\n'
+    )
+    config = load_config(path, ["run.outer_lr=0.5", "run.codec=int8", 'node.device="cpu"'])
+    assert config.run.inner_steps == 7
+    assert config.run.outer_lr == 0.5
+    assert config.run.codec == "int8"  # bare words fall back to strings
+    assert config.node.device == "cpu"
+    assert config.network.initial_peers == ["/ip4/127.0.0.1/tcp/1"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.inner_steps=0", "run.inner_steps: expected a positive number, got 0"),
+        ("run.inner_steps=1.5", "run.inner_steps: expected an integer, got 1.5"),
+        ("run.outer_lr=fast", "run.outer_lr: expected a number, got 'fast'"),
+        ("run.outer_momentum=1.0", "run.outer_momentum: expected a number in [0, 1), got 1.0"),
+        ("run.bogus=1", "unknown key run.bogus: expected one of"),
+        ("nope.key=1", "unknown section 'nope'"),
+        ("network.grpc_port=70000", "network.grpc_port: expected a port in 0..65535, got 70000"),
+        ("node.device=tpu", "node.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
+        ("run.name=a/b", "run.name: expected a non-empty name without '/'"),
+        ("inner_steps", "expected section.key=value"),
+    ],
+)
+def test_bad_values_name_key_value_and_expectation(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_bad_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[run\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_run_hash_covers_run_section_only() -> None:
+    base = load_config(None)
+    assert run_hash(base) == run_hash(load_config(None, ["network.grpc_port=1234", "node.num_ranks=2"]))
+    changed = load_config(None, ["run.inner_steps=21"])
+    assert run_hash(base) != run_hash(changed)
+    assert run_hash(base) != run_hash(load_config(None, ["run.codec_options={block_size = 64}"]))
+    diff = diff_run(run_section(base), run_section(changed))
+    assert diff == ["run.inner_steps: 20 here, 21 there"]
+
+
+def test_resolved_config_round_trips() -> None:
+    config = load_config(None, ["run.codec_options={block_size = 64}", "run.inner_steps=3"])
+    again = build_config(tomllib.loads(to_toml(config)))
+    assert again == config
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_examples_are_documented_and_valid(preset: str) -> None:
+    text = example_config(preset)
+    parsed = build_config(tomllib.loads(text))
+    assert parsed.run.model == PRESETS[preset]["run"]["model"]
+    # every key carries its docstring as a comment line right above it
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        if " = " in line and not line.startswith("#"):
+            assert lines[index - 1].startswith("# "), f"undocumented key: {line}"
+    with pytest.raises(ConfigError, match="unknown preset"):
+        example_config("huge")

@@ -1,0 +1,72 @@
+"""The shared-memory hand-off: layout, sequence protocol, and sharing across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+
+from farloco.node.handoff import Handoff, canonical_layout, flatten, layout_of, unflatten
+
+
+def test_canonical_layout_is_sorted_and_packed() -> None:
+    layout = canonical_layout({"b.weight": (2, 3), "a.weight": (4,), "c": ()})
+    assert [s.name for s in layout] == ["a.weight", "b.weight", "c"]
+    assert [s.offset for s in layout] == [0, 4, 10]
+    assert layout[-1].numel == 1
+
+
+def test_flatten_unflatten_round_trip() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    layout = layout_of(model)
+    flat = flatten(model, layout)
+    assert flat.numel() == sum(p.numel() for p in model.parameters())
+    views = unflatten(flat, layout)
+    for name, param in model.named_parameters():
+        assert torch.equal(views[name], param.detach())
+
+
+def _rank(path: str, rank: int) -> None:
+    handoff = Handoff.attach(Path(path))
+    while handoff.publish_seq < 1:
+        pass
+    reload, round_id, step_base, steps = handoff.work()
+    assert (reload, round_id, step_base, steps) == (True, 3, 60, 20)
+    half = handoff.num_params // 2
+    rows = slice(rank * half, (rank + 1) * half)
+    handoff.local[rows] = handoff.theta[rows] * 2 + rank
+    handoff.mark_done(rank, 1, train_loss=1.5 + rank, step_seconds=0.01)
+
+
+@pytest.mark.multiprocess
+def test_sequence_protocol_across_processes(tmp_path: Path) -> None:
+    handoff = Handoff.create(num_params=8, world_size=2, directory=tmp_path)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(str(handoff.path), r)) for r in range(2)]
+    for p in procs:
+        p.start()
+    theta = torch.arange(8, dtype=torch.float32)
+    seq = handoff.publish(theta, round_id=3, step_base=60, inner_steps=20)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert handoff.all_done(seq)
+    expected = theta * 2 + torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.float32)
+    assert torch.equal(handoff.local, expected)
+    assert [handoff.report(r).train_loss for r in range(2)] == [1.5, 2.5]
+    path = handoff.path
+    handoff.close()
+    assert not path.exists()
+
+
+def test_attach_refuses_foreign_files(tmp_path: Path) -> None:
+    bogus = tmp_path / "x.bin"
+    bogus.write_bytes(b"\0" * 8192)
+    with pytest.raises(ValueError, match="not a farloco"):
+        Handoff.attach(bogus)
+    handoff = Handoff.create(num_params=4, world_size=1, directory=tmp_path)
+    with pytest.raises(ValueError, match=r"expected float32\[4\]"):
+        handoff.publish(torch.zeros(5), round_id=0, step_base=0, inner_steps=1)
+    handoff.close()
