@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ def demo_config(rounds: int, overrides: list[str]) -> str:
     return to_toml(config)
 
 
-def _start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `farloco bootstrap` on 127.0.0.1; returns the process and its first multiaddr."""
     maddr_file = work_dir / "bootstrap.maddr"
     log = open(work_dir / "bootstrap.log", "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(
@@ -87,7 +89,10 @@ def _start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     return process, maddr_file.read_text().split()[0]
 
 
-def _start_peer(name: str, work_dir: Path, config_path: Path, maddr: str, ranks: int) -> PeerProcess:
+def start_peer(
+    name: str, work_dir: Path, config_path: Path, maddr: str, ranks: int, extra: Sequence[str] = ()
+) -> PeerProcess:
+    """Start one `farloco join` process with its own run directory under `work_dir`."""
     run_dir = work_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "stdout.log"
@@ -99,12 +104,13 @@ def _start_peer(name: str, work_dir: Path, config_path: Path, maddr: str, ranks:
         "--initial-peer", maddr,
         "--host", "127.0.0.1",
         "--set", f"node.num_ranks={ranks}",
+        *extra,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     return PeerProcess(name, run_dir, process, log_path)
 
 
-def _stop(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     if process.poll() is None:
         process.terminate()
         try:
@@ -143,16 +149,16 @@ def run_demo(
     peers: list[PeerProcess] = []
     started = time.monotonic()
     try:
-        bootstrap, maddr = _start_bootstrap(root)
+        bootstrap, maddr = start_bootstrap(root)
         console.print(f"bootstrap DHT node: {maddr}")
         for i in range(num_peers):
-            peers.append(_start_peer(f"peer-{i}", root, config_path, maddr, first_ranks if i == 0 else 1))
+            peers.append(start_peer(f"peer-{i}", root, config_path, maddr, first_ranks if i == 0 else 1))
         ok = _watch(peers, rounds, console)
     finally:
         for peer in peers:
-            _stop(peer.process)
+            stop_process(peer.process)
         if bootstrap is not None:
-            _stop(bootstrap)
+            stop_process(bootstrap)
     elapsed = time.monotonic() - started
     code = _report(peers, rounds, elapsed, console) if ok else 1
     if code != 0:

@@ -1,0 +1,138 @@
+"""End to end: real `farloco join` processes (agent + elastic-launched trainer ranks) on 127.0.0.1, meeting on a
+real hivemind DHT and exchanging over gRPC. Each test starts its own bootstrap node and stops every process."""
+
+from __future__ import annotations
+
+import io
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from farloco.node.demo import (
+    PeerProcess,
+    demo_config,
+    read_events,
+    run_demo,
+    start_bootstrap,
+    start_peer,
+    stop_process,
+)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(600)]
+
+
+def rounds_of(peer: PeerProcess) -> list[dict]:
+    return [e for e in read_events(peer.run_dir) if e["event"] == "round"]
+
+
+def wait_for(predicate, timeout: float, what: str, peers: list[PeerProcess]) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for peer in peers:
+            if peer.process.poll() not in (None, 0):
+                log = peer.log_path.read_text(errors="replace")[-3000:]
+                pytest.fail(
+                    f"{peer.name} exited with {peer.process.returncode} while waiting for {what}:\n{log}"
+                )
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.3)
+
+
+class Swarm:
+    """A bootstrap node plus peers, all stopped when the test ends."""
+
+    def __init__(self, root: Path, overrides: list[str]) -> None:
+        self.root = root
+        self.config_path = root / "swarm.toml"
+        self.config_path.write_text(demo_config(0, overrides))
+        self.bootstrap, self.maddr = start_bootstrap(root)
+        self.peers: list[PeerProcess] = []
+
+    def add(self, name: str, ranks: int = 1, extra: tuple[str, ...] = ()) -> PeerProcess:
+        peer = start_peer(name, self.root, self.config_path, self.maddr, ranks, extra)
+        self.peers.append(peer)
+        return peer
+
+    def close(self) -> None:
+        for peer in self.peers:
+            stop_process(peer.process)
+        stop_process(self.bootstrap)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    made = Swarm(tmp_path, ["run.max_rounds=0"])
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_three_peers_one_with_two_ranks_train_and_agree(tmp_path: Path) -> None:
+    """The demo path: 3 peers (the first with 2 gloo ranks), 4 rounds; loss falls and every hash agrees."""
+    out = io.StringIO()
+    code = run_demo(
+        num_peers=3, rounds=4, first_ranks=2, work_dir=tmp_path, console=Console(file=out, width=160)
+    )
+    assert code == 0, out.getvalue()
+    peers = sorted(p for p in tmp_path.iterdir() if p.name.startswith("peer-"))
+    events = {p.name: [e for e in read_events(p) if e["event"] == "round"] for p in peers}
+    for round_id in range(1, 5):
+        hashes = {
+            name: next(e["outer_hash"] for e in ev if e["round_id"] == round_id)
+            for name, ev in events.items()
+        }
+        assert len(set(hashes.values())) == 1, f"round {round_id}: {hashes}"
+    eval_losses = [e["eval_loss"] for e in events["peer-0"]]
+    assert all(math.isfinite(x) for x in eval_losses)
+    assert eval_losses[-1] < eval_losses[0] - 0.1, eval_losses
+    # two ranks on peer-0 trained the same model as the single-rank peers: its trainer logs show both ranks
+    assert (tmp_path / "peer-0" / "logs" / "trainer").exists()
+    assert all(e["bytes_sent"] > 0 for ev in events.values() for e in ev)
+
+
+def test_peer_leaves_mid_run_others_keep_training(swarm: Swarm) -> None:
+    a, b, c = swarm.add("a"), swarm.add("b"), swarm.add("c")
+    wait_for(
+        lambda: all(len(rounds_of(p)) >= 2 for p in (a, b, c)), 240, "3 peers to commit 2 rounds", [a, b, c]
+    )
+    left = subprocess.run(
+        [sys.executable, "-m", "farloco.node.cli", "leave", "--run-dir", str(c.run_dir), "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert left.returncode == 0, left.stderr
+    assert c.process.wait(timeout=60) == 0
+    assert any(e["event"] in ("stopped",) for e in read_events(c.run_dir))
+    start = max(e["round_id"] for e in rounds_of(a))
+    wait_for(
+        lambda: all(any(e["round_id"] >= start + 2 for e in rounds_of(p)) for p in (a, b)),
+        240,
+        "the two remaining peers to commit 2 more rounds",
+        [a, b],
+    )
+    later = [e for e in rounds_of(a) if e["round_id"] >= start + 2]
+    assert later and all(len(e["contributors"]) == 2 for e in later)
+    by_round_b = {e["round_id"]: e["outer_hash"] for e in rounds_of(b)}
+    for event in later:
+        assert by_round_b.get(event["round_id"]) in (None, event["outer_hash"])
+    assert any(by_round_b.get(e["round_id"]) == e["outer_hash"] for e in later)
+
+
+def test_mismatched_run_hash_is_refused(swarm: Swarm) -> None:
+    a = swarm.add("a")
+    wait_for(lambda: any(e["event"] == "joined" for e in read_events(a.run_dir)), 120, "the first peer", [a])
+    b = swarm.add("b", extra=("--set", "run.inner_steps=7"))
+    assert b.process.wait(timeout=120) != 0
+    output = b.log_path.read_text()
+    assert "refusing to join" in output
+    assert "run.inner_steps: 7 here, 20 there" in output
+    assert a.process.poll() is None, "the first peer must keep running"
