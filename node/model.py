@@ -175,7 +175,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
         )
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim))
+        projected: Tensor = self.wo(out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim))
+        return projected
 
 
 class FeedForward(nn.Module):
@@ -188,7 +189,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -203,7 +205,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        out: Tensor = x + self.feed_forward(self.ffn_norm(x))
+        return out
 
 
 class Transformer(nn.Module):
@@ -211,6 +214,8 @@ class Transformer(nn.Module):
 
     config: ModelConfig
     output: nn.Linear | None
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
