@@ -7,12 +7,30 @@ Codecs turn a flat float32 pseudo-gradient into self-describing bytes and back (
 
 from farloco.optim.aggregate import mean_of
 from farloco.optim.registry import available_codecs, get_codec
+from farloco.optim.strategies import (
+    DeMo,
+    DiLoCo,
+    OuterStrategy,
+    SparseLoCo,
+    StrategyError,
+    StreamingDiLoCo,
+    available_strategies,
+    make_strategy,
+)
 from farloco.optim.wire import Codec, CodecError
 
 __all__ = [
     "Codec",
     "CodecError",
+    "DeMo",
+    "DiLoCo",
+    "OuterStrategy",
+    "SparseLoCo",
+    "StrategyError",
+    "StreamingDiLoCo",
     "available_codecs",
+    "available_strategies",
     "get_codec",
+    "make_strategy",
     "mean_of",
 ]

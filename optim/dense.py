@@ -69,10 +69,8 @@ class _CastCodec(Codec):
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         values, _ = section(body, 0, header.numel, self.wire_dtype)
-        if self.wire_dtype == torch.float32:
-            out = values.clone()  # the bytes are immutable and shared; the caller gets its own tensor
-        else:
-            out = values.to(torch.float32)
+        # fp32: clone, since the bytes are immutable and shared and the caller gets its own tensor.
+        out = values.clone() if self.wire_dtype == torch.float32 else values.to(torch.float32)
         if not bool(torch.isfinite(out).all()):
             raise nonfinite_error(f"{self.name} payload values", out)
         return out

@@ -155,7 +155,10 @@ class TopKCodec(_ChunkedSparseCodec):
             level_view, offset = section(body, offset, 2 * sum(lv.shape[0] for lv in levels), torch.float32)
             level_view.copy_(_cat([lv.view(-1) for lv in levels]))
             high = _cat(
-                [(v.abs() >= lv.mean(dim=1, keepdim=True)).view(-1) for lv, (_, v) in zip(levels, parts)]
+                [
+                    (v.abs() >= lv.mean(dim=1, keepdim=True)).view(-1)
+                    for lv, (_, v) in zip(levels, parts, strict=True)
+                ]
             )
         index_view, offset = section(body, offset, count, _index_dtype(chunk))
         index_view.copy_(indices)

@@ -1,0 +1,453 @@
+"""Round-based outer strategies: DiLoCo, SparseLoCo, DeMo and Streaming DiLoCo, with their error feedback.
+
+A round, as the node drives it::
+
+    contribution = strategy.make_contribution(theta_outer, theta_local)   # pure: no state changes
+    transmitted = codec.decode(codec.encode(contribution))                # what the swarm will see of it
+    ... exchange: averaged = mean_of(every member's transmitted contribution) ...
+    strategy.propose(contribution, transmitted)   # stage the new error-feedback state
+    strategy.apply(theta_outer, averaged)         # only if the round committed: the outer step, in place
+    strategy.commit()                             # or rollback() if the round aborted
+    strategy.merge_into_local(theta_outer, theta_local)   # what the ranks continue from
+
+Every update is built from separate elementwise multiplies and adds in a fixed order (no fused multiply-add,
+no reductions), so the same inputs give bit-identical theta on every node. Strategy state is a flat dict of
+tensors (0-d tensors for scalars) that safetensors can store; the staged, uncommitted state is never part of it,
+so a checkpoint always holds a committed round.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+
+from farloco.optim.wire import Codec
+
+HParam = float | int | bool
+
+
+class StrategyError(ValueError):
+    """Bad hyper-parameters, tensors of the wrong shape/dtype, or a state dict that does not fit."""
+
+
+class OuterStrategy(abc.ABC):
+    """A round-based outer strategy: each round a node turns (theta_outer, theta_local) into a contribution,
+    the swarm averages the codec-transmitted contributions, then every node applies the same outer step."""
+
+    name: ClassVar[str]
+    # Allowed hyper-parameters and their types; defaults come from `_defaults` (some depend on the codec).
+    hparam_types: ClassVar[Mapping[str, type]]
+
+    def __init__(self, num_params: int, codec: Codec, **hparams: HParam) -> None:
+        if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
+            raise StrategyError(f"{self.name} num_params: expected an int >= 1, got {num_params!r}")
+        if not isinstance(codec, Codec):
+            raise StrategyError(
+                f"{self.name} codec: expected a farloco.optim.Codec, got {type(codec).__name__}"
+            )
+        self.num_params = num_params
+        self.codec = codec
+        self.hparams = self._resolve(hparams)
+        self._staged: dict[str, torch.Tensor] | None = None
+        self._num_rounds = 0  # outer steps applied so far; schedules (Streaming DiLoCo) key on it
+        self._configure()
+
+    # ---- hyper-parameters -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _defaults(self) -> dict[str, HParam]:
+        """Default value of every allowed hyper-parameter."""
+
+    @abc.abstractmethod
+    def _configure(self) -> None:
+        """Check hyper-parameter ranges and allocate state (called once, after `self.hparams` is set)."""
+
+    def _resolve(self, given: Mapping[str, object]) -> dict[str, HParam]:
+        unknown = sorted(set(given) - set(self.hparam_types))
+        if unknown:
+            raise StrategyError(
+                f"{self.name} hyper-parameters: expected a subset of {sorted(self.hparam_types)}, got {unknown}"
+            )
+        resolved = self._defaults()
+        for key, value in given.items():
+            kind = self.hparam_types[key]
+            if kind is bool:
+                ok = isinstance(value, bool)
+            elif kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            else:  # float: ints are fine (lr=1), bools are not
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok:
+                raise StrategyError(
+                    f"{self.name} hyper-parameter {key}: expected a finite {kind.__name__}, "
+                    f"got {type(value).__name__} {value!r}"
+                )
+            assert isinstance(value, (bool, int, float))  # narrowed by `ok` above; tells the type checker
+            resolved[key] = float(value) if kind is float else value
+        return resolved
+
+    def _require(self, key: str, ok: bool, expected: str) -> None:
+        if not ok:
+            raise StrategyError(
+                f"{self.name} hyper-parameter {key}: expected {expected}, got {self.hparams[key]!r}"
+            )
+
+    def _float(self, key: str) -> float:
+        return float(self.hparams[key])
+
+    # ---- the round ------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+        """The fp32 flat vector to encode this round. Pure: the strategy state does not change."""
+
+    @abc.abstractmethod
+    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The error-feedback state to install if the round commits."""
+
+    @abc.abstractmethod
+    def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
+        """The outer update, in place on theta_outer."""
+
+    def contribution_numel(self) -> int:
+        """Length of this round's contribution (all parameters, except for fragment-wise strategies)."""
+        return self.num_params
+
+    def propose(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """Stage the new error-feedback state from what `contribution` became on the wire; do not apply it yet."""
+        expected = self.contribution_numel()
+        self._check_vector("contribution", contribution, expected)
+        self._check_vector("transmitted", transmitted, expected)
+        self._staged = self._stage(contribution, transmitted)
+
+    def commit(self) -> None:
+        """The round committed: the staged error-feedback state becomes current."""
+        if self._staged is None:
+            raise StrategyError(
+                f"{self.name} commit: expected a proposed round, got none (call propose first)"
+            )
+        state = self._buffers()
+        for key, tensor in self._staged.items():
+            state[key].copy_(tensor)
+        self._staged = None
+
+    def rollback(self) -> None:
+        """The round aborted: drop the staged state, so the residual is carried into the next round untouched."""
+        self._staged = None
+
+    def apply(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
+        """The outer step, in place on theta_outer, from the swarm mean of transmitted contributions."""
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("averaged", averaged, self.contribution_numel())
+        if not bool(torch.isfinite(averaged).all()):
+            raise StrategyError(f"{self.name} averaged: expected only finite values, got NaN/Inf")
+        self._outer_step(theta_outer, averaged)
+        self._num_rounds += 1
+
+    def merge_into_local(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> None:
+        """After `apply`: set the local parameters the ranks continue from (default: replace by theta_outer)."""
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        theta_local.copy_(theta_outer)
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The live state tensors by name (without num_rounds)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Committed state as flat name -> tensor copies (safetensors-compatible; scalars as 0-d tensors)."""
+        state = {key: tensor.clone() for key, tensor in self._buffers().items()}
+        state["num_rounds"] = torch.tensor(self._num_rounds, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Install a state from `state_dict` (e.g. a donor's); keys, shapes, dtypes and finiteness are checked."""
+        buffers = self._buffers()
+        expected_keys = {*buffers, "num_rounds"}
+        if set(state) != expected_keys:
+            raise StrategyError(
+                f"{self.name} state keys: expected {sorted(expected_keys)}, got {sorted(state)} "
+                f"(missing {sorted(expected_keys - set(state))}, unexpected {sorted(set(state) - expected_keys)})"
+            )
+        rounds = state["num_rounds"]
+        if (
+            not isinstance(rounds, torch.Tensor)
+            or rounds.dtype != torch.int64
+            or rounds.ndim != 0
+            or rounds < 0
+        ):
+            raise StrategyError(
+                f"{self.name} state num_rounds: expected a 0-d int64 tensor >= 0, got {rounds!r}"
+            )
+        for key, live in buffers.items():
+            value = state[key]
+            if not isinstance(value, torch.Tensor) or value.dtype != live.dtype or value.shape != live.shape:
+                got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+                raise StrategyError(
+                    f"{self.name} state {key}: expected {live.dtype} {list(live.shape)}, got {got}"
+                )
+            if not bool(torch.isfinite(value).all()):
+                raise StrategyError(f"{self.name} state {key}: expected only finite values, got NaN/Inf")
+        for key, live in buffers.items():
+            live.copy_(state[key])
+        self._num_rounds = int(rounds)
+        self._staged = None
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+    def _check_vector(self, what: str, tensor: object, numel: int) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise StrategyError(f"{self.name} {what}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != torch.float32 or tensor.shape != (numel,) or tensor.device.type != "cpu":
+            raise StrategyError(
+                f"{self.name} {what}: expected a 1-D float32 CPU tensor of {numel} values, "
+                f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
+            )
+
+    def _pseudo_gradient(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        return theta_outer - theta_local
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in sorted(self.hparams.items()))
+        return f"{type(self).__name__}(num_params={self.num_params}, codec={self.codec!r}, {options})"
+
+
+def _nesterov_step(
+    theta: torch.Tensor, momentum_buffer: torch.Tensor, gradient: torch.Tensor, lr: float, momentum: float
+) -> None:
+    """torch.optim.SGD(nesterov=True) semantics: b <- mu*b + g; theta <- theta - lr*(g + mu*b).
+
+    Each operation is a separate IEEE multiply or add, in a fixed order, so every node gets the same bits.
+    """
+    momentum_buffer.mul_(momentum).add_(gradient)
+    step = momentum_buffer * momentum
+    step.add_(gradient).mul_(lr)
+    theta.sub_(step)
+
+
+class DiLoCo(OuterStrategy):
+    """DiLoCo: Nesterov outer SGD on the mean pseudo-gradient theta_outer - theta_local.
+
+    With `error_feedback` (default: on for lossy codecs) the part of the contribution the codec lost is kept as
+    a residual and added to the next round's pseudo-gradient.
+    """
+
+    name = "diloco"
+    hparam_types: ClassVar[Mapping[str, type]] = {"lr": float, "momentum": float, "error_feedback": bool}
+
+    def _defaults(self) -> dict[str, HParam]:
+        return {"lr": 0.7, "momentum": 0.9, "error_feedback": not self.codec.lossless}
+
+    def _configure(self) -> None:
+        self._require("lr", self._float("lr") > 0, "> 0")
+        self._require("momentum", 0 <= self._float("momentum") < 1, "0 <= momentum < 1")
+        self.momentum_buffer = torch.zeros(self.num_params)
+        self.residual = torch.zeros(self.num_params) if self.hparams["error_feedback"] else None
+
+    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+        contribution = self._pseudo_gradient(theta_outer, theta_local)
+        if self.residual is not None:
+            contribution.add_(self.residual)
+        return contribution
+
+    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {} if self.residual is None else {"residual": contribution - transmitted}
+
+    def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
+        _nesterov_step(
+            theta_outer, self.momentum_buffer, averaged, self._float("lr"), self._float("momentum")
+        )
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        buffers = {"momentum_buffer": self.momentum_buffer}
+        if self.residual is not None:
+            buffers["residual"] = self.residual
+        return buffers
+
+
+class SparseLoCo(OuterStrategy):
+    """SparseLoCo: error-feedback buffer e <- beta*e + delta replaces outer momentum; the codec (meant: topk with
+    2-bit values) sends a sparse part of e, what was sent is subtracted, and theta <- theta - lr * mean."""
+
+    name = "sparseloco"
+    hparam_types: ClassVar[Mapping[str, type]] = {"lr": float, "beta": float}
+
+    def _defaults(self) -> dict[str, HParam]:
+        return {"lr": 1.0, "beta": 0.95}
+
+    def _configure(self) -> None:
+        self._require("lr", self._float("lr") > 0, "> 0")
+        self._require("beta", 0 <= self._float("beta") <= 1, "0 <= beta <= 1")
+        self.error_buffer = torch.zeros(self.num_params)
+
+    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+        delta = self._pseudo_gradient(theta_outer, theta_local)
+        contribution = self.error_buffer * self._float("beta")
+        return contribution.add_(delta)
+
+    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"error_buffer": contribution - transmitted}
+
+    def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
+        theta_outer.sub_(averaged * self._float("lr"))
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {"error_buffer": self.error_buffer}
+
+
+class DeMo(OuterStrategy):
+    """DeMo (decoupled momentum) with one inner step per round: m <- beta*m + g, send the codec's (meant:
+    dct-topk) part of m, subtract what was sent, and take a sign-SGD step with decoupled weight decay:
+    theta <- theta * (1 - lr*weight_decay) - lr * sign(mean). The gradient g is theta_outer - theta_local,
+    i.e. the node runs one inner step of plain SGD with learning rate 1 on the loss gradient."""
+
+    name = "demo"
+    hparam_types: ClassVar[Mapping[str, type]] = {"lr": float, "beta": float, "weight_decay": float}
+
+    def _defaults(self) -> dict[str, HParam]:
+        return {"lr": 1e-3, "beta": 0.999, "weight_decay": 0.0}
+
+    def _configure(self) -> None:
+        self._require("lr", self._float("lr") > 0, "> 0")
+        self._require("beta", 0 <= self._float("beta") <= 1, "0 <= beta <= 1")
+        self._require("weight_decay", self._float("weight_decay") >= 0, ">= 0")
+        self.momentum = torch.zeros(self.num_params)
+
+    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+        gradient = self._pseudo_gradient(theta_outer, theta_local)
+        contribution = self.momentum * self._float("beta")
+        return contribution.add_(gradient)
+
+    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"momentum": contribution - transmitted}
+
+    def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
+        lr, weight_decay = self._float("lr"), self._float("weight_decay")
+        if weight_decay:
+            theta_outer.mul_(1.0 - lr * weight_decay)
+        theta_outer.sub_(torch.sign(averaged).mul_(lr))
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self.momentum}
+
+
+class StreamingDiLoCo(OuterStrategy):
+    """Streaming DiLoCo: the parameters form `num_fragments` fragments; round r syncs only fragment
+    r mod num_fragments (so each fragment syncs every num_fragments rounds, staggered), with DiLoCo's Nesterov
+    step on that fragment, and the ranks merge it as theta_local <- alpha*theta_local + (1-alpha)*theta_outer.
+
+    Fragments are contiguous, near-equal ranges of the canonical flat order (the first numel % P fragments get
+    one extra value). The contribution, `averaged` and the transmitted tensor cover only the current fragment.
+    """
+
+    name = "streaming-diloco"
+    hparam_types: ClassVar[Mapping[str, type]] = {
+        "lr": float,
+        "momentum": float,
+        "error_feedback": bool,
+        "num_fragments": int,
+        "alpha": float,
+    }
+
+    def _defaults(self) -> dict[str, HParam]:
+        return {
+            "lr": 0.7,
+            "momentum": 0.9,
+            "error_feedback": not self.codec.lossless,
+            "num_fragments": 4,
+            "alpha": 0.5,
+        }
+
+    def _configure(self) -> None:
+        self._require("lr", self._float("lr") > 0, "> 0")
+        self._require("momentum", 0 <= self._float("momentum") < 1, "0 <= momentum < 1")
+        self._require("alpha", 0 <= self._float("alpha") <= 1, "0 <= alpha <= 1")
+        num_fragments = int(self.hparams["num_fragments"])
+        self._require(
+            "num_fragments", 1 <= num_fragments <= self.num_params, f"1 <= num_fragments <= {self.num_params}"
+        )
+        base, extra = divmod(self.num_params, num_fragments)
+        sizes = [base + (1 if p < extra else 0) for p in range(num_fragments)]
+        starts = [sum(sizes[:p]) for p in range(num_fragments)]
+        self.fragments = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+        self.momentum_buffer = torch.zeros(self.num_params)
+        self.residual = torch.zeros(self.num_params) if self.hparams["error_feedback"] else None
+        self._merge_fragment: slice | None = None
+
+    def fragment(self, round_index: int) -> slice:
+        """The flat range synced in the round after `round_index` applied outer steps."""
+        return self.fragments[round_index % len(self.fragments)]
+
+    def current_fragment(self) -> slice:
+        return self.fragment(self._num_rounds)
+
+    def contribution_numel(self) -> int:
+        part = self.current_fragment()
+        return int(part.stop) - int(part.start)
+
+    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        part = self.current_fragment()
+        contribution = theta_outer[part] - theta_local[part]
+        if self.residual is not None:
+            contribution.add_(self.residual[part])
+        return contribution
+
+    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.residual is None:
+            return {}
+        residual = self.residual.clone()
+        residual[self.current_fragment()] = contribution - transmitted
+        return {"residual": residual}
+
+    def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
+        part = self.current_fragment()
+        _nesterov_step(
+            theta_outer[part],
+            self.momentum_buffer[part],
+            averaged,
+            self._float("lr"),
+            self._float("momentum"),
+        )
+        self._merge_fragment = part
+
+    def merge_into_local(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> None:
+        """theta_local <- alpha*theta_local + (1-alpha)*theta_outer on the fragment the last `apply` updated;
+        the other fragments keep their local progress."""
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        if self._merge_fragment is None:
+            raise StrategyError(f"{self.name} merge_into_local: expected a preceding apply, got none")
+        part, alpha = self._merge_fragment, self._float("alpha")
+        merged = theta_local[part] * alpha
+        merged.add_(theta_outer[part] * (1.0 - alpha))
+        theta_local[part] = merged
+        self._merge_fragment = None
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        buffers = {"momentum_buffer": self.momentum_buffer}
+        if self.residual is not None:
+            buffers["residual"] = self.residual
+        return buffers
+
+
+_STRATEGIES: dict[str, type[OuterStrategy]] = {
+    cls.name: cls for cls in (DiLoCo, SparseLoCo, StreamingDiLoCo, DeMo)
+}
+
+
+def available_strategies() -> list[str]:
+    """Registered strategy names."""
+    return list(_STRATEGIES)
+
+
+def make_strategy(name: str, num_params: int, codec: Codec, **hparams: HParam) -> OuterStrategy:
+    """Build strategy `name`; unknown names or hyper-parameters raise StrategyError naming the allowed ones."""
+    if name not in _STRATEGIES:
+        raise StrategyError(f"strategy name: expected one of {available_strategies()}, got {name!r}")
+    return _STRATEGIES[name](num_params, codec, **hparams)
