@@ -1,0 +1,793 @@
+"""The collective exchange of one outer round: a weighted mean of every group member's tensor over gRPC.
+
+Dense codecs use reduce-scatter + all-gather. The flat tensor is cut into one contiguous part per member (in
+member order) and each part into chunks of `chunk_bytes // 4` elements. Every member opens one bidirectional
+`ExchangePush` stream to every other member j: on the request side it sends its encoded chunks of part j, on
+the response side j sends back the encoded *mean* of each chunk of part j as soon as j has every member's
+contribution to that chunk — so the reduce-scatter and the all-gather overlap chunk by chunk. The owner sums
+contributions in fp32 in member (= sorted peer id) order, weighted, divides, re-encodes with the same codec, and
+everyone (the owner too) uses decode(those bytes): the result is bit-identical on every member.
+
+Sparse codecs (`dense=False`) use an all-gather: each member streams its whole payload to every other member;
+each member decodes every payload and sums in sorted peer-id order.
+
+Faults. A round is a sequence of *attempts*. An attempt succeeds locally when this member holds every part of
+the mean. After the data phase every member exchanges a small vote (`ExchangeVote`: "I have everything" plus the
+peers that sent it malformed data) with every other member; the decision is a pure function of the votes from
+the members that answered, so every survivor takes the same one:
+  * every answering member holds the full result -> return it (the contributors are the attempt's members:
+    a part can only be complete with every member's contribution, so each part has the same contributor set);
+  * otherwise drop the members that did not answer, that excluded themselves, or that a majority of the others
+    reported as sending malformed data, and run a fresh attempt among the rest (a new group id, parts
+    re-assigned, every part re-reduced, so no part can include a dropped member's contribution);
+  * if nobody can be dropped, or time runs out, raise `ExchangeAborted` — never a partial mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+from farloco.protocol.types import Group, GroupMember, group_id_of
+
+__all__ = ["AverageResult", "Exchange", "ExchangeAborted", "TensorCodec"]
+
+log = logging.getLogger(__name__)
+
+PUSH_METHOD = "ExchangePush"
+VOTE_METHOD = "ExchangeVote"
+# Share of the time left that one attempt's data phase may use; the rest is for votes and a re-attempt.
+DATA_PHASE_SHARE = 0.6
+VOTE_PHASE_SHARE = 0.15
+# How long an incoming stream waits for this node to start the matching attempt locally.
+JOIN_WAIT_SECONDS = 60.0
+# Votes of finished attempts kept to answer late vote calls.
+DECIDED_MEMORY = 256
+
+
+class TensorCodec(Protocol):
+    """What farloco.optim codecs look like (structural typing: protocol never imports optim)."""
+
+    name: str
+    dense: bool
+
+    def encode(self, tensor: torch.Tensor) -> bytes: ...
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor: ...
+
+
+@dataclass
+class AverageResult:
+    """The outcome of one successful exchange."""
+
+    averaged: torch.Tensor  # fp32 mean over `contributors`, bit-identical on every member that returns
+    transmitted: torch.Tensor  # what this node's own contribution became on the wire (for error feedback)
+    contributors: tuple[str, ...]  # peer ids whose contribution is in the mean (sorted)
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+class ExchangeAborted(Exception):
+    """The round cannot produce a mean that is consistent across the survivors."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"exchange aborted, reason={reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _invalid(reason: str, detail: str) -> Reject:
+    return Reject(grpc.StatusCode.INVALID_ARGUMENT, reason, detail)
+
+
+def _precondition(reason: str, detail: str) -> Reject:
+    return Reject(grpc.StatusCode.FAILED_PRECONDITION, reason, detail)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which contiguous range of the flat tensor each member owns, and how a part is cut into chunks."""
+
+    numel: int
+    num_parts: int
+    chunk_elems: int
+
+    def part(self, index: int) -> tuple[int, int]:
+        base, extra = divmod(self.numel, self.num_parts)
+        start = index * base + min(index, extra)
+        return start, start + base + (1 if index < extra else 0)
+
+    def chunks(self, index: int) -> list[tuple[int, int]]:
+        start, end = self.part(index)
+        return [(a, min(a + self.chunk_elems, end)) for a in range(start, end, self.chunk_elems)]
+
+
+def _max_chunk_payload(num_elems: int) -> int:
+    # No codec worth using sends more than twice fp32 plus a small header; refuse anything bigger unread.
+    return 8 * num_elems + 4096
+
+
+@dataclass
+class _Attempt:
+    """State of one attempt of one exchange on this node. Created by `average()` or, if a peer's stream
+    arrives first, as a placeholder that waits for the local side to start."""
+
+    key: str  # the attempt's group id (sha256 of round and member ids)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # local success or failure
+    waiters: int = 0
+    superseded_by: str | None = None  # a placeholder whose (round, attempt) started under another group id
+    expect_round: int = -1  # what a placeholder's first waiter claimed, to detect group mismatches
+    expect_attempt: int = -1
+    # Filled by start():
+    round_id: int = 0
+    attempt_no: int = 0
+    members: tuple[GroupMember, ...] = ()
+    me: int = 0
+    dense: bool = True
+    codec: Any = None
+    weight: float = 1.0
+    flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    plan: _Plan = field(default_factory=lambda: _Plan(0, 1, 1))
+    result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    transmitted: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    # Progress:
+    parts_missing: int = 0  # dense: parts (or sparse: payloads) this node still lacks
+    ok: bool = False
+    failure: str = ""
+    bad: set[str] = field(default_factory=set)
+    local_error: BaseException | None = None
+    streams_from: set[int] = field(default_factory=set)
+    weights: dict[int, float] = field(default_factory=dict)
+    pending: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    chunks_reduced: int = 0
+    payload: bytes = b""  # sparse: our encoded payload, sent to every member
+    decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse: member index -> decoded payload
+    outboxes: dict[int, asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
+    status: asyncio.Future[dict[str, Any]] | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def member_ids(self) -> list[str]:
+        return [m.peer_id for m in self.members]
+
+    def fail(self, reason: str, bad_peer: str | None = None) -> None:
+        """Mark the attempt failed (first reason wins) and tell every peer streaming to us."""
+        if bad_peer is not None:
+            self.bad.add(bad_peer)
+        if self.finished.is_set():
+            return
+        self.failure = reason
+        log.info("exchange attempt %s/%d failed: %s", self.key[:12], self.attempt_no, reason)
+        for outbox in self.outboxes.values():
+            outbox.put_nowait(Reject(grpc.StatusCode.ABORTED, "ATTEMPT_FAILED", reason))
+        self.finished.set()
+
+    def part_done(self) -> None:
+        self.parts_missing -= 1
+        if self.parts_missing == 0 and not self.finished.is_set():
+            self.ok = True
+            self.finished.set()
+
+    def vote(self) -> dict[str, Any]:
+        # numel and codec let the survivors agree, by majority, on who brought a mismatched tensor.
+        return {"ok": self.ok, "bad": sorted(self.bad), "n": self.plan.numel, "c": str(self.codec.name)}
+
+
+class Exchange:
+    """Averages tensors across a group of peers; registers `ExchangePush` and `ExchangeVote` on `server`.
+
+    One `average()` per group at a time. `chunk_bytes` is the fp32 size of one chunk (all members must use the
+    same value); `max_payload_bytes` caps the fp32 size of a tensor and the size of any incoming payload.
+    """
+
+    def __init__(
+        self,
+        server: RpcServer,
+        client: RpcClient,
+        peer_id: str,
+        *,
+        chunk_bytes: int = 1 << 20,
+        max_payload_bytes: int = 4 << 30,
+    ) -> None:
+        if chunk_bytes < 1024 or chunk_bytes * 2 + 8192 > min(
+            server.max_message_bytes, client.max_message_bytes
+        ):
+            raise ValueError(
+                f"chunk_bytes must be >= 1024 and leave room in max_message_bytes "
+                f"(server {server.max_message_bytes}, client {client.max_message_bytes}); got {chunk_bytes}"
+            )
+        self.server = server
+        self.client = client
+        self.peer_id = peer_id
+        self.chunk_elems = chunk_bytes // 4
+        self.max_payload_bytes = max_payload_bytes
+        self._attempts: dict[str, _Attempt] = {}
+        self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        server.add_stream(PUSH_METHOD, self._on_push)
+        server.add_unary(VOTE_METHOD, self._on_vote)
+
+    # -- the local side -----------------------------------------------------------------------------------
+
+    async def average(
+        self, group: Group, tensor: torch.Tensor, codec: TensorCodec, *, timeout: float, weight: float = 1.0
+    ) -> AverageResult:
+        """Weighted mean of `tensor` over the group (see the module docstring). Raises ExchangeAborted if no
+        consistent mean can be produced before `timeout` seconds, ValueError on bad arguments."""
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise ValueError(f"expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}")
+        if tensor.numel() * 4 > self.max_payload_bytes:
+            raise ValueError(
+                f"tensor of {tensor.numel() * 4} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+            )
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be finite and > 0, got {weight}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        group.index_of(self.peer_id)  # ValueError naming the members if we are not one
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        deadline = started_at + timeout
+        flat = tensor.detach().reshape(-1)
+        members = group.members
+        bytes_sent = bytes_received = 0
+        attempt_no = 0
+        while True:
+            key = (
+                group.group_id
+                if attempt_no == 0
+                else group_id_of(group.round_id, [m.peer_id for m in members])
+            )
+            if key in self._attempts and self._attempts[key].started.is_set():
+                raise RuntimeError(f"an exchange for group {key[:12]} is already running on {self.peer_id}")
+            attempt = self._attempts.get(key) or _Attempt(key)
+            self._attempts[key] = attempt
+            self._start(attempt, group.round_id, attempt_no, members, flat, codec, weight)
+            remaining = deadline - loop.time()
+            data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
+            vote_deadline = data_deadline + remaining * VOTE_PHASE_SHARE
+            try:
+                await self._data_phase(attempt, data_deadline)
+                votes = await self._vote_phase(attempt, vote_deadline)
+            finally:
+                self._retire(attempt)
+            bytes_sent += attempt.bytes_sent
+            bytes_received += attempt.bytes_received
+            if attempt.local_error is not None:
+                raise attempt.local_error
+            alive = [m for m in members if m.peer_id in votes]
+            if all(votes[m.peer_id]["ok"] for m in alive):
+                return AverageResult(
+                    averaged=attempt.result.reshape(tensor.shape),
+                    transmitted=attempt.transmitted.reshape(tensor.shape),
+                    contributors=tuple(sorted(attempt.member_ids)),
+                    bytes_sent=bytes_sent,
+                    bytes_received=bytes_received,
+                    seconds=loop.time() - started_at,
+                )
+            excluded = _excluded(alive, votes)
+            survivors = tuple(m for m in alive if m.peer_id not in excluded)
+            detail = (
+                f"round {group.round_id} attempt {attempt_no} of {len(members)} members failed "
+                f"({attempt.failure or 'a peer failed'}); answered: {[m.peer_id for m in alive]}, "
+                f"excluded: {sorted(excluded)}"
+            )
+            if self.peer_id in excluded:
+                raise ExchangeAborted("EXCLUDED", detail)
+            if len(survivors) == len(members):
+                raise ExchangeAborted("NO_PROGRESS", detail + "; nobody to drop, so a retry would fail alike")
+            if loop.time() >= deadline:
+                raise ExchangeAborted("DEADLINE", detail + f"; no time left of {timeout}s")
+            log.warning("%s; retrying among %s", detail, [m.peer_id for m in survivors])
+            members = survivors
+            attempt_no += 1
+
+    def _start(
+        self,
+        attempt: _Attempt,
+        round_id: int,
+        attempt_no: int,
+        members: tuple[GroupMember, ...],
+        flat: torch.Tensor,
+        codec: TensorCodec,
+        weight: float,
+    ) -> None:
+        attempt.round_id = round_id
+        attempt.attempt_no = attempt_no
+        attempt.members = members
+        attempt.me = [m.peer_id for m in members].index(self.peer_id)
+        attempt.dense = bool(codec.dense)
+        attempt.codec = codec
+        attempt.weight = weight
+        attempt.flat = flat
+        attempt.plan = _Plan(flat.numel(), len(members), self.chunk_elems)
+        attempt.result = torch.empty(flat.numel(), dtype=torch.float32)
+        attempt.transmitted = torch.empty(flat.numel(), dtype=torch.float32)
+        attempt.weights = {attempt.me: weight}
+        attempt.status = asyncio.get_running_loop().create_future()
+        # Dense: every other member's part, plus our own part once it is reduced. Sparse: every other payload.
+        attempt.parts_missing = len(members) if attempt.dense else len(members) - 1
+        attempt.outboxes = {j: asyncio.Queue() for j in range(len(members)) if j != attempt.me}
+        attempt.started.set()
+        # Streams that arrived early under another group id for this round and attempt are refused now.
+        for other in list(self._attempts.values()):
+            if (
+                other is not attempt
+                and not other.started.is_set()
+                and (other.expect_round, other.expect_attempt) == (round_id, attempt_no)
+            ):
+                other.superseded_by = attempt.key
+                other.started.set()
+
+    async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            if not attempt.dense:
+                self._encode_sparse(attempt)
+            elif len(attempt.members) == 1:
+                self._reduce_alone(attempt)
+            elif not attempt.plan.chunks(attempt.me):
+                attempt.part_done()
+        except Exception as exc:
+            self._local_failure(attempt, exc)
+            return
+        pushes = [
+            asyncio.create_task(self._push(attempt, j, deadline))
+            for j in range(len(attempt.members))
+            if j != attempt.me
+        ]
+        try:
+            await asyncio.wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            attempt.fail("DEADLINE: data phase did not complete in time")
+        if not attempt.ok:
+            for task in pushes:
+                task.cancel()
+        # A push finishing late cannot change the outcome; its errors were already recorded in `attempt`.
+        await asyncio.gather(*pushes, return_exceptions=True)
+
+    def _local_failure(self, attempt: _Attempt, exc: Exception) -> None:
+        # Our own tensor cannot be encoded (e.g. NaN): exclude ourselves so the others go on without us,
+        # and raise the codec's error to our caller once the votes are out.
+        attempt.local_error = exc
+        attempt.bad.add(self.peer_id)
+        attempt.fail(f"LOCAL_ENCODE_FAILED: {type(exc).__name__}: {exc}")
+
+    def _reduce_alone(self, attempt: _Attempt) -> None:
+        # A dense group of one (all others dropped): the mean is our own contribution, through the codec twice
+        # like every owner's mean.
+        codec = attempt.codec
+        for a, b in attempt.plan.chunks(0):
+            own = codec.decode(codec.encode(attempt.flat[a:b]))
+            attempt.transmitted[a:b] = own
+            attempt.result[a:b] = codec.decode(codec.encode(own))
+        attempt.part_done()
+
+    def _encode_sparse(self, attempt: _Attempt) -> None:
+        attempt.payload = attempt.codec.encode(attempt.flat)
+        own = _decode(attempt.codec, attempt.payload, attempt.plan.numel, "own payload")
+        attempt.transmitted.copy_(own)
+        attempt.decoded[attempt.me] = attempt.transmitted
+        if len(attempt.members) == 1:
+            self._finish_sparse(attempt)
+
+    async def _push(self, attempt: _Attempt, j: int, deadline: float) -> None:
+        """Stream our contribution to member j and, for dense codecs, receive j's mean of its part."""
+        member = attempt.members[j]
+        codec = attempt.codec
+        loop = asyncio.get_running_loop()
+        hello = Frame(
+            {
+                "g": attempt.key,
+                "a": attempt.attempt_no,
+                "n": attempt.plan.numel,
+                "ce": attempt.plan.chunk_elems,
+                "c": codec.name,
+                "d": attempt.dense,
+                "w": attempt.weight,
+            }
+        )
+        chunks = attempt.plan.chunks(j)
+
+        async def dense_frames() -> AsyncIterator[Frame]:
+            yield hello
+            for k, (a, b) in enumerate(chunks):
+                try:
+                    data = codec.encode(attempt.flat[a:b])
+                    attempt.transmitted[a:b] = codec.decode(data)
+                except Exception as exc:
+                    self._local_failure(attempt, exc)
+                    return
+                attempt.bytes_sent += len(data)
+                yield Frame({"k": k}, data)
+
+        async def sparse_frames() -> AsyncIterator[Frame]:
+            payload = memoryview(attempt.payload)
+            yield Frame({**hello.header, "len": len(payload)})
+            step = self.chunk_elems * 4
+            for offset in range(0, len(payload), step):
+                piece = payload[offset : offset + step]
+                attempt.bytes_sent += len(piece)
+                yield Frame({"o": offset}, piece)
+
+        try:
+            received = 0
+            frames = dense_frames() if attempt.dense else sparse_frames()
+            answers = self.client.stream(
+                member.address,
+                PUSH_METHOD,
+                frames,
+                round_id=attempt.round_id,
+                timeout=max(0.001, deadline - loop.time()),
+            )
+            async for frame in answers:
+                if not attempt.dense:
+                    if frame.header.get("done") is not True:
+                        raise _invalid("BAD_HEADER", f"expected a done frame from {member.peer_id}")
+                    received = 1
+                    continue
+                if received >= len(chunks) or frame.header.get("k") != received:
+                    raise _invalid(
+                        "CHUNK_ORDER",
+                        f"expected chunk {received} of {len(chunks)} of part {j}, got {frame.header.get('k')!r}",
+                    )
+                a, b = chunks[received]
+                if len(frame.payload) > _max_chunk_payload(b - a):
+                    raise _invalid(
+                        "SIZE_MISMATCH", f"mean chunk of {len(frame.payload)} bytes for {b - a} elements"
+                    )
+                attempt.bytes_received += len(frame.payload)
+                attempt.result[a:b] = _decode(
+                    codec, frame.payload, b - a, f"mean of part {j} chunk {received}"
+                )
+                received += 1
+            if attempt.dense and received != len(chunks):
+                raise _invalid("TRUNCATED", f"part {j}: expected {len(chunks)} mean chunks, got {received}")
+            if not attempt.dense and received != 1:
+                raise _invalid(
+                    "TRUNCATED", f"{member.peer_id} closed the stream without confirming our payload"
+                )
+            if attempt.dense:
+                attempt.part_done()
+        except RpcError as exc:
+            attempt.fail(f"push to {member.peer_id} failed: {exc.code.name} reason={exc.reason}")
+        except Reject as exc:
+            attempt.fail(
+                f"bad answer from {member.peer_id}: reason={exc.reason} {exc.detail}", member.peer_id
+            )
+        except asyncio.CancelledError:
+            attempt.fail(f"push to {member.peer_id} cancelled")
+            raise
+
+    async def _vote_phase(self, attempt: _Attempt, deadline: float) -> dict[str, dict[str, Any]]:
+        """Tell every other member our outcome and learn theirs; returns peer_id -> vote for those that answered."""
+        loop = asyncio.get_running_loop()
+        mine = attempt.vote()
+        assert attempt.status is not None
+        attempt.status.set_result(mine)
+        self._remember(attempt.key, mine)
+
+        async def ask(member: GroupMember) -> dict[str, Any] | None:
+            try:
+                answer = await self.client.unary(
+                    member.address,
+                    VOTE_METHOD,
+                    Frame({"g": attempt.key, "a": attempt.attempt_no, "v": mine}),
+                    round_id=attempt.round_id,
+                    timeout=max(0.001, deadline - loop.time()),
+                )
+            except RpcError as exc:
+                log.info("no vote from %s for %s: %s", member.peer_id, attempt.key[:12], exc)
+                return None
+            return _parse_vote(answer.header.get("v"), member.peer_id)
+
+        others = [m for j, m in enumerate(attempt.members) if j != attempt.me]
+        answers = await asyncio.gather(*(ask(m) for m in others))
+        votes = {m.peer_id: v for m, v in zip(others, answers, strict=True) if v is not None}
+        votes[self.peer_id] = mine
+        return votes
+
+    def _remember(self, key: str, vote: dict[str, Any]) -> None:
+        self._decided[key] = vote
+        while len(self._decided) > DECIDED_MEMORY:
+            self._decided.popitem(last=False)
+
+    def _retire(self, attempt: _Attempt) -> None:
+        if not attempt.finished.is_set():
+            attempt.fail("abandoned")
+        if attempt.status is not None and not attempt.status.done():
+            vote = attempt.vote()
+            attempt.status.set_result(vote)
+            self._remember(attempt.key, vote)
+        if self._attempts.get(attempt.key) is attempt:
+            del self._attempts[attempt.key]
+
+    # -- the serving side ---------------------------------------------------------------------------------
+
+    async def _find_attempt(self, ctx: CallContext, key: Any, attempt_no: Any) -> _Attempt:
+        """The started local attempt `key`, waiting for the local side to start it if the peer came first."""
+        if not isinstance(key, str) or len(key) != 64 or not isinstance(attempt_no, int):
+            raise _invalid(
+                "BAD_HEADER", f"expected a 64-char group id and an attempt number, got {key!r:.80}"
+            )
+        attempt = self._attempts.get(key)
+        if attempt is None:
+            if key in self._decided:
+                raise Reject(
+                    grpc.StatusCode.ABORTED, "ATTEMPT_OVER", f"group {key[:12]} already finished here"
+                )
+            for other in self._attempts.values():
+                if (
+                    other.started.is_set()
+                    and (other.round_id, other.attempt_no) == (ctx.round_id, attempt_no)
+                    and ctx.sender in other.member_ids
+                ):
+                    raise _precondition(
+                        "GROUP_MISMATCH",
+                        f"round {ctx.round_id}: expected group {other.key[:12]}, got {key[:12]} from {ctx.sender}",
+                    )
+            attempt = _Attempt(key, expect_round=ctx.round_id, expect_attempt=attempt_no)
+            self._attempts[key] = attempt
+        attempt.waiters += 1
+        try:
+            await asyncio.wait_for(attempt.started.wait(), timeout=JOIN_WAIT_SECONDS)
+        except TimeoutError:
+            raise _precondition("UNKNOWN_GROUP", f"group {key[:12]} was never started here") from None
+        finally:
+            attempt.waiters -= 1
+            unused = not attempt.started.is_set() or attempt.superseded_by is not None
+            if unused and attempt.waiters == 0 and self._attempts.get(key) is attempt:
+                del self._attempts[key]
+        if attempt.superseded_by is not None:
+            raise _precondition(
+                "GROUP_MISMATCH",
+                f"round {ctx.round_id}: expected group {attempt.superseded_by[:12]}, got {key[:12]} from {ctx.sender}",
+            )
+        if ctx.round_id != attempt.round_id:
+            raise _precondition("STALE_ROUND", f"expected round {attempt.round_id}, got {ctx.round_id}")
+        if ctx.sender not in attempt.member_ids or ctx.sender == self.peer_id:
+            raise Reject(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "NOT_A_MEMBER",
+                f"{ctx.sender} is not another member of group {key[:12]}: members are {attempt.member_ids}",
+            )
+        return attempt
+
+    def _check_hello(self, attempt: _Attempt, ctx: CallContext, header: dict[str, Any]) -> tuple[int, float]:
+        sender = attempt.member_ids.index(ctx.sender)
+        where = f"round {attempt.round_id} from {ctx.sender}"
+        if header.get("a") != attempt.attempt_no:
+            raise _precondition(
+                "ATTEMPT_MISMATCH", f"{where}: expected {attempt.attempt_no}, got {header.get('a')!r}"
+            )
+        if header.get("n") != attempt.plan.numel:
+            raise _invalid(
+                "SHAPE_MISMATCH", f"{where}: expected numel={attempt.plan.numel}, got {header.get('n')!r}"
+            )
+        if header.get("c") != attempt.codec.name or header.get("d") is not attempt.dense:
+            raise _invalid(
+                "CODEC_MISMATCH",
+                f"{where}: expected codec {attempt.codec.name!r}, got {header.get('c')!r:.40}",
+            )
+        if header.get("ce") != attempt.plan.chunk_elems:
+            raise _invalid(
+                "CHUNK_MISMATCH",
+                f"{where}: expected {attempt.plan.chunk_elems} elements, got {header.get('ce')!r}",
+            )
+        weight = header.get("w")
+        if not isinstance(weight, float) or not (math.isfinite(weight) and weight > 0):
+            raise _invalid("BAD_WEIGHT", f"{where}: expected a finite weight > 0, got {weight!r}")
+        if sender in attempt.streams_from:
+            raise _invalid("DUPLICATE_STREAM", f"{where}: a stream from this sender is already open")
+        return sender, weight
+
+    async def _on_push(self, ctx: CallContext, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        incoming = frames.__aiter__()
+        try:
+            hello = await anext(incoming)
+        except StopAsyncIteration:
+            raise _invalid("TRUNCATED", f"stream from {ctx.sender} ended before its first frame") from None
+        attempt = await self._find_attempt(ctx, hello.header.get("g"), hello.header.get("a"))
+        sender, weight = self._check_hello(attempt, ctx, hello.header)
+        attempt.streams_from.add(sender)
+        attempt.weights[sender] = weight
+        outbox = attempt.outboxes[sender]
+        if attempt.finished.is_set() and not attempt.ok:
+            raise Reject(grpc.StatusCode.ABORTED, "ATTEMPT_FAILED", attempt.failure)
+        receive = self._receive_dense if attempt.dense else self._receive_sparse
+        consumer = asyncio.create_task(receive(attempt, sender, hello, incoming))
+        expected = len(attempt.plan.chunks(attempt.me)) if attempt.dense else 1
+        try:
+            for _ in range(expected):
+                item = await outbox.get()
+                if isinstance(item, Reject):
+                    raise item
+                yield item
+            # Every answer went out, so every chunk from this sender was already taken in.
+            await consumer
+        finally:
+            if not consumer.done():
+                consumer.cancel()
+                attempt.fail(f"stream from {ctx.sender} ended early")
+
+    async def _receive_dense(
+        self, attempt: _Attempt, sender: int, hello: Frame, incoming: AsyncIterator[Frame]
+    ) -> None:
+        """Take `sender`'s chunks of our part; reduce each chunk once every member's copy is in."""
+        peer = attempt.member_ids[sender]
+        chunks = attempt.plan.chunks(attempt.me)
+        try:
+            for k, (a, b) in enumerate(chunks):
+                try:
+                    frame = await anext(incoming)
+                except StopAsyncIteration:
+                    raise _invalid("TRUNCATED", f"{peer} sent {k} of {len(chunks)} chunks") from None
+                if frame.header.get("k") != k:
+                    raise _invalid(
+                        "CHUNK_ORDER", f"{peer}: expected chunk {k}, got {frame.header.get('k')!r}"
+                    )
+                if len(frame.payload) > _max_chunk_payload(b - a):
+                    raise _invalid(
+                        "SIZE_MISMATCH",
+                        f"{peer}: chunk {k} of {b - a} elements came as {len(frame.payload)} bytes",
+                    )
+                attempt.bytes_received += len(frame.payload)
+                contribution = _decode(attempt.codec, frame.payload, b - a, f"chunk {k} from {peer}")
+                slot = attempt.pending.setdefault(k, {})
+                slot[sender] = contribution
+                if len(slot) == len(attempt.members) - 1:
+                    self._reduce_chunk(attempt, k)
+        except Reject as exc:
+            # The sender's own stream carries the specific reason (the server logs and counts it there);
+            # the other streams get ABORTED from fail().
+            attempt.outboxes[sender].put_nowait(exc)
+            attempt.fail(f"refused data from {peer}: {exc.reason}", peer)
+
+    def _reduce_chunk(self, attempt: _Attempt, k: int) -> None:
+        codec = attempt.codec
+        a, b = attempt.plan.chunks(attempt.me)[k]
+        contributions = attempt.pending.pop(k)
+        own = codec.decode(codec.encode(attempt.flat[a:b]))
+        attempt.transmitted[a:b] = own
+        contributions[attempt.me] = own
+        # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order.
+        total = torch.empty(b - a, dtype=torch.float32)
+        for index in range(len(attempt.members)):
+            weight = attempt.weights[index]
+            term = contributions[index] if weight == 1.0 else contributions[index] * weight
+            if index == 0:
+                total.copy_(term)
+            else:
+                total.add_(term)
+        total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+        mean = codec.encode(total)
+        attempt.result[a:b] = codec.decode(mean)
+        frame = Frame({"k": k}, mean)
+        for outbox in attempt.outboxes.values():
+            outbox.put_nowait(frame)
+            attempt.bytes_sent += len(mean)
+        attempt.chunks_reduced += 1
+        if attempt.chunks_reduced == len(attempt.plan.chunks(attempt.me)):
+            attempt.part_done()
+
+    async def _receive_sparse(
+        self, attempt: _Attempt, sender: int, hello: Frame, incoming: AsyncIterator[Frame]
+    ) -> None:
+        """Reassemble `sender`'s whole payload (size checked before allocating), decode it, confirm receipt."""
+        peer = attempt.member_ids[sender]
+        try:
+            total = hello.header.get("len")
+            if not isinstance(total, int) or not 0 <= total <= self.max_payload_bytes:
+                raise _invalid(
+                    "SIZE_MISMATCH",
+                    f"{peer}: expected a payload of 0..{self.max_payload_bytes} bytes, got {total!r}",
+                )
+            buffer = bytearray(total)
+            filled = 0
+            while filled < total:
+                try:
+                    frame = await anext(incoming)
+                except StopAsyncIteration:
+                    raise _invalid("TRUNCATED", f"{peer} sent {filled} of {total} payload bytes") from None
+                size = len(frame.payload)
+                if frame.header.get("o") != filled or size == 0 or filled + size > total:
+                    raise _invalid(
+                        "SIZE_MISMATCH",
+                        f"{peer}: expected bytes from offset {filled} (of {total}), got {size} at "
+                        f"{frame.header.get('o')!r}",
+                    )
+                buffer[filled : filled + size] = frame.payload
+                filled += size
+            attempt.bytes_received += total
+            attempt.decoded[sender] = _decode(
+                attempt.codec, memoryview(buffer), attempt.plan.numel, f"payload of {peer}"
+            )
+            attempt.outboxes[sender].put_nowait(Frame({"done": True}))
+            attempt.part_done()
+            if attempt.ok:
+                self._finish_sparse(attempt)
+        except Reject as exc:
+            attempt.outboxes[sender].put_nowait(exc)
+            attempt.fail(f"refused data from {peer}: {exc.reason}", peer)
+
+    def _finish_sparse(self, attempt: _Attempt) -> None:
+        total = attempt.result
+        for index in range(len(attempt.members)):
+            weight = attempt.weights[index]
+            term = attempt.decoded[index] if weight == 1.0 else attempt.decoded[index] * weight
+            if index == 0:
+                total.copy_(term)
+            else:
+                total.add_(term)
+        total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+        attempt.decoded.clear()
+        if len(attempt.members) == 1:
+            attempt.ok = True
+            attempt.finished.set()
+
+    async def _on_vote(self, ctx: CallContext, frame: Frame) -> Frame:
+        key = frame.header.get("g")
+        if not isinstance(key, str):
+            raise _invalid("BAD_HEADER", f"expected a group id string, got {key!r:.80}")
+        decided = self._decided.get(key)
+        if decided is not None:
+            return Frame({"v": decided})
+        attempt = await self._find_attempt(ctx, key, frame.header.get("a"))
+        assert attempt.status is not None
+        return Frame({"v": await attempt.status})
+
+
+def _decode(codec: TensorCodec, data: bytes | memoryview, numel: int, what: str) -> torch.Tensor:
+    """codec.decode with the result checked: any decoding error or size mismatch becomes a Reject."""
+    try:
+        tensor = codec.decode(data)
+    except Exception as exc:  # codecs raise their own error types (CodecError is a ValueError)
+        raise _invalid("BAD_PAYLOAD", f"{what}: {type(exc).__name__}: {exc}") from None
+    if tensor.dtype != torch.float32 or tensor.numel() != numel:
+        raise _invalid(
+            "SIZE_MISMATCH", f"{what}: expected {numel} float32 values, got {tensor.numel()} {tensor.dtype}"
+        )
+    return tensor.reshape(-1)
+
+
+def _parse_vote(vote: Any, peer: str) -> dict[str, Any] | None:
+    if (
+        not isinstance(vote, dict)
+        or not isinstance(vote.get("ok"), bool)
+        or not isinstance(vote.get("n"), int)
+        or not isinstance(vote.get("c"), str)
+        or not isinstance(vote.get("bad"), list)
+        or not all(isinstance(p, str) for p in vote["bad"])
+    ):
+        log.warning("malformed vote from %s: %r", peer, vote)
+        return None
+    return vote
+
+
+def _excluded(alive: list[GroupMember], votes: dict[str, dict[str, Any]]) -> set[str]:
+    """Members to drop: those that excluded themselves, those whose (numel, codec) differs from what a strict
+    majority of the answering members have (everyone, if there is no such majority), and those that a strict
+    majority of the other answering members reported as sending malformed data.
+    A pure function of the votes, so it is the same on every member that saw the same votes."""
+    excluded = set()
+    kinds = [(votes[m.peer_id]["n"], votes[m.peer_id]["c"]) for m in alive]
+    majority = [kind for kind in set(kinds) if 2 * kinds.count(kind) > len(kinds)]
+    for member in alive:
+        if not majority or (votes[member.peer_id]["n"], votes[member.peer_id]["c"]) != majority[0]:
+            excluded.add(member.peer_id)
+        reporters = [o.peer_id for o in alive if member.peer_id in votes[o.peer_id]["bad"]]
+        others = len(alive) - 1
+        if member.peer_id in reporters or (others > 0 and 2 * len(reporters) > others):
+            excluded.add(member.peer_id)
+    return excluded
