@@ -1,0 +1,416 @@
+"""Codec behaviour: documented round-trip bounds, determinism, edge-case tensors, and refusal of bad input/bytes."""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from farloco.optim import Codec, CodecError, available_codecs, get_codec, mean_of
+from farloco.optim.sparse import _dct_integer_table, dct_matrix
+from farloco.optim.wire import HEADER_BYTES
+
+HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Small chunk/block options so that short hypothesis tensors still span several blocks and a ragged tail.
+SMALL_OPTIONS: dict[str, dict[str, int]] = {
+    "fp32": {},
+    "fp16": {},
+    "bf16": {},
+    "int8": {"block_size": 16},
+    "int4": {"block_size": 8},
+    "topk": {"k": 5, "chunk": 32},
+    "topk2": {"k": 5, "chunk": 32, "value_bits": 2},
+    "dct-topk": {"k": 6, "chunk": 16},
+}
+CODEC_CASES = list(SMALL_OPTIONS)
+
+
+def make(case: str) -> Codec:
+    name = "topk" if case == "topk2" else case
+    return get_codec(name, **SMALL_OPTIONS[case])
+
+
+def tensors(max_size: int = 300) -> st.SearchStrategy[torch.Tensor]:
+    """1-D float32 tensors of mixed magnitude: values in [-1, 1] times 10**e for a per-tensor e in [-30, 30]."""
+    values = st.lists(st.floats(-1.0, 1.0, width=32), max_size=max_size)
+    return st.builds(
+        lambda v, e: torch.tensor(v, dtype=torch.float32) * (10.0**e), values, st.integers(-30, 30)
+    ).filter(lambda t: bool(torch.isfinite(t).all()))
+
+
+def blocks(x: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(x.split(size)) if x.numel() else []
+
+
+def check_bound(case: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Assert the round-trip error bound each codec documents."""
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    xd, yd = x.double(), y.double()
+    err = (xd - yd).abs()
+    if case == "fp32":
+        assert torch.equal(x, y)
+    elif case in ("fp16", "bf16"):
+        rel = 2.0**-11 if case == "fp16" else 2.0**-8
+        floor = 2.0**-25 if case == "fp16" else 2.0**-134
+        assert bool((err <= rel * xd.abs() + floor).all())
+    elif case in ("int8", "int4"):
+        levels = 127 if case == "int8" else 7
+        size = SMALL_OPTIONS[case]["block_size"]
+        for bx, be in zip(blocks(x, size), blocks(err, size), strict=True):
+            scale = float(bx.abs().max()) / levels
+            assert float(be.max()) <= scale / 2 * (1 + 1e-5) + 2.0**-126
+    elif case in ("topk", "topk2"):
+        k, chunk = SMALL_OPTIONS[case]["k"], SMALL_OPTIONS[case]["chunk"]
+        for bx, by in zip(blocks(x, chunk), blocks(y, chunk), strict=True):
+            kept = by != 0
+            kc = min(k, bx.numel())
+            assert int(kept.sum()) <= kc
+            magnitude = bx.abs()
+            threshold = float(magnitude.topk(kc).values[-1])
+            if case == "topk":
+                # every value above the k-th largest magnitude survives unless fp16 flushes it to zero
+                assert bool((kept | (magnitude <= threshold) | (bx.half() == 0)).all())
+                nonzero_fp16 = int((bx.half() != 0).sum())
+                assert int(kept.sum()) == min(kc, nonzero_fp16)
+                assert bool((~kept | (magnitude >= threshold)).all())
+                e = (bx.double() - by.double()).abs()[kept]
+                assert bool((e <= 2.0**-11 * bx.double().abs()[kept] + 2.0**-25).all())
+            else:
+                if threshold > 0:
+                    assert bool((kept | (magnitude <= threshold)).all())
+                top = float(magnitude.max())
+                e = (bx.double() - by.double()).abs()[kept]
+                assert bool((e <= top / 4 * (1 + 1e-6)).all())
+                same_sign = (by[kept].sign() == bx[kept].sign()) | (bx[kept] == 0)
+                assert bool(same_sign.all())
+    elif case == "dct-topk":
+        k, chunk = SMALL_OPTIONS[case]["k"], SMALL_OPTIONS[case]["chunk"]
+        for bx, by in zip(blocks(x, chunk), blocks(y, chunk), strict=True):
+            coefficients = scipy.fft.dct(bx.double().numpy(), norm="ortho")
+            kc = min(k, bx.numel())
+            energy = np.sort(coefficients**2)
+            dropped = math.sqrt(float(energy[: bx.numel() - kc].sum()))
+            quantisation = math.sqrt(kc) * float(np.abs(coefficients).max()) / 32767 / 2
+            noise = 1e-5 * float(bx.double().norm()) + 1e-37
+            assert float((bx.double() - by.double()).norm()) <= dropped + quantisation + noise
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+@HYPOTHESIS
+@given(x=tensors())
+def test_round_trip_within_documented_bound(case: str, x: torch.Tensor) -> None:
+    codec = make(case)
+    if case in ("fp16", "topk") and bool((x.abs() > 65504).any()):
+        with pytest.raises(CodecError, match="65504"):
+            codec.encode(x)
+        return
+    data = codec.encode(x)
+    check_bound(case, x, codec.decode(data))
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+@HYPOTHESIS
+@given(x=tensors(), data=st.data())
+def test_decode_is_deterministic_and_rejects_any_single_corruption(
+    case: str, x: torch.Tensor, data: st.DataObject
+) -> None:
+    codec = make(case)
+    x = x.clamp(-60000, 60000)
+    payload = codec.encode(x)
+    first = codec.decode(payload)
+    # Same bytes from any buffer type -> the same bits; the result is a fresh, writable tensor.
+    assert torch.equal(first, codec.decode(memoryview(bytearray(payload))))
+    assert first.view(torch.int32).tolist() == codec.decode(payload).view(torch.int32).tolist()
+    first.add_(1.0)  # must not touch the payload
+    assert torch.equal(codec.decode(payload) + 1.0, first)
+    position = data.draw(st.integers(0, len(payload) - 1))
+    flip = data.draw(st.integers(1, 255))
+    corrupted = bytearray(payload)
+    corrupted[position] ^= flip
+    with pytest.raises(CodecError):
+        codec.decode(bytes(corrupted))
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    with pytest.raises(CodecError):
+        codec.decode(payload[:cut])
+    with pytest.raises(CodecError):
+        codec.decode(payload + b"\0")
+
+
+EDGE_CASES = {
+    "empty": torch.empty(0),
+    "one": torch.tensor([0.37]),
+    "zeros": torch.zeros(1000),
+    "constant": torch.full((1000,), -2.5),
+    "tiny": torch.linspace(-1, 1, 1001) * 1e-30,
+    "huge": torch.linspace(-1, 1, 1001) * 1e30,
+    "huge-range": torch.tensor([1e30, -1e-30, 1.0, 0.0, -3e29, 7e-25] * 50),
+}
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+@pytest.mark.parametrize("edge", sorted(EDGE_CASES))
+def test_edge_case_tensors(case: str, edge: str) -> None:
+    codec = make(case)
+    x = EDGE_CASES[edge]
+    # fp16 values cannot hold 1e30: refusing is the documented behaviour (no silent inf or saturation).
+    if case in ("fp16", "topk") and edge in ("huge", "huge-range"):
+        with pytest.raises(CodecError, match="65504"):
+            codec.encode(x)
+        return
+    y = codec.decode(codec.encode(x))
+    check_bound(case, x, y)
+    if edge == "zeros":
+        assert torch.equal(y, x)
+    if edge == "constant" and case in ("fp32", "fp16", "bf16", "int8", "int4"):
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 17, 999])
+def test_non_finite_input_is_refused(case: str, bad: float, where: int) -> None:
+    x = torch.randn(1000)
+    x[where] = bad
+    with pytest.raises(CodecError, match="finite"):
+        make(case).encode(x)
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+def test_wrong_dtype_shape_or_type_is_refused(case: str) -> None:
+    codec = make(case)
+    with pytest.raises(CodecError, match=r"expected torch\.float32, got torch\.float64"):
+        codec.encode(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(CodecError, match=r"expected a 1-D tensor, got shape \[2, 2\]"):
+        codec.encode(torch.zeros(2, 2))
+    with pytest.raises(CodecError, match=re.escape("expected a torch.Tensor, got list")):
+        codec.encode([1.0, 2.0])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+def test_non_contiguous_input_is_encoded_by_value(case: str) -> None:
+    x = torch.randn(400)
+    codec = make(case)
+    assert torch.equal(codec.decode(codec.encode(x[::2])), codec.decode(codec.encode(x[::2].clone())))
+
+
+def rewrite(payload: bytes, offset: int, fmt: str, *values: object) -> bytes:
+    """Patch the payload and fix up the CRC, to reach the checks that come after it."""
+    data = bytearray(payload)
+    struct.pack_into(fmt, data, offset, *values)
+    crc = zlib.crc32(memoryview(data)[HEADER_BYTES:], zlib.crc32(memoryview(data)[:24]))
+    struct.pack_into("<I", data, 24, crc)
+    return bytes(data)
+
+
+def test_header_errors_name_expected_and_got() -> None:
+    payload = get_codec("int8").encode(torch.randn(100))
+    with pytest.raises(CodecError, match="expected at least 32 header bytes, got 5"):
+        get_codec("int8").decode(payload[:5])
+    with pytest.raises(CodecError, match=r"magic: expected b'FLOC', got b'XLOC'"):
+        get_codec("int8").decode(b"X" + payload[1:])
+    with pytest.raises(CodecError, match="format version: expected 1, got 9"):
+        get_codec("int8").decode(rewrite(payload, 4, "<B", 9))
+    with pytest.raises(CodecError, match=r"codec: expected 'fp16' \(id 2\), got 'int8' \(id 4\)"):
+        get_codec("fp16").decode(payload)
+    with pytest.raises(CodecError, match="body for numel=101: expected"):
+        get_codec("int8").decode(rewrite(payload, 8, "<Q", 101))
+    with pytest.raises(CodecError, match="numel=18446744073709551615"):
+        get_codec("int8").decode(rewrite(payload, 8, "<Q", 2**64 - 1))  # must not try to allocate
+    with pytest.raises(CodecError, match="CRC-32"):
+        get_codec("int8").decode(payload[:-1] + bytes([payload[-1] ^ 1]))
+    with pytest.raises(CodecError, match="block >= 1"):
+        get_codec("int8").decode(rewrite(payload, 16, "<I", 0))
+
+
+def test_decode_uses_the_payload_parameters_not_the_instance_options() -> None:
+    x = torch.randn(1000)
+    assert torch.equal(get_codec("int8").decode(get_codec("int8", block_size=7).encode(x)),
+                       get_codec("int8", block_size=7).decode(get_codec("int8", block_size=7).encode(x)))  # fmt: skip
+    sparse = get_codec("topk", k=3, chunk=50, value_bits=2).encode(x)
+    assert int((get_codec("topk").decode(sparse) != 0).sum()) == 60
+
+
+def test_semantic_corruption_behind_a_valid_crc_is_refused() -> None:
+    """Payloads a buggy or hostile peer could produce with a correct CRC still never decode to garbage."""
+    x = torch.randn(100)
+    int8 = get_codec("int8", block_size=50).encode(x)
+    with pytest.raises(CodecError, match="scale 1: expected a finite value >= 0, got nan"):
+        get_codec("int8").decode(rewrite(int8, HEADER_BYTES + 4, "<f", math.nan))
+    with pytest.raises(CodecError, match=re.escape("scale 0: expected a finite value >= 0, got -1.0")):
+        get_codec("int8").decode(rewrite(int8, HEADER_BYTES, "<f", -1.0))
+    with pytest.raises(CodecError, match=r"\[-127, 127\], got -128"):
+        get_codec("int8").decode(rewrite(int8, HEADER_BYTES + 8 + 3, "<b", -128))
+    int4 = get_codec("int4", block_size=50).encode(x[:99])
+    with pytest.raises(CodecError, match=re.escape("nibbles in 1..15")):
+        get_codec("int4").decode(rewrite(int4, HEADER_BYTES + 8, "<B", 0x80))
+    with pytest.raises(CodecError, match="padding nibble: expected 8"):
+        get_codec("int4").decode(rewrite(int4, len(int4) - 1, "<B", 0x18))
+    fp16 = get_codec("fp16").encode(x)
+    with pytest.raises(CodecError, match="finite"):
+        get_codec("fp16").decode(rewrite(fp16, HEADER_BYTES, "<H", 0x7C00))  # +inf
+    # topk (k=2, chunk=10, uint8 indices): indices start right after the header for fp16 values
+    topk = get_codec("topk", k=2, chunk=10).encode(x)
+    with pytest.raises(CodecError, match="strictly ascending"):
+        get_codec("topk").decode(rewrite(topk, HEADER_BYTES, "<BB", 4, 4))
+    with pytest.raises(CodecError, match=r"expected < 10 \(chunk length\), got 10"):
+        get_codec("topk").decode(rewrite(topk, HEADER_BYTES, "<BB", 1, 10))
+    with pytest.raises(CodecError, match="k <= chunk"):
+        get_codec("topk").decode(rewrite(topk, 20, "<I", 11))
+    with pytest.raises(CodecError, match="value_bits: expected 16 or 2, got 8"):
+        get_codec("topk").decode(rewrite(topk, 6, "<B", 8))
+    topk2 = get_codec("topk", k=2, chunk=10, value_bits=2).encode(x)
+    with pytest.raises(CodecError, match=r"levels of chunk 0: expected finite 0 <= lo <= hi"):
+        get_codec("topk").decode(rewrite(topk2, HEADER_BYTES, "<ff", 2.0, 1.0))
+    dct = get_codec("dct-topk", k=2, chunk=10).encode(x)
+    with pytest.raises(CodecError, match="scale 3"):
+        get_codec("dct-topk").decode(rewrite(dct, HEADER_BYTES + 12, "<f", math.inf))
+    with pytest.raises(CodecError, match="got -32768"):
+        get_codec("dct-topk").decode(rewrite(dct, HEADER_BYTES + 40, "<h", -32768))
+    with pytest.raises(CodecError, match="k <= chunk <= 1024"):
+        get_codec("dct-topk").decode(rewrite(dct, 16, "<I", 4096))
+
+
+def test_registry_and_options() -> None:
+    assert available_codecs() == ["fp32", "fp16", "bf16", "int8", "int4", "topk", "dct-topk"]
+    with pytest.raises(CodecError, match=r"expected one of \['fp32', .*'dct-topk'\], got 'zstd'"):
+        get_codec("zstd")
+    with pytest.raises(CodecError, match=r"expected a subset of \['block_size'\], got \['k'\]"):
+        get_codec("int8", k=3)
+    with pytest.raises(CodecError, match="block_size: expected an int, got bool"):
+        get_codec("int8", block_size=True)
+    with pytest.raises(CodecError, match="expected 1 <= k <= 32, got 33"):
+        get_codec("topk", k=33, chunk=32)
+    with pytest.raises(CodecError, match="value_bits: expected 16 or 2, got 4"):
+        get_codec("topk", value_bits=4)
+    with pytest.raises(CodecError, match="chunk <= 1024, got 4096"):
+        get_codec("dct-topk", chunk=4096)
+    dense = {name: get_codec(name).dense for name in available_codecs()}
+    assert dense == {"fp32": True, "fp16": True, "bf16": True, "int8": True, "int4": True,
+                     "topk": False, "dct-topk": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+@pytest.mark.parametrize("numel", [1, 31, 32, 33, 1000, 4099])
+def test_estimated_ratio_is_the_real_wire_size(case: str, numel: int) -> None:
+    codec = make(case)
+    assert codec.estimated_ratio(numel) == len(codec.encode(torch.randn(numel))) / (4 * numel)
+    with pytest.raises(CodecError, match="expected an int >= 1, got 0"):
+        codec.estimated_ratio(0)
+
+
+def test_default_ratios() -> None:
+    numel = 1 << 20
+    ratios = {name: get_codec(name).estimated_ratio(numel) for name in available_codecs()}
+    assert ratios["fp32"] == pytest.approx(1.0, abs=1e-4)
+    assert ratios["fp16"] == ratios["bf16"] == pytest.approx(0.5, abs=1e-4)
+    assert ratios["int8"] == pytest.approx((1 + 4 / 128) / 4, abs=1e-4)
+    assert ratios["int4"] == pytest.approx((0.5 + 4 / 64) / 4, abs=1e-4)
+    assert ratios["topk"] == pytest.approx(64 * 4 / 4096 / 4, abs=1e-4)  # uint16 index + fp16 value
+    assert get_codec("topk", value_bits=2).estimated_ratio(numel) == pytest.approx(
+        (64 * 2.25 + 8) / 4096 / 4, abs=1e-4
+    )
+    assert ratios["dct-topk"] == pytest.approx((4 * 3 + 4) / 128 / 4, abs=1e-4)
+
+
+def test_dct_tables_are_orthonormal_and_match_an_independent_dct() -> None:
+    for length in (1, 2, 7, 16, 64, 128, 1024):
+        d = dct_matrix(length).double()
+        assert torch.allclose(d @ d.T, torch.eye(length, dtype=torch.float64), atol=1e-6)
+        x = np.random.default_rng(length).standard_normal(length)
+        assert np.allclose((d @ torch.from_numpy(x)).numpy(), scipy.fft.dct(x, norm="ortho"), atol=1e-5)
+        table = _dct_integer_table(length)
+        assert bool((table == table.round()).all()) and float(table.abs().max()) <= 2**28
+
+
+def test_dct_topk_keeps_everything_when_k_equals_chunk() -> None:
+    x = torch.randn(1000)
+    y = get_codec("dct-topk", k=64, chunk=64).decode(get_codec("dct-topk", k=64, chunk=64).encode(x))
+    assert float((x - y).abs().max()) < 1e-3 * float(x.abs().max())
+
+
+def test_dct_topk_recovers_a_signal_sparse_in_the_dct_domain() -> None:
+    chunk = 128
+    coefficients = torch.zeros(50, chunk)
+    coefficients[:, 3] = 2.0
+    coefficients[:, 40] = -0.5
+    x = (coefficients @ dct_matrix(chunk)).view(-1)  # inverse DCT of a 2-sparse spectrum per chunk
+    y = get_codec("dct-topk", k=2, chunk=chunk).decode(get_codec("dct-topk", k=2, chunk=chunk).encode(x))
+    assert float((x - y).abs().max()) < 1e-4
+
+
+def test_mean_of_is_order_independent_once_sorted_and_reduces_part_wise() -> None:
+    generator = torch.Generator().manual_seed(3)
+    contributions = {f"peer-{i:02d}": torch.randn(999, generator=generator) * 10.0**i for i in range(6)}
+    reference = mean_of([contributions[p] for p in sorted(contributions)])
+    arrivals = list(contributions.items())
+    for seed in range(5):
+        order = torch.randperm(len(arrivals), generator=torch.Generator().manual_seed(seed)).tolist()
+        arrived = [arrivals[i] for i in order]
+        again = mean_of([t for _, t in sorted(arrived)])
+        assert again.view(torch.int32).tolist() == reference.view(torch.int32).tolist()
+    # A part of the mean equals the mean of the parts: what reduce-scatter relies on.
+    parts = [
+        mean_of([contributions[p][s] for p in sorted(contributions)])
+        for s in (slice(0, 400), slice(400, 999))
+    ]
+    assert torch.equal(torch.cat(parts), reference)
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    weighted = mean_of([contributions[p] for p in sorted(contributions)], weights)
+    expected = (
+        sum(w * contributions[p].double() for w, p in zip(weights, sorted(contributions), strict=True)) / 21
+    )
+    assert torch.allclose(weighted.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+def test_mean_of_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="at least one tensor"):
+        mean_of([])
+    with pytest.raises(ValueError, match="input 1: expected 3 values"):
+        mean_of([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(
+        ValueError, match=re.escape("input 0: expected a 1-D float32 tensor, got torch.float64")
+    ):
+        mean_of([torch.zeros(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="weights: expected 2"):
+        mean_of([torch.zeros(3), torch.zeros(3)], [1.0])
+    with pytest.raises(ValueError, match=re.escape("weight 1: expected a finite number > 0, got 0.0")):
+        mean_of([torch.zeros(3), torch.zeros(3)], [1.0, 0.0])
+
+
+@pytest.mark.parametrize("case", CODEC_CASES)
+def test_dense_codecs_average_part_wise_like_the_exchange(case: str) -> None:
+    """Reduce-scatter + all-gather of a dense codec gives every member the same bits as a whole-vector reduce."""
+    codec = make(case)
+    if not codec.dense:
+        pytest.skip("sparse codecs are all-gathered")
+    generator = torch.Generator().manual_seed(5)
+    contributions = [torch.randn(1000, generator=generator) for _ in range(3)]
+    bounds = [(0, 334), (334, 667), (667, 1000)]
+    owned = [mean_of([codec.decode(codec.encode(c[a:b])) for c in contributions]) for a, b in bounds]
+    gathered = torch.cat([codec.decode(codec.encode(part)) for part in owned])
+    exact = mean_of(contributions)
+    # Two quantisations (each contribution, then the owner's mean), each within half a step of the block max.
+    step = {"fp32": 1e-7, "fp16": 2.0**-10, "bf16": 2.0**-7, "int8": 1 / 127, "int4": 1 / 7}[case]
+    largest = max(float(c.abs().max()) for c in contributions)
+    assert float((gathered - exact).abs().max()) <= step * largest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["int8", "fp16", "int4", "topk"])
+def test_64_mib_round_trip_is_fast(name: str) -> None:
+    import time
+
+    x = torch.randn(16 << 20)
+    codec = get_codec(name)
+    start = time.perf_counter()
+    codec.decode(codec.encode(x))
+    assert time.perf_counter() - start < 3.0  # generous: the machine is shared; see benchmarks/codec_speed.py
