@@ -1,0 +1,316 @@
+"""Outer strategies: the math against hand computations, error-feedback commit/rollback, state round trips,
+hyper-parameter checks, and bit-identical outer steps across simulated peers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import safetensors.torch
+import torch
+
+from farloco.optim import (
+    Codec,
+    OuterStrategy,
+    StrategyError,
+    available_strategies,
+    get_codec,
+    make_strategy,
+    mean_of,
+)
+
+STRATEGY_CODECS: dict[str, tuple[str, dict[str, int]]] = {
+    "diloco": ("int8", {"block_size": 32}),
+    "sparseloco": ("topk", {"k": 8, "chunk": 64, "value_bits": 2}),
+    "streaming-diloco": ("int4", {"block_size": 32}),
+    "demo": ("dct-topk", {"k": 8, "chunk": 32}),
+}
+
+
+def build(name: str, num_params: int, **hparams: float | int | bool) -> OuterStrategy:
+    codec_name, options = STRATEGY_CODECS[name]
+    return make_strategy(name, num_params, get_codec(codec_name, **options), **hparams)
+
+
+def round_trip(codec: Codec, tensor: torch.Tensor) -> torch.Tensor:
+    return codec.decode(codec.encode(tensor))
+
+
+def swarm_round(
+    strategies: dict[str, OuterStrategy], thetas: dict[str, torch.Tensor], locals_: dict[str, torch.Tensor]
+) -> None:
+    """One committed round, as the node and exchange drive it: contributions travel through the codec, every
+    peer averages the same transmitted tensors sorted by peer id, then applies and commits."""
+    contributions = {p: s.make_contribution(thetas[p], locals_[p]) for p, s in strategies.items()}
+    transmitted = {p: round_trip(strategies[p].codec, c) for p, c in contributions.items()}
+    averaged = mean_of([transmitted[p] for p in sorted(transmitted)])
+    for peer, strategy in strategies.items():
+        strategy.propose(contributions[peer], transmitted[peer])
+        strategy.apply(thetas[peer], averaged.clone())
+        strategy.commit()
+        strategy.merge_into_local(thetas[peer], locals_[peer])
+
+
+def test_registry() -> None:
+    assert available_strategies() == ["diloco", "sparseloco", "streaming-diloco", "demo"]
+    with pytest.raises(StrategyError, match=r"expected one of \['diloco', .*\], got 'adam'"):
+        make_strategy("adam", 10, get_codec("fp32"))
+
+
+def test_diloco_outer_step_matches_a_hand_computation() -> None:
+    strategy = make_strategy("diloco", 3, get_codec("fp32"))
+    assert strategy.hparams == {"lr": 0.7, "momentum": 0.9, "error_feedback": False}  # fp32 is lossless
+    theta = torch.tensor([1.0, 2.0, 3.0])
+    local = torch.tensor([0.5, 2.5, 3.0])
+    contribution = strategy.make_contribution(theta, local)
+    assert contribution.tolist() == [0.5, -0.5, 0.0]
+    strategy.propose(contribution, contribution)
+    strategy.apply(theta, contribution)
+    strategy.commit()
+    # b = g; theta -= 0.7 * (g + 0.9 b) = 1.33 g
+    assert theta.tolist() == pytest.approx([1 - 0.665, 2 + 0.665, 3.0], abs=1e-6)
+    gradient = torch.tensor([0.1, 0.1, 0.1])
+    strategy.propose(gradient, gradient)
+    strategy.apply(theta, gradient)
+    strategy.commit()
+    # b = 0.9 * [0.5, -0.5, 0] + 0.1 = [0.55, -0.35, 0.1]; step = 0.1 + 0.9 b = [0.595, -0.215, 0.19]
+    assert theta.tolist() == pytest.approx([0.335 - 0.4165, 2.665 + 0.1505, 3 - 0.133], abs=1e-6)
+    assert strategy.state_dict()["momentum_buffer"].tolist() == pytest.approx([0.55, -0.35, 0.1], abs=1e-7)
+    assert int(strategy.state_dict()["num_rounds"]) == 2
+
+
+def test_diloco_matches_torch_sgd_nesterov() -> None:
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(500, generator=generator)
+    reference = torch.nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    strategy = make_strategy("diloco", 500, get_codec("fp32"))
+    for _ in range(6):
+        gradient = torch.randn(500, generator=generator)
+        strategy.apply(theta, gradient)
+        reference.grad = gradient.clone()
+        sgd.step()
+    torch.testing.assert_close(theta, reference.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_error_feedback_is_staged_committed_and_rolled_back() -> None:
+    codec = get_codec("int4", block_size=16)
+    strategy = make_strategy("diloco", 100, codec)
+    assert strategy.hparams["error_feedback"] is True  # lossy codec: on by default
+    generator = torch.Generator().manual_seed(1)
+    theta = torch.randn(100, generator=generator)
+    local = theta - 0.01 * torch.randn(100, generator=generator)
+    first = strategy.make_contribution(theta, local)
+    assert torch.equal(first, theta - local)  # residual starts at zero
+    assert torch.equal(strategy.make_contribution(theta, local), first)  # pure: no state change
+    transmitted = round_trip(codec, first)
+    lost = first - transmitted
+    assert float(lost.abs().max()) > 0
+
+    strategy.propose(first, transmitted)
+    strategy.rollback()  # aborted round: the residual is not eaten
+    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))
+    with pytest.raises(StrategyError, match="expected a proposed round, got none"):
+        strategy.commit()
+
+    strategy.propose(first, transmitted)
+    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))  # staged only
+    strategy.commit()
+    assert torch.equal(strategy.state_dict()["residual"], lost)
+    assert torch.equal(strategy.make_contribution(theta, local), (theta - local) + lost)
+    with pytest.raises(StrategyError, match="call propose first"):
+        strategy.commit()
+
+
+def test_error_feedback_can_be_switched_off() -> None:
+    strategy = make_strategy("diloco", 10, get_codec("int8"), error_feedback=False)
+    assert set(strategy.state_dict()) == {"momentum_buffer", "num_rounds"}
+    theta, local = torch.ones(10), torch.zeros(10)
+    assert torch.equal(strategy.make_contribution(theta, local), torch.ones(10))
+
+
+def test_sparseloco_error_buffer_and_step() -> None:
+    codec = get_codec("topk", k=1, chunk=4, value_bits=16)
+    strategy = make_strategy("sparseloco", 4, codec)
+    assert strategy.hparams == {"lr": 1.0, "beta": 0.95}
+    theta = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    local = torch.tensor([0.5, 1.25, 1.0, 1.0])  # delta = [0.5, -0.25, 0, 0]
+    contribution = strategy.make_contribution(theta, local)
+    transmitted = round_trip(codec, contribution)
+    assert transmitted.tolist() == [0.5, 0.0, 0.0, 0.0]
+    strategy.propose(contribution, transmitted)
+    strategy.apply(theta, transmitted)
+    strategy.commit()
+    assert theta.tolist() == [0.5, 1.0, 1.0, 1.0]
+    assert strategy.state_dict()["error_buffer"].tolist() == [0.0, -0.25, 0.0, 0.0]
+    # e <- 0.95 e + delta: the unsent -0.25 decays into the next contribution
+    local = theta - torch.tensor([0.0, 0.1, 0.0, 0.0])
+    assert strategy.make_contribution(theta, local).tolist() == pytest.approx([0.0, -0.1375, 0.0, 0.0])
+
+
+def test_demo_sign_step_with_decoupled_weight_decay() -> None:
+    strategy = make_strategy("demo", 3, get_codec("fp32"), lr=0.1, weight_decay=0.5, beta=0.9)
+    theta = torch.tensor([1.0, -1.0, 2.0])
+    strategy.apply(theta, torch.tensor([0.3, -0.2, 0.0]))
+    assert theta.tolist() == pytest.approx([0.85, -0.85, 1.9])
+    # momentum accumulates the gradient and keeps what was not sent
+    gradient_local = theta - torch.tensor([0.5, 0.0, 0.0])
+    contribution = strategy.make_contribution(theta, gradient_local)
+    assert contribution.tolist() == pytest.approx([0.5, 0.0, 0.0])
+    strategy.propose(contribution, torch.tensor([0.25, 0.0, 0.0]))
+    strategy.commit()
+    assert strategy.make_contribution(theta, theta.clone()).tolist() == pytest.approx([0.225, 0.0, 0.0])
+
+
+def test_streaming_diloco_syncs_one_fragment_per_round_and_merges_with_alpha() -> None:
+    codec = get_codec("fp32")
+    strategy = make_strategy("streaming-diloco", 10, codec, num_fragments=3, alpha=0.25, momentum=0.0, lr=1.0)
+    assert [(f.start, f.stop) for f in strategy.fragments] == [(0, 4), (4, 7), (7, 10)]  # type: ignore[attr-defined]
+    theta = torch.zeros(10)
+    local = -torch.arange(1.0, 11.0)  # every fragment drifted
+    seen = []
+    for round_index in range(4):
+        contribution = strategy.make_contribution(theta, local)
+        seen.append(contribution.numel())
+        before = theta.clone()
+        strategy.propose(contribution, contribution)
+        strategy.apply(theta, contribution)
+        strategy.commit()
+        part = strategy.fragments[round_index % 3]  # type: ignore[attr-defined]
+        untouched = torch.ones(10, dtype=torch.bool)
+        untouched[part] = False
+        assert torch.equal(theta[untouched], before[untouched])
+        # lr 1, no momentum: the fragment jumps to the local values; the ranks keep 25% of their own
+        local_before = local.clone()
+        strategy.merge_into_local(theta, local)
+        assert torch.equal(theta[part], local_before[part])
+        assert torch.equal(local[untouched], local_before[untouched])
+    assert seen == [4, 3, 3, 4]
+    assert int(strategy.state_dict()["num_rounds"]) == 4
+    with pytest.raises(StrategyError, match="expected a preceding apply"):
+        strategy.merge_into_local(theta, local)
+
+
+def test_streaming_diloco_merge_formula() -> None:
+    strategy = make_strategy("streaming-diloco", 4, get_codec("fp32"), num_fragments=2, alpha=0.5, lr=1.0)
+    theta, local = torch.zeros(4), torch.full((4,), -2.0)
+    contribution = strategy.make_contribution(theta, local)
+    strategy.apply(theta, contribution)  # nesterov with momentum 0.9: theta[:2] = -(2 + 0.9 * 2) = -3.8
+    assert theta.tolist() == pytest.approx([-3.8, -3.8, 0.0, 0.0])
+    strategy.merge_into_local(theta, local)
+    assert local.tolist() == pytest.approx([-2.9, -2.9, -2.0, -2.0])
+
+
+@pytest.mark.parametrize("name", ["diloco", "sparseloco", "streaming-diloco", "demo"])
+def test_peers_stay_bit_identical(name: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    num_params = 300
+    start = torch.randn(num_params, generator=generator)
+    peers = ["peer-c", "peer-a", "peer-b"]
+    strategies = {p: build(name, num_params) for p in peers}
+    thetas = {p: start.clone() for p in peers}
+    locals_ = {p: start.clone() for p in peers}
+    for _ in range(5):
+        for p in peers:
+            locals_[p].sub_(0.05 * torch.randn(num_params, generator=generator))
+        swarm_round(strategies, thetas, locals_)
+    bits = {p: thetas[p].view(torch.int32).tolist() for p in peers}
+    assert bits["peer-a"] == bits["peer-b"] == bits["peer-c"]
+    assert not torch.equal(thetas["peer-a"], start)
+
+
+@pytest.mark.parametrize("name", ["diloco", "sparseloco", "streaming-diloco", "demo"])
+def test_state_dict_round_trips_through_safetensors(name: str) -> None:
+    generator = torch.Generator().manual_seed(11)
+    num_params = 200
+    original = build(name, num_params)
+    theta = torch.randn(num_params, generator=generator)
+    local = theta.clone()
+    drifts = [0.05 * torch.randn(num_params, generator=generator) for _ in range(6)]
+    for drift in drifts[:3]:
+        local.sub_(drift)
+        swarm_round({"p": original}, {"p": theta}, {"p": local})
+    state = original.state_dict()
+    assert all(t.ndim in (0, 1) for t in state.values()) and state["num_rounds"].ndim == 0
+    restored = build(name, num_params)
+    restored.load_state_dict(safetensors.torch.load(safetensors.torch.save(state)))
+    theta_restored, local_restored = theta.clone(), local.clone()
+    for drift in drifts[3:]:
+        local.sub_(drift)
+        local_restored.sub_(drift)
+        swarm_round({"p": original}, {"p": theta}, {"p": local})
+        swarm_round({"p": restored}, {"p": theta_restored}, {"p": local_restored})
+    assert torch.equal(theta, theta_restored)
+    # state_dict hands out copies: scribbling on them does not change the strategy
+    snapshot = original.state_dict()
+    for tensor in snapshot.values():
+        tensor.zero_()
+    assert any(bool(t.any()) for t in original.state_dict().values())
+
+
+def test_load_state_dict_refuses_what_does_not_fit() -> None:
+    strategy = build("diloco", 10)
+    good = strategy.state_dict()
+    missing = {k: v for k, v in good.items() if k != "residual"}
+    with pytest.raises(StrategyError, match=re.escape("missing ['residual'], unexpected []")):
+        strategy.load_state_dict(missing)
+    with pytest.raises(
+        StrategyError,
+        match=re.escape("state momentum_buffer: expected torch.float32 [10], got torch.float32 [11]"),
+    ):
+        strategy.load_state_dict({**good, "momentum_buffer": torch.zeros(11)})
+    with pytest.raises(StrategyError, match=r"expected torch.float32 .10., got torch.float64"):
+        strategy.load_state_dict({**good, "residual": torch.zeros(10, dtype=torch.float64)})
+    with pytest.raises(StrategyError, match="residual: expected only finite values"):
+        strategy.load_state_dict({**good, "residual": torch.full((10,), float("nan"))})
+    with pytest.raises(StrategyError, match="num_rounds: expected a 0-d int64 tensor >= 0"):
+        strategy.load_state_dict({**good, "num_rounds": torch.tensor(-1)})
+    with pytest.raises(StrategyError, match="num_rounds: expected a 0-d int64 tensor"):
+        strategy.load_state_dict({**good, "num_rounds": torch.tensor([1])})
+
+
+def test_hyper_parameters_are_checked() -> None:
+    codec = get_codec("int8")
+    with pytest.raises(
+        StrategyError,
+        match=re.escape("expected a subset of ['error_feedback', 'lr', 'momentum'], got ['beta']"),
+    ):
+        make_strategy("diloco", 10, codec, beta=0.9)
+    with pytest.raises(StrategyError, match="lr: expected a finite float, got bool True"):
+        make_strategy("diloco", 10, codec, lr=True)
+    with pytest.raises(StrategyError, match="error_feedback: expected a finite bool, got int 1"):
+        make_strategy("diloco", 10, codec, error_feedback=1)
+    with pytest.raises(StrategyError, match=r"momentum: expected 0 <= momentum < 1, got 1.0"):
+        make_strategy("diloco", 10, codec, momentum=1)
+    with pytest.raises(StrategyError, match=r"lr: expected > 0, got -0.5"):
+        make_strategy("sparseloco", 10, codec, lr=-0.5)
+    with pytest.raises(StrategyError, match="lr: expected a finite float, got float nan"):
+        make_strategy("demo", 10, codec, lr=float("nan"))
+    with pytest.raises(StrategyError, match="num_fragments: expected 1 <= num_fragments <= 10, got 11"):
+        make_strategy("streaming-diloco", 10, codec, num_fragments=11)
+    with pytest.raises(StrategyError, match=r"num_fragments: expected a finite int, got float 2.0"):
+        make_strategy("streaming-diloco", 10, codec, num_fragments=2.0)
+    with pytest.raises(StrategyError, match="num_params: expected an int >= 1, got 0"):
+        make_strategy("diloco", 0, codec)
+    with pytest.raises(StrategyError, match=r"codec: expected a farloco.optim.Codec, got str"):
+        make_strategy("diloco", 10, "int8")  # type: ignore[arg-type]
+    assert make_strategy("diloco", 10, codec, lr=1).hparams["lr"] == 1.0
+
+
+def test_tensor_arguments_are_checked() -> None:
+    strategy = build("diloco", 10)
+    with pytest.raises(
+        StrategyError,
+        match=re.escape("theta_local: expected a 1-D float32 CPU tensor of 10 values, got torch.float32 [9]"),
+    ):
+        strategy.make_contribution(torch.zeros(10), torch.zeros(9))
+    with pytest.raises(
+        StrategyError, match=r"transmitted: expected a 1-D float32 CPU tensor of 10 values, got torch.float16"
+    ):
+        strategy.propose(torch.zeros(10), torch.zeros(10, dtype=torch.float16))
+    with pytest.raises(StrategyError, match="averaged: expected only finite values"):
+        strategy.apply(torch.zeros(10), torch.full((10,), float("inf")))
+    theta = torch.zeros(10)
+    with pytest.raises(StrategyError, match=r"averaged: expected .* of 10 values, got torch.float32 .2, 5."):
+        strategy.apply(theta, torch.zeros(2, 5))
+    assert torch.equal(theta, torch.zeros(10))
