@@ -1,0 +1,454 @@
+"""Round matchmaking: which peers exchange together in outer round r (one group per round).
+
+The rule (a pure function, `decide`, of an injected `now` and the records a peer sees, plus a thin DHT driver):
+
+1. A peer that finished its local work for round r stores a *ready* record under `farloco/{run}/round/{r}`
+   (sub-key = its public key, so the record is signed): peer id, gRPC address, ready_at (DHT time).
+2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + match_timeout`. All
+   peers compute the same deadline from the same records, so a leader change cannot restart the clock.
+3. Leader candidates are the ready peers whose ready_at is at most `opened + match_timeout - leader_timeout/2`
+   (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
+   live member whose member record says round r (and is not leaving) is ready and no member's record says
+   a later round (such a member left round r, so r's group may already exist), and at the latest at the
+   freeze deadline; it then publishes the group (sorted members with addresses; group_id = sha256 of the
+   round and member ids) under `farloco/{run}/round/{r}/group`.
+4. Followers wait for a group record. If none appears, candidate k (k >= 1) takes over in the window
+   `[freeze + k*leader_timeout, freeze + k*leader_timeout + leader_timeout/2)` and publishes the ready peers
+   it sees minus the k candidates ranked before it (they failed to lead, so they are presumed dead). Every
+   candidate, the leader included, publishes only inside its window, and only if it sees no group yet.
+5. A peer that sees group records takes the one from the lowest leader peer id. If it is not a member, it
+   is late for r: `LateForRound` (it joins round r+1 and never blocks the others). When every candidate's
+   window has passed without a group, every remaining peer is late.
+
+Why it agrees: windows of different candidates are `leader_timeout/2` apart, the eligibility cutoff is
+`leader_timeout/2` before the freeze, so if a record reaches every peer within `leader_timeout/2` (DHT
+propagation, store latency and clock skew together), at the freeze every peer sees the same candidates and at
+most one candidate publishes. The early freeze is safe if a member's record moves to round r at least
+twice that bound before it declares itself ready for r, which holds because the record moves when the local
+work of round r starts. The lowest-leader tie-break only matters when those bounds are broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from farloco.protocol.clock import Clock, DHTClock
+from farloco.protocol.membership import DHTMembership, members_key
+from farloco.protocol.types import Group, GroupMember
+
+logger = logging.getLogger(__name__)
+
+
+class LateForRound(Exception):
+    """This peer is not in the group of `round_id` (frozen without it, or no group formed): go to round_id + 1."""
+
+    def __init__(self, round_id: int, peer_id: str, reason: str) -> None:
+        super().__init__(f"peer {peer_id} is late for round {round_id}: {reason}")
+        self.round_id = round_id
+        self.peer_id = peer_id
+        self.reason = reason
+
+
+class MatchmakingError(Exception):
+    """The DHT refused one of our matchmaking records."""
+
+
+def round_key(run_name: str, round_id: int) -> str:
+    """DHT key of round `round_id`'s ready records (its group lives under this key + '/group')."""
+    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+        raise ValueError(f"round_id must be an int >= 0, got {round_id!r}")
+    return f"{members_key(run_name).rsplit('/', 1)[0]}/round/{round_id}"
+
+
+def _check_str(data: Mapping[str, Any], name: str, where: str) -> str:
+    value = data[name]
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise ValueError(f"{where}.{name} must be a non-empty str of at most 256 chars, got {value!r}")
+    return value
+
+
+def _check_round(data: Mapping[str, Any], where: str) -> int:
+    value = data["round_id"]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}.round_id must be an int >= 0, got {value!r}")
+    return value
+
+
+def _check_time(data: Mapping[str, Any], name: str, where: str) -> float:
+    value = data[name]
+    if not isinstance(value, float) or not math.isfinite(value):
+        raise ValueError(f"{where}.{name} must be a finite float (DHT time), got {value!r}")
+    return value
+
+
+def _check_fields(data: object, expected: set[str], where: str) -> Mapping[str, Any]:
+    if not isinstance(data, dict) or set(data) != expected:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{where} must be a dict with fields {sorted(expected)}, got {got}")
+    return data
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`.'"""
+
+    peer_id: str
+    address: str
+    round_id: int
+    ready_at: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "address": self.address,
+            "round_id": self.round_id,
+            "ready_at": self.ready_at,
+        }
+
+    @classmethod
+    def from_wire(cls, data: object) -> ReadyRecord:
+        where = "ready record"
+        fields = _check_fields(data, {"peer_id", "address", "round_id", "ready_at"}, where)
+        return cls(
+            _check_str(fields, "peer_id", where),
+            _check_str(fields, "address", where),
+            _check_round(fields, where),
+            _check_time(fields, "ready_at", where),
+        )
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """A frozen group as its `leader` published it at `frozen_at`."""
+
+    leader: str
+    group: Group
+    frozen_at: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "leader": self.leader,
+            "round_id": self.group.round_id,
+            "group_id": self.group.group_id,
+            "members": [[m.peer_id, m.address] for m in self.group.members],
+            "frozen_at": self.frozen_at,
+        }
+
+    @classmethod
+    def from_wire(cls, data: object) -> GroupRecord:
+        """Parse and check a group record: the group id must match its round and members, the leader be one."""
+        where = "group record"
+        fields = _check_fields(data, {"leader", "round_id", "group_id", "members", "frozen_at"}, where)
+        members_raw = fields["members"]
+        if not isinstance(members_raw, list) or not 0 < len(members_raw) <= 4096:
+            raise ValueError(
+                f"{where}.members must be a non-empty list of [peer_id, address], got {members_raw!r}"
+            )
+        members = []
+        for item in members_raw:
+            if not isinstance(item, list | tuple) or len(item) != 2:
+                raise ValueError(f"{where}.members entries must be [peer_id, address], got {item!r}")
+            members.append(
+                GroupMember(_check_str({"p": item[0]}, "p", where), _check_str({"a": item[1]}, "a", where))
+            )
+        group = Group.make(_check_round(fields, where), members)
+        if len({m.peer_id for m in group.members}) != len(group.members):
+            raise ValueError(f"{where}.members repeats a peer id: {[m.peer_id for m in group.members]}")
+        if fields["group_id"] != group.group_id:
+            raise ValueError(
+                f"{where}.group_id does not match its round and members: expected {group.group_id[:16]}, "
+                f"got {str(fields['group_id'])[:16]}"
+            )
+        leader = _check_str(fields, "leader", where)
+        if leader not in {m.peer_id for m in group.members}:
+            raise ValueError(f"{where}: leader {leader} is not one of its members")
+        return cls(leader, group, _check_time(fields, "frozen_at", where))
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What one peer sees of round r at `now`.
+
+    `ready`: ready records of the round by peer id; `groups`: group records of the round whose leader's
+    ownership was checked; `expected`: peer ids of live members whose record says this round and that are not
+    leaving; `ahead`: live members whose record says a later round (they left this round, so its group may
+    already exist); `leaving`: peer ids whose member record says 'leaving' (never waited for, never grouped).
+    """
+
+    now: float
+    ready: Mapping[str, ReadyRecord]
+    groups: Sequence[GroupRecord]
+    expected: frozenset[str]
+    ahead: frozenset[str] = frozenset()
+    leaving: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do yet; look again (re-read the DHT) no later than `until`."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class Publish:
+    """We lead: store this group record; once stored, the group is ours."""
+
+    record: GroupRecord
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The round's group, with us in it."""
+
+    group: Group
+
+
+@dataclass(frozen=True)
+class Late:
+    """We are not in round r's group (or none formed): raise LateForRound with `reason`."""
+
+    reason: str
+
+
+Decision = Wait | Publish | Joined | Late
+
+
+@dataclass(frozen=True)
+class RoundSchedule:
+    """The deadlines of a round, derived from its ready records (equal on every peer that sees them)."""
+
+    opened: float
+    freeze_at: float
+    candidates: tuple[str, ...]  # eligible peers, by peer id: rank 0 leads, rank k takes over k-th
+    leader_timeout: float
+
+    def window(self, rank: int) -> tuple[float, float]:
+        """[start, end) during which candidate `rank` may publish a group (rank 0 may also freeze early)."""
+        start = self.freeze_at + rank * self.leader_timeout
+        return (-math.inf if rank == 0 else start), start + self.leader_timeout / 2
+
+    @property
+    def give_up_at(self) -> float:
+        """After this, no candidate may publish any more: peers still without a group are late."""
+        return self.freeze_at + len(self.candidates) * self.leader_timeout
+
+
+def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) -> RoundSchedule:
+    """Deadlines and candidate ranking of the round `view` describes (it must hold a ready record)."""
+    if not view.ready:
+        raise ValueError("a round schedule needs at least one ready record (our own), got none")
+    opened = min(record.ready_at for record in view.ready.values())
+    cutoff = opened + max(match_timeout - leader_timeout / 2, 0.0)
+    candidates = tuple(
+        sorted(
+            peer_id
+            for peer_id, record in view.ready.items()
+            if record.ready_at <= cutoff and peer_id not in view.leaving
+        )
+    )
+    return RoundSchedule(opened, opened + match_timeout, candidates, leader_timeout)
+
+
+def decide(
+    round_id: int, me: GroupMember, view: RoundView, *, match_timeout: float, leader_timeout: float
+) -> Decision:
+    """The matchmaking rule (module docstring) for peer `me` in round `round_id`, given what it sees."""
+    if not match_timeout > 0 or not leader_timeout > 0:
+        raise ValueError(
+            f"match_timeout and leader_timeout must be > 0, got {match_timeout} and {leader_timeout}"
+        )
+    if me.peer_id not in view.ready:
+        raise ValueError(
+            f"peer {me.peer_id} must see its own ready record for round {round_id} before deciding"
+        )
+    groups = [record for record in view.groups if record.group.round_id == round_id]
+    if groups:
+        chosen = min(groups, key=lambda record: record.leader)
+        if me.peer_id in {m.peer_id for m in chosen.group.members}:
+            return Joined(chosen.group)
+        return Late(
+            f"round {round_id} was frozen by {chosen.leader} with {len(chosen.group.members)} members "
+            f"({', '.join(m.peer_id for m in chosen.group.members)}), not including us"
+        )
+
+    plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
+    now = view.now
+    if me.peer_id in plan.candidates:
+        rank = plan.candidates.index(me.peer_id)
+        start, end = plan.window(rank)
+        if rank == 0 and now < plan.freeze_at:
+            # A member already past this round means a group may exist that we cannot see yet: no early
+            # freeze then, the deadline (or that group's record) settles it.
+            everyone_ready = (
+                me.peer_id in view.expected and view.expected <= view.ready.keys() and not view.ahead
+            )
+            if not everyone_ready:
+                return Wait(plan.freeze_at)
+        if start <= now < end:
+            skipped = set(plan.candidates[:rank])
+            members = [
+                GroupMember(record.peer_id, record.address)
+                for record in view.ready.values()
+                if record.peer_id not in skipped and record.peer_id not in view.leaving
+            ]
+            return Publish(GroupRecord(me.peer_id, Group.make(round_id, members), now))
+        if now < start:
+            return Wait(start)
+    if now >= plan.give_up_at:
+        return Late(
+            f"no group was published for round {round_id} by any of its {len(plan.candidates)} leader "
+            f"candidates ({', '.join(plan.candidates)}) before {plan.give_up_at:.3f}"
+        )
+    return Wait(plan.give_up_at)
+
+
+# --------------------------------------------------------------------------------------------- DHT driver
+
+
+def _entries(result: Any) -> dict[bytes, Any]:
+    """{sub-key: raw value} of a hivemind get() result on a dictionary key (empty when nothing is stored)."""
+    value = getattr(result, "value", None) if result is not None else None
+    if not isinstance(value, dict):
+        return {}
+    return {
+        subkey: getattr(item, "value", None) for subkey, item in value.items() if isinstance(subkey, bytes)
+    }
+
+
+def parse_ready(raw: Mapping[bytes, Any], round_id: int) -> tuple[dict[str, ReadyRecord], dict[str, bytes]]:
+    """Ready records of `round_id` by peer id, and each peer id's owner key.
+
+    A peer id claimed under two different owner keys is dropped: we cannot tell which one is real.
+    """
+    ready: dict[str, ReadyRecord] = {}
+    owners: dict[str, bytes] = {}
+    disputed: set[str] = set()
+    for owner, value in raw.items():
+        try:
+            record = ReadyRecord.from_wire(value)
+        except ValueError as error:
+            logger.warning("ignoring a malformed ready record for round %d: %s", round_id, error)
+            continue
+        if record.round_id != round_id:
+            logger.warning("ignoring a ready record of round %d under round %d", record.round_id, round_id)
+            continue
+        if record.peer_id in owners and owners[record.peer_id] != owner:
+            disputed.add(record.peer_id)
+        ready[record.peer_id], owners[record.peer_id] = record, owner
+    for peer_id in disputed:
+        logger.warning("ignoring peer %s in round %d: two owner keys claim it", peer_id, round_id)
+        del ready[peer_id], owners[peer_id]
+    return ready, owners
+
+
+def parse_groups(raw: Mapping[bytes, Any], round_id: int, owners: Mapping[str, bytes]) -> list[GroupRecord]:
+    """Group records of `round_id` whose leader stored them under the key that owns its ready record."""
+    groups = []
+    for owner, value in raw.items():
+        try:
+            record = GroupRecord.from_wire(value)
+        except ValueError as error:
+            logger.warning("ignoring a malformed group record for round %d: %s", round_id, error)
+            continue
+        if record.group.round_id != round_id or owners.get(record.leader) != owner:
+            # Unknown leader ownership (its ready record not seen yet, or forged): look again next poll.
+            continue
+        groups.append(record)
+    return groups
+
+
+class DHTMatchmaker:
+    """Runs `decide` against the DHT: stores our ready record, polls, publishes the group when we lead.
+
+    Polling starts at `min_poll_interval` and doubles up to `poll_interval`: when every peer is ready at
+    once the group appears within a few DHT round-trips, and a long wait costs a few reads per second.
+    Reads use `latest=True` (a full traversal merging every replica's sub-keys); a plain get stops at the
+    first copy it finds, often our own partial one, and would miss other peers' records.
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        run_name: str,
+        membership: DHTMembership,
+        *,
+        clock: Clock | None = None,
+        poll_interval: float = 0.25,
+        min_poll_interval: float = 0.01,
+    ) -> None:
+        if not 0 < min_poll_interval <= poll_interval:
+            raise ValueError(
+                f"need 0 < min_poll_interval <= poll_interval, got {min_poll_interval} and {poll_interval}"
+            )
+        self.dht = dht
+        self.run_name = run_name
+        self.membership = membership
+        self.clock: Clock = clock if clock is not None else DHTClock()
+        self.poll_interval = poll_interval
+        self.min_poll_interval = min_poll_interval
+        members_key(run_name)  # validates run_name early
+
+    async def _store(self, key: str, value: dict[str, Any], expiration: float) -> bool:
+        ok = await self.dht.store(
+            key, value, expiration, subkey=self.membership.public_key, return_future=True
+        )
+        return bool(ok)
+
+    async def _get(self, key: str) -> dict[bytes, Any]:
+        return _entries(await self.dht.get(key, latest=True, return_future=True))
+
+    async def form_group(
+        self, round_id: int, me: GroupMember, *, match_timeout: float, leader_timeout: float
+    ) -> Group:
+        """Declare us ready for `round_id` and return the round's group; LateForRound if we are not in it."""
+        key = round_key(self.run_name, round_id)
+        group_key = f"{key}/group"
+        now = self.clock.now()
+        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now))
+        # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
+        expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
+        if not await self._store(key, mine.to_wire(), expiration):
+            raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
+
+        interval = self.min_poll_interval
+        need_members = True
+        while True:
+            reads: list[Awaitable[Any]] = [self._get(key), self._get(group_key)]
+            if need_members:
+                reads.append(self.membership.refresh())
+            ready_raw, group_raw, *_ = await asyncio.gather(*reads)
+            ready, owners = parse_ready(ready_raw, round_id)
+            ready[me.peer_id] = mine  # our own record counts at once, whatever the read returned
+            owners[me.peer_id] = self.membership.public_key
+            now = self.clock.now()
+            live = self.membership.core.live(now)
+            view = RoundView(
+                now=now,
+                ready=ready,
+                groups=parse_groups(group_raw, round_id, owners),
+                expected=frozenset(
+                    r.peer_id for r in live if r.round_id == round_id and r.state != "leaving"
+                ),
+                leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
+            )
+            decision = decide(round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout)
+            if isinstance(decision, Joined):
+                return decision.group
+            if isinstance(decision, Late):
+                raise LateForRound(round_id, me.peer_id, decision.reason)
+            if isinstance(decision, Publish):
+                if await self._store(group_key, decision.record.to_wire(), expiration):
+                    return decision.record.group
+                logger.warning("the DHT refused our group record for round %d; retrying", round_id)
+                continue
+            # Only a possible leader needs the member table (for the early freeze); followers skip that read.
+            plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
+            need_members = bool(plan.candidates) and plan.candidates[0] == me.peer_id and now < plan.freeze_at
+            await self.clock.sleep(min(interval, max(decision.until - now, 0.0)))
+            interval = min(interval * 2, self.poll_interval)

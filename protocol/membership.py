@@ -1,0 +1,591 @@
+"""Membership of a farloco run on the hivemind DHT: member records, their TTL, state queries and data slots.
+
+Records live under the DHT key `farloco/{run_name}/members`, one sub-key per member. The sub-key is the
+member's RSA public key as hivemind's `RSASignatureValidator` formats it, so every record is signed and only
+its owner can overwrite it; hivemind's `SchemaValidator` (a pydantic.v1 model) refuses records of the wrong
+shape at `store()` and on every read from a remote peer.
+
+Two layers:
+- `Membership` is the sans-IO core: a table of records keyed by owner, queried with an explicit `now`
+  (TTL expiry, run-hash filtering, state/round queries, slot choice). Tests drive it with plain numbers.
+- `DHTMembership` is the async IO side: it publishes our record (plus a heartbeat task), reads the table
+  back with `DHT.get(..., latest=True)` and graceful leave. Every hivemind call uses `return_future=True` and
+  awaits the MPFuture, so the caller's event loop never blocks on the DHT process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic.v1 import (
+    BaseModel,
+    ConstrainedFloat,
+    ConstrainedInt,
+    ConstrainedStr,
+    Extra,
+    StrictBool,
+    StrictInt,
+    create_model,
+)
+
+from farloco.protocol.clock import Clock, DHTClock
+
+logger = logging.getLogger(__name__)
+
+ConfigValue = str | int | float | bool
+MEMBER_STATES: tuple[str, ...] = ("starting", "syncing", "training", "exchanging", "leaving")
+NO_SLOT = -1  # slot of a member that has not claimed one yet
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Caps keep one member record small: the DHT carries it on every heartbeat of every member.
+MAX_CONFIG_KEYS = 256
+MAX_MADDRS = 16
+
+
+class MembershipError(Exception):
+    """A membership operation failed: the DHT refused a store, or the caller used the API out of order."""
+
+
+class SlotsExhaustedError(MembershipError):
+    """Every data slot is held by another live member."""
+
+
+class RunMismatchError(Exception):
+    """A peer runs another [run] configuration (another run_hash); the message names every differing key."""
+
+    def __init__(self, peer_id: str, expected_hash: str, got_hash: str, differences: list[str]) -> None:
+        self.peer_id = peer_id
+        self.expected_hash = expected_hash
+        self.got_hash = got_hash
+        self.differences = differences
+        detail = (
+            "; ".join(differences) if differences else "no [run] key differs (hash computed differently?)"
+        )
+        super().__init__(
+            f"peer {peer_id} runs run_hash={got_hash[:16]}, expected run_hash={expected_hash[:16]}: {detail}"
+        )
+
+
+def members_key(run_name: str) -> str:
+    """DHT key holding the member records of `run_name` (checked: 1-64 chars of [A-Za-z0-9._-])."""
+    if not isinstance(run_name, str) or not _RUN_NAME_RE.match(run_name):
+        raise ValueError(f"run_name must be 1-64 characters of [A-Za-z0-9._-], got {run_name!r}")
+    return f"farloco/{run_name}/members"
+
+
+# --------------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """What one member tells the swarm about itself; refreshed every heartbeat.
+
+    `round_id` is the outer round the member is working on (training towards, or exchanging in);
+    `outer_hash` is the hex digest of the theta_outer it holds, i.e. the result of round `round_id - 1`
+    ("" while unknown). `heartbeat` is DHT time of publication; the record is live until heartbeat + ttl.
+    """
+
+    peer_id: str
+    address: str
+    state: str
+    round_id: int
+    inner_step: int
+    slot: int
+    run_hash: str
+    run_config: Mapping[str, ConfigValue]
+    outer_hash: str
+    loss: float
+    heartbeat: float
+    maddrs: tuple[str, ...]
+    version: str
+
+    def __post_init__(self) -> None:
+        for name in ("peer_id", "address", "state", "run_hash", "outer_hash", "version"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"MemberRecord.{name} must be a str, got {type(value).__name__}: {value!r}")
+        if not self.peer_id:
+            raise ValueError("MemberRecord.peer_id must be a non-empty str, got ''")
+        if self.state not in MEMBER_STATES:
+            raise ValueError(f"MemberRecord.state must be one of {MEMBER_STATES}, got {self.state!r}")
+        for name, low in (("round_id", 0), ("inner_step", 0), ("slot", NO_SLOT)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"MemberRecord.{name} must be an int >= {low}, got {value!r}")
+        for name in ("loss", "heartbeat"):
+            value = getattr(self, name)
+            if not isinstance(value, float) or (name == "heartbeat" and not math.isfinite(value)):
+                raise ValueError(
+                    f"MemberRecord.{name} must be a float, got {type(value).__name__}: {value!r}"
+                )
+        if not isinstance(self.run_config, Mapping) or len(self.run_config) > MAX_CONFIG_KEYS:
+            raise ValueError(
+                f"MemberRecord.run_config must be a flat mapping of at most {MAX_CONFIG_KEYS} keys, "
+                f"got {type(self.run_config).__name__} of size {len(self.run_config) if isinstance(self.run_config, Mapping) else '?'}"
+            )
+        for key, value in self.run_config.items():
+            if not isinstance(key, str) or not isinstance(value, str | int | float | bool):
+                raise ValueError(
+                    f"MemberRecord.run_config must map str -> str|int|float|bool, got {key!r} -> {value!r}"
+                )
+        if not isinstance(self.maddrs, tuple) or len(self.maddrs) > MAX_MADDRS:
+            raise ValueError(
+                f"MemberRecord.maddrs must be a tuple of at most {MAX_MADDRS} str, got {self.maddrs!r}"
+            )
+        if not all(isinstance(maddr, str) for maddr in self.maddrs):
+            raise ValueError(f"MemberRecord.maddrs must hold str multiaddrs, got {self.maddrs!r}")
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack-able dict stored on the DHT (exactly the shape `_MemberModel` accepts)."""
+        wire = dataclasses.asdict(self)
+        wire["run_config"] = dict(self.run_config)
+        wire["maddrs"] = list(self.maddrs)
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: object) -> MemberRecord:
+        """Parse a DHT value; ValueError naming the expected field set or the bad field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a member record must be a dict, got {type(data).__name__}")
+        expected = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != expected:
+            raise ValueError(
+                f"a member record must have fields {sorted(expected)}; "
+                f"missing {sorted(expected - set(data))}, unexpected {sorted(set(data) - expected)}"
+            )
+        values = dict(data)
+        maddrs = values["maddrs"]
+        if not isinstance(maddrs, list | tuple):
+            raise ValueError(f"MemberRecord.maddrs must be a list of str, got {maddrs!r}")
+        values["maddrs"] = tuple(maddrs)
+        if not isinstance(values["run_config"], dict):
+            raise ValueError(f"MemberRecord.run_config must be a dict, got {values['run_config']!r}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A tombstone: the member with this peer id left gracefully at `heartbeat` (DHT time)."""
+
+    peer_id: str
+    heartbeat: float
+    left: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "heartbeat": self.heartbeat, "left": True}
+
+    @classmethod
+    def from_wire(cls, data: object) -> Departure:
+        if (
+            not isinstance(data, dict)
+            or set(data) != {"peer_id", "heartbeat", "left"}
+            or data["left"] is not True
+        ):
+            raise ValueError(f"a departure record must be {{peer_id, heartbeat, left: True}}, got {data!r}")
+        if not isinstance(data["peer_id"], str) or not isinstance(data["heartbeat"], float):
+            raise ValueError(f"a departure record needs peer_id: str and heartbeat: float, got {data!r}")
+        return cls(data["peer_id"], data["heartbeat"])
+
+
+def parse_entry(data: object) -> MemberRecord | Departure:
+    """A member sub-key's value: a live record or a departure tombstone (ValueError if neither)."""
+    if isinstance(data, dict) and "left" in data:
+        return Departure.from_wire(data)
+    return MemberRecord.from_wire(data)
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+class _Text(ConstrainedStr):
+    strict = True
+    max_length = 256
+
+
+class _PeerId(ConstrainedStr):
+    strict = True
+    min_length = 1
+    max_length = 128
+
+
+class _State(ConstrainedStr):
+    strict = True
+    regex = re.compile("^(" + "|".join(MEMBER_STATES) + ")$")
+
+
+class _Count(ConstrainedInt):
+    strict = True
+    ge = 0
+
+
+class _Slot(ConstrainedInt):
+    strict = True
+    ge = NO_SLOT
+
+
+class _Float(ConstrainedFloat):
+    strict = True
+
+
+class _MemberModel(BaseModel):
+    """Schema of a live member record (hivemind compares the parsed value to the raw one: no coercion)."""
+
+    peer_id: _PeerId
+    address: _Text
+    state: _State
+    round_id: _Count
+    inner_step: _Count
+    slot: _Slot
+    run_hash: _Text
+    run_config: dict[_Text, StrictBool | StrictInt | _Float | _Text]
+    outer_hash: _Text
+    loss: _Float
+    heartbeat: _Float
+    maddrs: list[_Text]
+    version: _Text
+
+    class Config:
+        extra = Extra.forbid
+
+
+class _DepartureModel(BaseModel):
+    """Schema of a departure tombstone."""
+
+    peer_id: _PeerId
+    heartbeat: _Float
+    left: StrictBool
+
+    class Config:
+        extra = Extra.forbid
+
+
+def make_record_validators(
+    run_name: str, *, private_key: RSAPrivateKey | None = None
+) -> list[RecordValidatorBase]:
+    """Validators the agent passes to `hivemind.DHT(record_validators=...)` for this run.
+
+    The signature validator signs records whose sub-key holds our public key (and refuses unsigned or
+    forged ones); the schema validator checks the members key. `private_key` defaults to hivemind's
+    process-wide key; tests running several DHTs in one process pass one key per peer.
+    """
+    # The schema's field name must be the raw DHT key: SchemaValidator maps DHTID(field name) -> field.
+    schema = create_model(
+        "FarlocoMembersSchema",
+        **{members_key(run_name): (dict[BytesWithPublicKey, _MemberModel | _DepartureModel], None)},  # type: ignore[call-overload]
+    )
+    return [RSASignatureValidator(private_key), SchemaValidator(schema, allow_extra_keys=True)]
+
+
+# --------------------------------------------------------------------------------------------- sans-IO core
+
+
+def config_differences(expected: Mapping[str, ConfigValue], got: Mapping[str, ConfigValue]) -> list[str]:
+    """Keys whose values differ between two flat [run] configs, as `key: expected=... got=...` lines."""
+    lines = []
+    for key in sorted(set(expected) | set(got)):
+        mine, theirs = expected.get(key, "<absent>"), got.get(key, "<absent>")
+        # type matters: 1 and 1.0 and True hash differently in the run config
+        if type(mine) is not type(theirs) or mine != theirs:
+            lines.append(f"{key}: expected={mine!r} got={theirs!r}")
+    return lines
+
+
+@dataclass
+class Membership:
+    """Sans-IO table of member records keyed by owner (the DHT sub-key); every query takes `now`.
+
+    Slot rule (documented for the agent): a member claims the lowest slot in [0, num_slots) not held by any
+    other live member. Two members that claimed the same slot at the same time both see the collision on
+    their next read; the lower peer id keeps the slot and the other one claims again. A newcomer never takes
+    a slot it can see held, so an established member is never pushed off its slot.
+    """
+
+    run_hash: str
+    run_config: Mapping[str, ConfigValue]
+    ttl: float = 15.0
+    _entries: dict[bytes, MemberRecord | Departure] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {self.ttl}")
+
+    def observe(self, owner: bytes, entry: MemberRecord | Departure) -> None:
+        """Merge one entry; an older heartbeat never replaces a newer one (reads can lag our own writes)."""
+        current = self._entries.get(owner)
+        if current is None or entry.heartbeat >= current.heartbeat:
+            self._entries[owner] = entry
+
+    def observe_all(self, entries: Mapping[bytes, MemberRecord | Departure]) -> None:
+        for owner, entry in entries.items():
+            self.observe(owner, entry)
+
+    def prune(self, now: float) -> None:
+        """Forget entries whose TTL has passed (they can no longer affect any query)."""
+        self._entries = {o: e for o, e in self._entries.items() if e.heartbeat + self.ttl > now}
+
+    def _present(self, now: float) -> list[MemberRecord]:
+        # A departure hides every record of that peer id with an older heartbeat, whichever key published it.
+        departed: dict[str, float] = {}
+        for entry in self._entries.values():
+            if isinstance(entry, Departure):
+                departed[entry.peer_id] = max(departed.get(entry.peer_id, -math.inf), entry.heartbeat)
+        freshest: dict[str, MemberRecord] = {}
+        for entry in self._entries.values():
+            if not isinstance(entry, MemberRecord) or entry.heartbeat + self.ttl <= now:
+                continue
+            if entry.heartbeat <= departed.get(entry.peer_id, -math.inf):
+                continue
+            known = freshest.get(entry.peer_id)
+            if known is None or entry.heartbeat > known.heartbeat:
+                freshest[entry.peer_id] = entry
+        return sorted(freshest.values(), key=lambda record: record.peer_id)
+
+    def live(self, now: float) -> list[MemberRecord]:
+        """Live members of our run (same run_hash), sorted by peer id; includes members in state 'leaving'."""
+        return [record for record in self._present(now) if record.run_hash == self.run_hash]
+
+    def mismatched(self, now: float) -> list[tuple[MemberRecord, list[str]]]:
+        """Live records of another run_hash, each with the [run] keys that differ from ours."""
+        return [
+            (
+                record,
+                [line.split(":", 1)[0] for line in config_differences(self.run_config, record.run_config)],
+            )
+            for record in self._present(now)
+            if record.run_hash != self.run_hash
+        ]
+
+    def check_compatible(self, record: MemberRecord) -> None:
+        """RunMismatchError naming every differing [run] key, with both values, if `record` is another run."""
+        if record.run_hash != self.run_hash:
+            raise RunMismatchError(
+                record.peer_id,
+                self.run_hash,
+                record.run_hash,
+                config_differences(self.run_config, record.run_config),
+            )
+
+    def get(self, peer_id: str, now: float) -> MemberRecord | None:
+        """The live record of `peer_id` in our run, if any."""
+        return next((record for record in self.live(now) if record.peer_id == peer_id), None)
+
+    def in_state(self, state: str, now: float) -> list[MemberRecord]:
+        if state not in MEMBER_STATES:
+            raise ValueError(f"state must be one of {MEMBER_STATES}, got {state!r}")
+        return [record for record in self.live(now) if record.state == state]
+
+    def in_round(self, round_id: int, now: float) -> list[MemberRecord]:
+        """Live members whose record says `round_id` and that are not leaving: who a round waits for."""
+        return [
+            record for record in self.live(now) if record.round_id == round_id and record.state != "leaving"
+        ]
+
+    def free_slot(self, peer_id: str, num_slots: int, now: float) -> int:
+        """Lowest slot in [0, num_slots) not held by another live member (SlotsExhaustedError if none)."""
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        held = {record.slot: record.peer_id for record in self.live(now) if record.peer_id != peer_id}
+        for slot in range(num_slots):
+            if slot not in held:
+                return slot
+        raise SlotsExhaustedError(
+            f"all {num_slots} data slots are held by other live members "
+            f"({', '.join(f'{slot}={held[slot][:12]}' for slot in sorted(held) if slot >= 0)}); "
+            f"raise num_slots or wait for a member to leave"
+        )
+
+    def slot_conflict(self, peer_id: str, slot: int, now: float) -> MemberRecord | None:
+        """A live member with a lower peer id holding `slot` (so `peer_id` must claim again), or None."""
+        return next(
+            (r for r in self.live(now) if r.slot == slot and r.peer_id != peer_id and r.peer_id < peer_id),
+            None,
+        )
+
+
+# --------------------------------------------------------------------------------------------- IO side
+
+
+def _unwrap_entries(result: Any, where: str) -> dict[bytes, MemberRecord | Departure]:
+    """Turn a hivemind get() result (ValueWithExpiration of {subkey: ValueWithExpiration}) into entries.
+
+    Entries that do not parse are skipped with a log line: one bad peer must not hide the others.
+    """
+    entries: dict[bytes, MemberRecord | Departure] = {}
+    if result is None:
+        return entries
+    value = getattr(result, "value", None)
+    if not isinstance(value, dict):
+        logger.warning("ignoring %s: expected a dictionary of sub-keys, got %s", where, type(value).__name__)
+        return entries
+    for subkey, item in value.items():
+        try:
+            if not isinstance(subkey, bytes):
+                raise ValueError(
+                    f"sub-key must be the owner's public key (bytes), got {type(subkey).__name__}"
+                )
+            entries[subkey] = parse_entry(getattr(item, "value", None))
+        except ValueError as error:
+            logger.warning("ignoring a malformed entry under %s: %s", where, error)
+    return entries
+
+
+class DHTMembership:
+    """Our membership in a run, on a running `hivemind.DHT` (the agent owns the DHT and its validators)."""
+
+    REMOVE_MARGIN: ClassVar[float] = 1e-3  # a tombstone must expire strictly after our last record
+
+    def __init__(
+        self,
+        dht: Any,
+        run_name: str,
+        run_hash: str,
+        run_config: Mapping[str, ConfigValue],
+        *,
+        ttl: float = 15.0,
+        heartbeat_interval: float = 2.0,
+        clock: Clock | None = None,
+        public_key: bytes | None = None,
+        claim_settle: float = 0.5,
+    ) -> None:
+        if not 0 < heartbeat_interval < ttl:
+            raise ValueError(
+                f"heartbeat_interval must be in (0, ttl={ttl}) so a live member never expires, got {heartbeat_interval}"
+            )
+        self.dht = dht
+        self.key = members_key(run_name)
+        self.core = Membership(run_hash, dict(run_config), ttl)
+        self.heartbeat_interval = heartbeat_interval
+        self.claim_settle = claim_settle
+        self.clock: Clock = clock if clock is not None else DHTClock()
+        # Sub-key = our public key: the signature validator signs what we store under it.
+        self.public_key = public_key if public_key is not None else RSASignatureValidator().local_public_key
+        self._record: MemberRecord | None = None
+        self._last_expiration = -math.inf
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    @property
+    def record(self) -> MemberRecord | None:
+        """The record we last published (None before the first publish or after remove)."""
+        return self._record
+
+    async def _store(self, value: dict[str, Any], expiration: float) -> None:
+        ok = await self.dht.store(self.key, value, expiration, subkey=self.public_key, return_future=True)
+        if not ok:
+            raise MembershipError(
+                f"the DHT refused our entry under {self.key} (expiration {expiration:.3f}, now "
+                f"{self.clock.now():.3f}): no peer answered, a newer entry exists, or the schema check failed"
+            )
+        self._last_expiration = max(self._last_expiration, expiration)
+
+    async def publish(self, record: MemberRecord) -> MemberRecord:
+        """Store `record` (heartbeat set to now) under our sub-key; returns what was stored."""
+        if record.run_hash != self.core.run_hash:
+            raise ValueError(
+                f"publish() got a record of run_hash={record.run_hash[:16]}, this membership is for "
+                f"run_hash={self.core.run_hash[:16]}"
+            )
+        now = self.clock.now()
+        # Heartbeats must be strictly increasing: the DHT keeps the entry with the latest expiration.
+        heartbeat = max(now, self._last_expiration - self.core.ttl + self.REMOVE_MARGIN)
+        stamped = dataclasses.replace(record, heartbeat=float(heartbeat))
+        await self._store(stamped.to_wire(), stamped.heartbeat + self.core.ttl)
+        self._record = stamped
+        self.core.observe(self.public_key, stamped)
+        return stamped
+
+    async def refresh(self) -> None:
+        """Read the whole members dictionary (latest=True merges the sub-keys held by every replica)."""
+        result = await self.dht.get(self.key, latest=True, return_future=True)
+        self.core.observe_all(_unwrap_entries(result, self.key))
+        self.core.prune(self.clock.now())
+
+    async def members(self) -> list[MemberRecord]:
+        """Live members of our run (same run_hash, schema-checked), sorted by peer id."""
+        await self.refresh()
+        return self.core.live(self.clock.now())
+
+    def mismatched(self) -> list[tuple[MemberRecord, list[str]]]:
+        """From the last read: live records of another run_hash with the [run] keys that differ."""
+        return self.core.mismatched(self.clock.now())
+
+    async def claim_slot(self, peer_id: str, num_slots: int) -> int:
+        """Claim a data slot (rule in `Membership`), publish it, and return it once no lower peer id holds it.
+
+        Needs a published record (the claim travels in it). Each attempt waits `claim_settle` seconds so a
+        simultaneous joiner's claim becomes visible; n simultaneous joiners settle in at most n attempts.
+        """
+        if self._record is None or self._record.peer_id != peer_id:
+            raise MembershipError(
+                f"claim_slot({peer_id!r}) needs a published record of that peer first, "
+                f"have {self._record.peer_id if self._record else None!r}"
+            )
+        for _ in range(4 * num_slots + 4):
+            await self.refresh()
+            now = self.clock.now()
+            current = self._record.slot
+            if (
+                current != NO_SLOT
+                and current < num_slots
+                and self.core.slot_conflict(peer_id, current, now) is None
+            ):
+                holders = [r for r in self.core.live(now) if r.slot == current and r.peer_id != peer_id]
+                if not holders:
+                    return current
+            slot = self.core.free_slot(peer_id, num_slots, now)
+            await self.publish(dataclasses.replace(self._record, slot=slot))
+            await self.clock.sleep(self.claim_settle)
+        raise MembershipError(f"slot claims of {peer_id} did not settle after {4 * num_slots + 4} attempts")
+
+    async def remove(self) -> None:
+        """Graceful leave: stop heartbeats and store a tombstone over our record, hiding it at once.
+
+        hivemind refuses stores whose expiration is already past and keeps, per sub-key, the entry with the
+        latest expiration, so the tombstone expires one TTL from now and strictly after our last record.
+        """
+        await self.stop_heartbeat()
+        if self._record is None:
+            return
+        now = self.clock.now()
+        departure = Departure(
+            self._record.peer_id, float(max(now, self._record.heartbeat + self.REMOVE_MARGIN))
+        )
+        expiration = max(departure.heartbeat + self.core.ttl, self._last_expiration + self.REMOVE_MARGIN)
+        await self._store(departure.to_wire(), expiration)
+        self.core.observe(self.public_key, departure)
+        self._record = None
+
+    def start_heartbeat(self) -> None:
+        """Re-publish our record every heartbeat_interval seconds until `stop_heartbeat` or `remove`."""
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = asyncio.create_task(
+                self._heartbeat_loop(), name="farloco-membership-heartbeat"
+            )
+
+    async def stop_heartbeat(self) -> None:
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.clock.sleep(self.heartbeat_interval)
+            if self._record is None:
+                continue
+            try:
+                await self.publish(self._record)
+            except MembershipError as error:
+                # A missed heartbeat is survivable (ttl spans several intervals); the next one retries.
+                logger.warning("membership heartbeat failed: %s", error)
