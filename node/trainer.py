@@ -171,11 +171,15 @@ def loop(
     device: torch.device,
 ) -> None:
     done_seq = handoff.report(rank).done_seq
+    parent = os.getppid()
     loaded_once = False
     tokens = 0
     pid = os.getpid()
     while True:
         while handoff.publish_seq <= done_seq and handoff.command != COMMAND_STOP:
+            if os.getppid() != parent:
+                # The agent died (SIGKILL leaves no chance to stop us): don't linger as an orphan.
+                return
             time.sleep(POLL_SECONDS)
         if handoff.command == COMMAND_STOP:
             return
@@ -204,7 +208,7 @@ def loop(
             losses.append(loss.detach())
             tokens += inputs.numel()
             handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
-            if handoff.command == COMMAND_STOP:
+            if should_stop(handoff, parent, device):
                 return
         elapsed = time.perf_counter() - started
         train_loss = float(torch.stack(losses).mean()) if losses else math.nan
@@ -216,6 +220,16 @@ def loop(
         dist.barrier()
         handoff.mark_done(rank, seq, train_loss=train_loss, step_seconds=elapsed / max(inner_steps, 1))
         done_seq = seq
+
+
+def should_stop(handoff: Handoff, parent: int, device: torch.device) -> bool:
+    """Stop mid-sequence when the agent says so or died; all ranks agree, so none is left in a collective."""
+    flag = torch.tensor(
+        [1 if handoff.command == COMMAND_STOP or os.getppid() != parent else 0], device=device
+    )
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def main(argv: list[str] | None = None) -> None:
