@@ -1,0 +1,322 @@
+"""Checkpoints of a node's outer state: atomic on disk, verified on load, pruned to the newest K.
+
+Owns the on-disk format under `<run_dir>/checkpoints/` (the `root` of every function here):
+
+    round-00000042/
+        outer.safetensors   "theta" (float32, flat, canonical order) and "strategy.<name>" for each tensor of
+                            the outer strategy's state; safetensors metadata (str -> str): format_version,
+                            round_id, run_hash, outer_hash (sha256 hex of theta's bytes), inner_step (data
+                            position), time (unix seconds)
+        inner/              optional: torch.distributed.checkpoint of the trainer ranks (written by them later)
+        COMMITTED           written last; its content is the outer_hash
+
+How a checkpoint becomes durable: everything is written into `round-<id>.tmp-<pid>-<random>/`, every file is
+fsynced, then the directory itself, then it is renamed to `round-<id>/` and the parent directory is fsynced. A
+crash at any point leaves either the complete new checkpoint or only a `.tmp-` directory, which is never loaded
+and is removed by `prune_checkpoints`. `COMMITTED` and the theta hash still guard against what the rename cannot
+(a file system that lost data, a disk that flipped a bit, a hand-copied directory).
+
+Nothing here unpickles: tensors are read and written with safetensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+log = logging.getLogger("farloco.checkpoint")
+
+FORMAT_VERSION = "1"
+STATE_FILE = "outer.safetensors"
+COMMITTED_FILE = "COMMITTED"
+THETA = "theta"
+STRATEGY_PREFIX = "strategy."
+# Metadata keys the caller must give (the rest is computed here).
+REQUIRED_META = ("run_hash", "inner_step")
+
+_FINAL_NAME = re.compile(r"^round-(\d{8,})$")
+_TMP_NAME = re.compile(r"^round-(\d{8,})\.tmp-(\d+)-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or must not be loaded; the message names the path and what is wrong."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    """Where a run directory keeps its checkpoints (the `root` of the other functions)."""
+    return Path(run_dir) / "checkpoints"
+
+
+def theta_sha256(theta: torch.Tensor) -> str:
+    """sha256 hex of theta's float32 bytes: the same value as the agent's `outer_hash`."""
+    array = theta.detach().cpu().contiguous().numpy()
+    # Hash the buffer in place: a 1B-parameter theta is 4 GB, a `.tobytes()` copy would double that.
+    return hashlib.sha256(array.data).hexdigest()
+
+
+def checkpoint_name(round_id: int) -> str:
+    return f"round-{round_id:08d}"
+
+
+def save_checkpoint(
+    root: Path, round_id: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> Path:
+    """Write the outer state of `round_id` durably and atomically; returns the final checkpoint directory.
+
+    `tensors` holds "theta" (1-D float32) and "strategy.<name>" tensors; `meta` must give `run_hash` and
+    `inner_step` and may add other string fields. `format_version`, `round_id`, `outer_hash` and `time` are
+    filled in here (a given `outer_hash` or `round_id` must match what they really are).
+    """
+    root = Path(root)
+    _check_inputs(round_id, tensors, meta)
+    theta = tensors[THETA]
+    outer_hash = theta_sha256(theta)
+    if "outer_hash" in meta and meta["outer_hash"] != outer_hash:
+        raise CheckpointError(
+            f"save_checkpoint round {round_id}: meta outer_hash {meta['outer_hash']} does not match "
+            f"theta, whose sha256 is {outer_hash}"
+        )
+    metadata = {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "round_id": str(round_id),
+        "outer_hash": outer_hash,
+        "time": meta.get("time", f"{time.time():.3f}"),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(round_id)
+    tmp = root / f"{checkpoint_name(round_id)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        state_path = tmp / STATE_FILE
+        save_file(_owned(tensors), str(state_path), metadata=metadata)
+        _fsync_file(state_path)
+        _write_durably(tmp / COMMITTED_FILE, outer_hash.encode() + b"\n")
+        _fsync_dir(tmp)
+        if final.exists():
+            # Same round written again (e.g. after a restart resumed from it): move the old one out of the way
+            # under a .tmp- name, so a crash between the two renames leaves only something prune removes.
+            aside = root / f"{checkpoint_name(round_id)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            final.rename(aside)
+            tmp.rename(final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Read a committed checkpoint directory: (metadata, tensors). Refuses anything not provably intact."""
+    path = Path(path)
+    meta = _read_meta(path)
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path / STATE_FILE), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[name] = handle.get_tensor(name)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {exc}") from exc
+    theta = tensors.get(THETA)
+    if theta is None or theta.dtype != torch.float32 or theta.dim() != 1:
+        found = "nothing" if theta is None else f"{theta.dtype} {list(theta.shape)}"
+        raise CheckpointError(f"checkpoint {path}: expected a 1-D float32 tensor 'theta', found {found}")
+    found_hash = theta_sha256(theta)
+    if found_hash != meta["outer_hash"]:
+        raise CheckpointError(
+            f"checkpoint {path}: theta is corrupt: expected sha256 {meta['outer_hash']} (from its metadata), "
+            f"found {found_hash}"
+        )
+    return meta, tensors
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint that loads (committed, hash verified), or None. Broken ones are skipped."""
+    for _, path in _committed(Path(root)):
+        try:
+            load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+            continue
+        return path
+    return None
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Remove all but the `keep` newest committed checkpoints, plus broken and stale `.tmp-` directories.
+
+    The newest *loadable* checkpoint is never removed, even when newer but broken ones would otherwise fill the
+    `keep` slots. A `.tmp-` directory is stale unless its writer (the pid in its name) is another live process.
+    Returns the removed paths.
+    """
+    if keep < 1:
+        raise CheckpointError(f"prune_checkpoints: expected keep >= 1, got {keep}")
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        tmp = _TMP_NAME.match(entry.name)
+        final = _FINAL_NAME.match(entry.name)
+        stale_tmp = tmp is not None and not _writer_alive(int(tmp.group(2)))
+        uncommitted = final is not None and not (entry / COMMITTED_FILE).is_file()
+        if entry.is_dir() and (stale_tmp or uncommitted):
+            _remove(entry, removed)
+    committed = [path for _, path in _committed(root)]
+    # Verify newest first until one loads: everything newer that fails is corrupt and goes, and that one
+    # survives whatever `keep` says. Usually this hashes only the checkpoint that was just written.
+    anchor: Path | None = None
+    for path in committed:
+        try:
+            load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("removing broken checkpoint: %s", exc)
+            _remove(path, removed)
+            continue
+        anchor = path
+        break
+    survivors = [path for path in committed if path not in removed]
+    for path in survivors[keep:]:
+        if path != anchor:
+            _remove(path, removed)
+    return removed
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def _check_inputs(round_id: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+        raise CheckpointError(f"save_checkpoint: expected a round_id int >= 0, got {round_id!r}")
+    theta = tensors.get(THETA)
+    if theta is None or theta.dtype != torch.float32 or theta.dim() != 1:
+        found = "nothing" if theta is None else f"{theta.dtype} {list(theta.shape)}"
+        raise CheckpointError(f"save_checkpoint: expected tensors['theta'] 1-D float32, got {found}")
+    strange = sorted(name for name in tensors if name != THETA and not name.startswith(STRATEGY_PREFIX))
+    if strange:
+        raise CheckpointError(
+            f"save_checkpoint: expected tensor names 'theta' or 'strategy.<name>', got {strange}"
+        )
+    missing = [key for key in REQUIRED_META if key not in meta]
+    if missing:
+        raise CheckpointError(f"save_checkpoint: meta is missing {missing} (given keys: {sorted(meta)})")
+    not_str = sorted(key for key, value in meta.items() if not isinstance(value, str))
+    if not_str:
+        raise CheckpointError(f"save_checkpoint: meta values must be str, not for {not_str}")
+    if "round_id" in meta and meta["round_id"] != str(round_id):
+        raise CheckpointError(f"save_checkpoint: meta round_id {meta['round_id']!r} but round_id={round_id}")
+
+
+def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors that each own their storage: safetensors refuses views that share memory."""
+    owned = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu()
+        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.contiguous().clone()
+        owned[name] = tensor
+    return owned
+
+
+def _read_meta(path: Path) -> dict[str, str]:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: expected a directory, found none")
+    match = _FINAL_NAME.match(path.name)
+    if match is None:
+        # Covers `.tmp-` directories: whatever they hold, they were never renamed into place.
+        raise CheckpointError(
+            f"checkpoint {path}: expected a directory named round-<8 digits>, got {path.name!r}"
+        )
+    if not (path / COMMITTED_FILE).is_file():
+        raise CheckpointError(f"checkpoint {path}: not committed (no {COMMITTED_FILE} file)")
+    try:
+        with safe_open(str(path / STATE_FILE), framework="pt") as handle:
+            meta = dict(handle.metadata() or {})
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {exc}") from exc
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path}: expected format_version {FORMAT_VERSION}, found {version!r}"
+        )
+    missing = [key for key in ("round_id", "outer_hash", *REQUIRED_META) if key not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: metadata is missing {missing}")
+    if int(match.group(1)) != int(meta["round_id"]):
+        raise CheckpointError(
+            f"checkpoint {path}: directory says round {int(match.group(1))}, metadata says {meta['round_id']}"
+        )
+    return meta
+
+
+def _committed(root: Path) -> list[tuple[int, Path]]:
+    """Final-named directories holding a COMMITTED file, newest round first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _FINAL_NAME.match(entry.name)
+        if match and entry.is_dir() and (entry / COMMITTED_FILE).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+def _writer_alive(pid: int) -> bool:
+    # Our own pid counts as dead: saves are synchronous, so a .tmp- dir with our pid is from a previous process
+    # that had the same pid (pid 1 in a restarted container) or from a save that failed.
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path, removed: list[Path]) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    removed.append(path)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # Some file systems (e.g. certain network mounts) refuse fsync on directories; the rename is still
+        # atomic there, only its durability across a power cut is weaker.
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)

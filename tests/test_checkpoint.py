@@ -1,0 +1,247 @@
+"""Outer-state checkpoints: round trip, what is never loaded, corruption, a writer killed mid-save, pruning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from farloco.node.checkpoint import (
+    COMMITTED_FILE,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    theta_sha256,
+)
+
+RUN_HASH = "ab" * 32
+
+
+def _state(seed: int, numel: int = 1000) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    theta = torch.randn(numel, generator=generator)
+    return {
+        "theta": theta,
+        "strategy.momentum": torch.randn(numel, generator=generator),
+        "strategy.step": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def _save(root: Path, round_id: int, seed: int | None = None) -> Path:
+    return save_checkpoint(
+        root, round_id, _state(round_id if seed is None else seed), {"run_hash": RUN_HASH, "inner_step": "40"}
+    )
+
+
+def _flip_theta_byte(path: Path) -> None:
+    """Flip one byte inside theta's data (located through the safetensors header), like a bad disk would."""
+    file = path / STATE_FILE
+    data = bytearray(file.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    start, _ = header["theta"]["data_offsets"]
+    data[8 + header_len + start + 17] ^= 0x40
+    file.write_bytes(bytes(data))
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    state = _state(7)
+    state["strategy.view"] = state["strategy.momentum"][10:20]  # a view sharing storage must still save
+    path = save_checkpoint(tmp_path, 42, state, {"run_hash": RUN_HASH, "inner_step": "840", "note": "x"})
+    assert path == tmp_path / "round-00000042"
+    assert (path / COMMITTED_FILE).read_text().strip() == theta_sha256(state["theta"])
+    assert [p.name for p in tmp_path.iterdir()] == ["round-00000042"]  # no .tmp- left behind
+
+    meta, tensors = load_checkpoint(path)
+    assert set(tensors) == set(state)
+    for name, tensor in state.items():
+        assert tensors[name].dtype == tensor.dtype
+        assert torch.equal(tensors[name], tensor), name
+    assert meta["round_id"] == "42"
+    assert meta["run_hash"] == RUN_HASH
+    assert meta["inner_step"] == "840"
+    assert meta["note"] == "x"
+    assert meta["format_version"] == "1"
+    assert meta["outer_hash"] == theta_sha256(state["theta"])
+    assert float(meta["time"]) > 0
+    assert latest_checkpoint(tmp_path) == path
+
+
+def test_theta_hash_is_the_agents_outer_hash() -> None:
+    from farloco.node.agent import theta_hash
+
+    theta = _state(3)["theta"]
+    assert theta_sha256(theta) == theta_hash(theta)
+
+
+def test_latest_is_newest_loadable_and_skips_tmp_and_uncommitted(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
+    _save(tmp_path, 3)
+    newest = _save(tmp_path, 10)
+    _save(tmp_path, 9)
+    assert latest_checkpoint(tmp_path) == newest
+
+    # A newer checkpoint still being written (or abandoned) under its .tmp- name is never chosen.
+    tmp = _save(tmp_path, 11).rename(tmp_path / "round-00000011.tmp-999999-abcd")
+    # A final-named directory without COMMITTED is never chosen either (nor loadable directly).
+    uncommitted = _save(tmp_path, 12)
+    (uncommitted / COMMITTED_FILE).unlink()
+    assert latest_checkpoint(tmp_path) == newest
+    with pytest.raises(CheckpointError, match="not committed"):
+        load_checkpoint(uncommitted)
+    with pytest.raises(CheckpointError, match="expected a directory named round-<8 digits>"):
+        load_checkpoint(tmp)
+    with pytest.raises(CheckpointError, match="expected a directory, found none"):
+        load_checkpoint(tmp_path / "round-00000099")
+
+
+def test_corrupt_theta_is_refused_and_latest_falls_back(tmp_path: Path) -> None:
+    previous = _save(tmp_path, 4)
+    newest = _save(tmp_path, 5)
+    expected = theta_sha256(_state(5)["theta"])
+    _flip_theta_byte(newest)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(newest)
+    message = str(info.value)
+    assert f"expected sha256 {expected}" in message
+    found = message.rsplit("found ", 1)[1]
+    assert len(found) == 64 and found != expected
+    assert latest_checkpoint(tmp_path) == previous
+    # prune cleans the broken one up and keeps the loadable one, whatever `keep` says.
+    assert prune_checkpoints(tmp_path, keep=1) == [newest]
+    assert latest_checkpoint(tmp_path) == previous
+
+
+def test_metadata_mismatches_are_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path, 6)
+    moved = path.rename(tmp_path / checkpoint_name(7))
+    with pytest.raises(CheckpointError, match="directory says round 7, metadata says 6"):
+        load_checkpoint(moved)
+    (moved / STATE_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match=r"cannot read outer\.safetensors"):
+        load_checkpoint(moved)
+
+
+GOOD_META = {"run_hash": RUN_HASH, "inner_step": "0"}
+
+
+@pytest.mark.parametrize(
+    ("tensors", "meta", "message"),
+    [
+        (
+            {"theta": torch.zeros(4, dtype=torch.float16)},
+            GOOD_META,
+            r"expected tensors\['theta'\] 1-D float32",
+        ),
+        ({"momentum": torch.zeros(4)}, GOOD_META, r"expected tensors\['theta'\] 1-D float32, got nothing"),
+        (
+            {"theta": torch.zeros(4), "momentum": torch.zeros(4)},
+            GOOD_META,
+            r"'strategy\.<name>', got \['momentum'\]",
+        ),
+        ({"theta": torch.zeros(4)}, {"run_hash": RUN_HASH}, r"meta is missing \['inner_step'\]"),
+        ({"theta": torch.zeros(4)}, {**GOOD_META, "outer_hash": "0" * 64}, "does not match theta"),
+        ({"theta": torch.zeros(4)}, {**GOOD_META, "round_id": "2"}, "meta round_id '2' but round_id=1"),
+    ],
+)
+def test_bad_input_is_refused(
+    tmp_path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], message: str
+) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        save_checkpoint(tmp_path, 1, tensors, meta)
+    assert not any(tmp_path.iterdir()), "a refused save must leave nothing behind"
+
+
+def test_same_round_saved_again_replaces_it(tmp_path: Path) -> None:
+    _save(tmp_path, 8, seed=1)
+    path = _save(tmp_path, 8, seed=2)
+    _, tensors = load_checkpoint(path)
+    assert torch.equal(tensors["theta"], _state(2)["theta"])
+    assert [p.name for p in tmp_path.iterdir()] == ["round-00000008"]
+
+
+def test_prune_keeps_newest_k_and_removes_stale_tmp(tmp_path: Path) -> None:
+    paths = [_save(tmp_path, r) for r in (1, 2, 3, 4, 5)]
+    stale = tmp_path / "round-00000006.tmp-999999999-00ff"  # no such pid: its writer is gone
+    stale.mkdir()
+    ours = tmp_path / f"round-00000006.tmp-{os.getpid()}-0a0a"  # our pid but not saving: a dead predecessor
+    ours.mkdir()
+    live = tmp_path / f"round-00000006.tmp-{os.getppid()}-beef"  # another live process may be writing it
+    live.mkdir()
+    other = tmp_path / "notes.txt"
+    other.write_text("left alone")
+
+    removed = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(removed) == sorted([*paths[:3], stale, ours])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["round-00000004", "round-00000005", live.name, "notes.txt"]
+    )
+    assert prune_checkpoints(tmp_path, keep=2) == []
+    with pytest.raises(CheckpointError, match="keep >= 1, got 0"):
+        prune_checkpoints(tmp_path, keep=0)
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import torch
+    from farloco.node.checkpoint import save_checkpoint
+
+    root, stop_at = Path(sys.argv[1]), sys.argv[2]
+    real_fsync = os.fsync
+
+    def fsync_then_wait(fd):
+        # Instrument the real save: once it reaches `stop_at`, tell the parent and wait to be SIGKILLed there.
+        real_fsync(fd)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith(stop_at) or (stop_at == "tmp-dir" and os.path.isdir(name) and ".tmp-" in name):
+            print("reached", flush=True)
+            time.sleep(600)
+
+    os.fsync = fsync_then_wait
+    big = {"theta": torch.randn(8_000_000), "strategy.momentum": torch.randn(8_000_000)}
+    save_checkpoint(root, 2, big, {"run_hash": "x", "inner_step": "80"})
+    print("finished", flush=True)
+    """
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stop_at", ["outer.safetensors", "COMMITTED", "tmp-dir"])
+def test_writer_killed_mid_save_leaves_previous_as_latest(tmp_path: Path, stop_at: str) -> None:
+    """SIGKILL after the 64 MB state file / the COMMITTED file / the directory fsync, before the rename."""
+    previous = _save(tmp_path, 1)
+    script = tmp_path / "writer.py"
+    script.write_text(_KILLED_WRITER)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), stop_at], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "reached"
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    leftovers = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert len(leftovers) == 1 and leftovers[0].name.startswith("round-00000002.tmp-")
+    assert not (tmp_path / checkpoint_name(2)).exists()
+    assert latest_checkpoint(tmp_path) == previous
+    assert prune_checkpoints(tmp_path, keep=3) == leftovers  # the dead writer's directory is cleaned up
+    assert latest_checkpoint(tmp_path) == previous
