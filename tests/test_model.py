@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -237,43 +238,42 @@ def _fsdp_worker(rank: int, world_size: int, store_path: str, result_dir: str) -
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
-        config = MICRO
-        reference = build_model(config, seed=3)
-        sharded = build_model(config, seed=3)
         mesh = init_device_mesh("cpu", (world_size,))
-        for block in sharded.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+        results = {}
+        for tie in (True, False):
+            config = dataclasses.replace(MICRO, tie_embeddings=tie)
+            reference = build_model(config, seed=3)
+            sharded = build_model(config, seed=3)
+            for block in sharded.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(sharded, mesh=mesh)
 
-        generator = torch.Generator().manual_seed(11)
-        all_tokens = torch.randint(0, config.vocab_size, (world_size * 2, 17), generator=generator)
-        mine = all_tokens[rank * 2 : (rank + 1) * 2]
+            generator = torch.Generator().manual_seed(11)
+            all_tokens = torch.randint(0, config.vocab_size, (world_size * 2, 17), generator=generator)
+            mine = all_tokens[rank * 2 : (rank + 1) * 2]
 
-        loss = lm_loss(sharded(mine[:, :-1]), mine[:, 1:])
-        loss.backward()
-        # Unsharded: same rank batch for the loss; the whole global batch for the gradient, since FSDP
-        # averages gradients over ranks and every rank's batch has the same size.
-        local_loss = lm_loss(reference(mine[:, :-1]), mine[:, 1:])
-        global_loss = lm_loss(reference(all_tokens[:, :-1]), all_tokens[:, 1:])
-        global_loss.backward()
+            loss = lm_loss(sharded(mine[:, :-1]), mine[:, 1:])
+            loss.backward()
+            # Unsharded: this rank's batch for the loss; the global batch for the gradient, since FSDP
+            # averages gradients over ranks and every rank's batch has the same size.
+            local_loss = lm_loss(reference(mine[:, :-1]), mine[:, 1:])
+            lm_loss(reference(all_tokens[:, :-1]), all_tokens[:, 1:]).backward()
 
-        max_grad_error = 0.0
-        sharded_params = dict(sharded.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            param = sharded_params[name]
-            assert isinstance(param, DTensor), name
-            assert param.to_local().numel() < ref_param.numel() or ref_param.numel() < world_size, name
-            assert param.grad is not None and ref_param.grad is not None, name
-            grad = param.grad.full_tensor()
-            max_grad_error = max(max_grad_error, (grad - ref_param.grad).abs().max().item())
-        torch.save(
-            {
+            max_grad_error = 0.0
+            sharded_params = dict(sharded.named_parameters())
+            for name, ref_param in reference.named_parameters():
+                param = sharded_params[name]
+                assert isinstance(param, DTensor), name
+                assert param.to_local().numel() < ref_param.numel(), name  # really sharded
+                assert param.grad is not None and ref_param.grad is not None, name
+                grad = param.grad.full_tensor()
+                max_grad_error = max(max_grad_error, (grad - ref_param.grad).abs().max().item())
+            results[f"tie={tie}"] = {
                 "loss_error": abs(loss.item() - local_loss.item()),
                 "max_grad_error": max_grad_error,
-                "num_params": len(sharded_params),
-            },
-            Path(result_dir) / f"rank{rank}.pt",
-        )
+                "names": sorted(sharded_params),
+            }
+        (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -289,8 +289,10 @@ def test_fsdp2_two_rank_gloo_matches_unsharded(tmp_path: Path) -> None:
         start_method="spawn",
     )
     for rank in range(world_size):
-        # Our own file from our own child, read back with weights_only: nothing is unpickled freely.
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        assert result["num_params"] == len(list(build_model(MICRO, 0).parameters()))
-        assert result["loss_error"] < 1e-5, result
-        assert result["max_grad_error"] < 1e-5, result
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for tie in (True, False):
+            result = results[f"tie={tie}"]
+            model = build_model(dataclasses.replace(MICRO, tie_embeddings=tie), 0)
+            assert result["names"] == sorted(name for name, _ in model.named_parameters())
+            assert result["loss_error"] < 1e-5, result
+            assert result["max_grad_error"] < 1e-5, result
