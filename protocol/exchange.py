@@ -52,6 +52,8 @@ VOTE_PHASE_SHARE = 0.15
 JOIN_WAIT_SECONDS = 60.0
 # Votes of finished attempts kept to answer late vote calls.
 DECIDED_MEMORY = 256
+# A stream that simply ends early is what a crashed or cancelled peer looks like: no evidence of bad data.
+NOT_BLAME = frozenset({"TRUNCATED"})
 
 
 class TensorCodec(Protocol):
@@ -464,7 +466,8 @@ class Exchange:
             attempt.fail(f"push to {member.peer_id} failed: {exc.code.name} reason={exc.reason}")
         except Reject as exc:
             attempt.fail(
-                f"bad answer from {member.peer_id}: reason={exc.reason} {exc.detail}", member.peer_id
+                f"bad answer from {member.peer_id}: reason={exc.reason} {exc.detail}",
+                _blame(exc, member.peer_id),
             )
         except asyncio.CancelledError:
             attempt.fail(f"push to {member.peer_id} cancelled")
@@ -488,12 +491,23 @@ class Exchange:
                     timeout=max(0.001, deadline - loop.time()),
                 )
             except RpcError as exc:
+                if exc.reason == "GROUP_MISMATCH":
+                    # Alive but in another group: going on without it would split the round.
+                    mismatched.append(member.peer_id)
                 log.info("no vote from %s for %s: %s", member.peer_id, attempt.key[:12], exc)
                 return None
             return _parse_vote(answer.header.get("v"), member.peer_id)
 
+        mismatched: list[str] = []
+
         others = [m for j, m in enumerate(attempt.members) if j != attempt.me]
         answers = await asyncio.gather(*(ask(m) for m in others))
+        if mismatched:
+            raise ExchangeAborted(
+                "GROUP_MISMATCH",
+                f"round {attempt.round_id}: {mismatched} are in another group than {attempt.key[:12]} "
+                f"({attempt.member_ids})",
+            )
         votes = {m.peer_id: v for m, v in zip(others, answers, strict=True) if v is not None}
         votes[self.peer_id] = mine
         return votes
@@ -528,10 +542,10 @@ class Exchange:
                     grpc.StatusCode.ABORTED, "ATTEMPT_OVER", f"group {key[:12]} already finished here"
                 )
             for other in self._attempts.values():
-                if (
-                    other.started.is_set()
-                    and (other.round_id, other.attempt_no) == (ctx.round_id, attempt_no)
-                    and ctx.sender in other.member_ids
+                # One group per round and attempt: a started one under another id means the sender disagrees.
+                if other.started.is_set() and (other.round_id, other.attempt_no) == (
+                    ctx.round_id,
+                    attempt_no,
                 ):
                     raise _precondition(
                         "GROUP_MISMATCH",
@@ -652,7 +666,7 @@ class Exchange:
             # The sender's own stream carries the specific reason (the server logs and counts it there);
             # the other streams get ABORTED from fail().
             attempt.outboxes[sender].put_nowait(exc)
-            attempt.fail(f"refused data from {peer}: {exc.reason}", peer)
+            attempt.fail(f"refused data from {peer}: {exc.reason}", _blame(exc, peer))
 
     def _reduce_chunk(self, attempt: _Attempt, k: int) -> None:
         codec = attempt.codec
@@ -719,7 +733,7 @@ class Exchange:
                 self._finish_sparse(attempt)
         except Reject as exc:
             attempt.outboxes[sender].put_nowait(exc)
-            attempt.fail(f"refused data from {peer}: {exc.reason}", peer)
+            attempt.fail(f"refused data from {peer}: {exc.reason}", _blame(exc, peer))
 
     def _finish_sparse(self, attempt: _Attempt) -> None:
         total = attempt.result
@@ -759,6 +773,10 @@ def _decode(codec: TensorCodec, data: bytes | memoryview, numel: int, what: str)
             "SIZE_MISMATCH", f"{what}: expected {numel} float32 values, got {tensor.numel()} {tensor.dtype}"
         )
     return tensor.reshape(-1)
+
+
+def _blame(rejection: Reject, peer: str) -> str | None:
+    return None if rejection.reason in NOT_BLAME else peer
 
 
 def _parse_vote(vote: Any, peer: str) -> dict[str, Any] | None:

@@ -1,0 +1,528 @@
+"""Exchange tests: real RpcServers on 127.0.0.1, in one process and in separate processes (SIGKILL faults).
+
+The test codecs here have the structural shape of farloco.optim codecs (fp32, blockwise int8, top-k sparse),
+so the exchange is tested without importing optim. Run as a script, this file is the worker of the
+multi-process tests: it serves, prints its address, reads the group on stdin, averages, and writes the result
+as raw float32 bytes (never pickle across processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from farloco.protocol.auth import Authenticator
+from farloco.protocol.exchange import AverageResult, Exchange, ExchangeAborted
+from farloco.protocol.rpc import RpcClient, RpcServer
+from farloco.protocol.types import Group, GroupMember
+
+
+class Fp32Codec:
+    name = "fp32"
+    dense = True
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        return tensor.detach().contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        if len(data) % 4:
+            raise ValueError(f"fp32 payload must be a multiple of 4 bytes, got {len(data)}")
+        return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+
+
+class Int8Codec:
+    """Blockwise absmax int8: u32 numel | fp32 scale per block | int8 values. Error <= scale/2 per value."""
+
+    name = "int8"
+    dense = True
+
+    def __init__(self, block: int = 4096) -> None:
+        self.block = block
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        flat = tensor.detach().reshape(-1).contiguous()
+        numel = flat.numel()
+        pad = (-numel) % self.block
+        padded = torch.nn.functional.pad(flat, (0, pad)).view(-1, self.block)
+        scales = padded.abs().amax(dim=1) / 127.0
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(padded / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
+        return struct.pack("<I", numel) + scales.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        (numel,) = struct.unpack_from("<I", data, 0)
+        num_blocks = -(-numel // self.block)
+        if len(data) != 4 + 4 * num_blocks + numel:
+            raise ValueError(f"int8 payload of {len(data)} bytes does not match numel={numel}")
+        scales = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=num_blocks, offset=4).copy())
+        q = torch.from_numpy(
+            np.frombuffer(data, dtype=np.int8, count=numel, offset=4 + 4 * num_blocks).copy()
+        )
+        pad = (-numel) % self.block
+        values = torch.nn.functional.pad(q.to(torch.float32), (0, pad)).view(-1, self.block) * scales[:, None]
+        return values.reshape(-1)[:numel].contiguous()
+
+
+class TopKCodec:
+    """Sparse: u32 numel | u32 k | int64 indices | fp32 values of the k largest magnitudes."""
+
+    name = "topk"
+    dense = False
+
+    def __init__(self, fraction: float = 0.1) -> None:
+        self.fraction = fraction
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        flat = tensor.detach().reshape(-1)
+        k = max(1, int(flat.numel() * self.fraction)) if flat.numel() else 0
+        indices = (
+            torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+            if k
+            else torch.empty(0, dtype=torch.int64)
+        )
+        values = flat[indices]
+        return (
+            struct.pack("<II", flat.numel(), k)
+            + indices.numpy().astype("<i8").tobytes()
+            + values.numpy().astype("<f4").tobytes()
+        )
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        numel, k = struct.unpack_from("<II", data, 0)
+        if len(data) != 8 + 12 * k:
+            raise ValueError(f"topk payload of {len(data)} bytes does not match k={k}")
+        indices = torch.from_numpy(np.frombuffer(data, dtype="<i8", count=k, offset=8).copy())
+        values = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=k, offset=8 + 8 * k).copy())
+        if k and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+            raise ValueError("topk index out of range")
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[indices] = values
+        return out
+
+
+class SuicidalCodec:
+    """Wraps a codec and SIGKILLs its own process on the `die_at`-th encode: a crash at an exact point."""
+
+    def __init__(self, inner: Fp32Codec | Int8Codec, die_at: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.dense = inner.dense
+        self.die_at = die_at
+        self.calls = 0
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        self.calls += 1
+        if self.calls == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.encode(tensor)
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        return self.inner.decode(data)
+
+
+CODECS: dict[str, Callable[[], Any]] = {"fp32": Fp32Codec, "int8": Int8Codec, "topk": TopKCodec}
+RUN = "run-exchange-test"
+SECRET = b"exchange-secret"
+CHUNK = 64 << 10  # small chunks so modest tensors still take many chunks
+
+
+def make_input(seed: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def tolerance(codec: str, tensors: list[torch.Tensor]) -> float:
+    if codec == "int8":
+        # Each contribution and the mean are quantized once: about two half-steps of the largest block scale.
+        return 2.0 * max(float(t.abs().max()) for t in tensors) / 127.0
+    return 1e-6
+
+
+class Node:
+    def __init__(self, peer_id: str) -> None:
+        auth = Authenticator(RUN, SECRET, peer_id)
+        self.peer_id = peer_id
+        self.server = RpcServer(auth)
+        self.client = RpcClient(auth)
+        self.exchange = Exchange(self.server, self.client, peer_id, chunk_bytes=CHUNK)
+        self.address = ""
+
+    async def start(self) -> GroupMember:
+        self.address = await self.server.start()
+        return GroupMember(self.peer_id, self.address)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        await self.server.stop(0)
+
+
+async def start_nodes(count: int) -> tuple[list[Node], Group]:
+    nodes = [Node(f"peer-{i}") for i in range(count)]
+    members = [await node.start() for node in nodes]
+    return nodes, Group.make(11, members)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "int8"])
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_dense_mean_in_one_process(count: int, codec_name: str) -> None:
+    numel = 100_003  # not a multiple of anything: uneven parts and a short last chunk
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count)
+        try:
+            inputs = [make_input(i, numel) for i in range(count)]
+            codec = CODECS[codec_name]()
+            results = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], codec, timeout=30) for i, node in enumerate(nodes))
+            )
+            exact = torch.stack(inputs).mean(0)
+            for result in results:
+                assert torch.equal(result.averaged, results[0].averaged)  # bit-identical everywhere
+                assert result.contributors == tuple(n.peer_id for n in nodes)
+                assert result.bytes_sent > 0 and result.bytes_received > 0
+            err = float((results[0].averaged - exact).abs().max())
+            assert err <= tolerance(codec_name, inputs), err
+            for i, result in enumerate(results):
+                # `transmitted` is exactly what the codec made of our input.
+                assert torch.equal(
+                    result.transmitted,
+                    torch.cat([codec.decode(codec.encode(c)) for c in chunks_of(group, i, inputs[i])]),
+                )
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def chunks_of(group: Group, me: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The chunk boundaries the exchange uses: parts by member, then CHUNK // 4 elements."""
+    numel, count, size = tensor.numel(), len(group.members), CHUNK // 4
+    base, extra = divmod(numel, count)
+    pieces = []
+    for p in range(count):
+        start = p * base + min(p, extra)
+        end = start + base + (1 if p < extra else 0)
+        pieces += [tensor[a : min(a + size, end)] for a in range(start, end, size)]
+    return pieces
+
+
+def test_sparse_all_gather_and_weights() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(10 + i, 50_000) for i in range(3)]
+            weights = [1.0, 2.0, 0.5]
+            codec = TopKCodec(0.05)
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], codec, timeout=30, weight=weights[i])
+                    for i, node in enumerate(nodes)
+                )
+            )
+            sent = [codec.decode(codec.encode(t)) for t in inputs]
+            exact = sum(w * t for w, t in zip(weights, sent, strict=True)) / sum(weights)
+            for i, result in enumerate(results):
+                assert torch.equal(result.averaged, results[0].averaged)
+                assert torch.equal(result.transmitted, sent[i])
+            assert torch.allclose(results[0].averaged, exact, atol=1e-6)
+            # Weighted dense mean too.
+            dense = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], Fp32Codec(), timeout=30, weight=weights[i])
+                    for i, node in enumerate(nodes)
+                )
+            )
+            exact_dense = sum(w * t for w, t in zip(weights, inputs, strict=True)) / sum(weights)
+            assert torch.allclose(dense[0].averaged, exact_dense, atol=1e-6)
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_wrong_shape_member_is_excluded() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 40_000) for i in range(2)] + [make_input(2, 39_999)]
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], Fp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            good = outcomes[:2]
+            assert all(isinstance(r, AverageResult) for r in good), good
+            assert good[0].contributors == good[1].contributors == ("peer-0", "peer-1")
+            assert torch.equal(good[0].averaged, good[1].averaged)
+            assert torch.allclose(good[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+            assert isinstance(outcomes[2], ExchangeAborted) and outcomes[2].reason == "EXCLUDED"
+            # The refusal carried a stable reason and was counted.
+            assert sum(n.server.rejections["SHAPE_MISMATCH"] for n in nodes) >= 1
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_two_members_with_different_shapes_both_abort() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(group, make_input(0, 1000), Fp32Codec(), timeout=20),
+                nodes[1].exchange.average(group, make_input(1, 1001), Fp32Codec(), timeout=20),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, ExchangeAborted) and o.reason == "EXCLUDED" for o in outcomes), outcomes
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_wrong_group_id_refused() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        intruder = Node("peer-x")
+        try:
+            x_member = await intruder.start()
+            # The intruder believes the round's group is {peer-0, peer-x}: another group id.
+            wrong = Group.make(group.round_id, [group.members[0], x_member])
+            stray = asyncio.create_task(
+                intruder.exchange.average(wrong, make_input(5, 5000), Fp32Codec(), timeout=20)
+            )
+            await asyncio.sleep(0.3)  # its stream reaches peer-0 before peer-0 starts the round
+            inputs = [make_input(i, 5000) for i in range(2)]
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], Fp32Codec(), timeout=20)
+                    for i, node in enumerate(nodes)
+                )
+            )
+            assert torch.equal(results[0].averaged, results[1].averaged)
+            assert torch.allclose(results[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+            with pytest.raises(ExchangeAborted) as info:
+                await stray
+            assert info.value.reason == "GROUP_MISMATCH"
+            assert nodes[0].server.rejections["GROUP_MISMATCH"] >= 1
+        finally:
+            for node in [*nodes, intruder]:
+                await node.stop()
+
+    run(body())
+
+
+def test_bad_arguments() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(1)
+        try:
+            with pytest.raises(ValueError, match="float32"):
+                await nodes[0].exchange.average(
+                    group, torch.zeros(3, dtype=torch.float64), Fp32Codec(), timeout=5
+                )
+            with pytest.raises(ValueError, match="weight"):
+                await nodes[0].exchange.average(group, torch.zeros(3), Fp32Codec(), timeout=5, weight=0.0)
+            other = Group.make(1, [GroupMember("someone", "127.0.0.1:1")])
+            with pytest.raises(ValueError, match="not in group"):
+                await nodes[0].exchange.average(other, torch.zeros(3), Fp32Codec(), timeout=5)
+            alone = await nodes[0].exchange.average(group, torch.ones(3), Fp32Codec(), timeout=5)
+            assert alone.contributors == ("peer-0",) and torch.equal(alone.averaged, torch.ones(3))
+        finally:
+            await nodes[0].stop()
+
+    run(body())
+
+
+# -- separate processes ------------------------------------------------------------------------------------
+
+
+def spawn_workers(
+    count: int, numel: int, codec: str, die: dict[int, int], tmp_path: Path
+) -> list[subprocess.Popen[str]]:
+    procs = []
+    for i in range(count):
+        args = [
+            sys.executable,
+            __file__,
+            f"peer-{i}",
+            str(i),
+            str(numel),
+            codec,
+            str(die.get(i, 0)),
+            str(tmp_path),
+        ]
+        procs.append(subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    return procs
+
+
+def run_workers(
+    count: int, numel: int, codec: str, tmp_path: Path, die: dict[int, int] | None = None, timeout: float = 60
+) -> tuple[list[subprocess.Popen[str]], list[dict[str, Any]]]:
+    procs = spawn_workers(count, numel, codec, die or {}, tmp_path)
+    try:
+        addresses = []
+        for proc in procs:
+            assert proc.stdout is not None
+            addresses.append(proc.stdout.readline().strip())
+        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(group + "\n")
+            proc.stdin.flush()
+        reports = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                reports.append({"killed": proc.returncode})
+            else:
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+        return procs, reports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def load_result(tmp_path: Path, index: int) -> torch.Tensor:
+    data = (tmp_path / f"averaged-{index}.f32").read_bytes()
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("count", "codec"), [(2, "int8"), (3, "fp32"), (4, "topk")])
+def test_mean_across_processes(count: int, codec: str, tmp_path: Path) -> None:
+    numel = 300_007
+    _, reports = run_workers(count, numel, codec, tmp_path)
+    assert all(r.get("ok") for r in reports), reports
+    results = [load_result(tmp_path, i) for i in range(count)]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(r["contributors"] == [f"peer-{i}" for i in range(count)] for r in reports)
+    inputs = [make_input(i, numel) for i in range(count)]
+    if codec == "topk":
+        c = TopKCodec()
+        inputs = [c.decode(c.encode(t)) for t in inputs]
+    assert float((results[0] - torch.stack(inputs).mean(0)).abs().max()) <= tolerance(codec, inputs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("codec", "die_at"),
+    [
+        ("fp32", 3),  # while sending its contributions (reduce-scatter)
+        ("int8", 14),  # while owning and re-encoding means of its part (all-gather)
+        ("topk", 1),  # before its sparse payload left
+    ],
+)
+def test_sigkill_member_mid_exchange(codec: str, die_at: int, tmp_path: Path) -> None:
+    numel = 600_000  # 2.3 MiB fp32 -> ~12 chunks per part with 3 members
+    procs, reports = run_workers(3, numel, codec, tmp_path, die={1: die_at})
+    assert procs[1].returncode == -signal.SIGKILL
+    survivors = [reports[0], reports[2]]
+    if all(r.get("ok") for r in survivors):
+        assert survivors[0]["contributors"] == survivors[1]["contributors"]
+        assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
+        contributors = survivors[0]["contributors"]
+        # The victim died before its contribution reached every part, so the mean must exclude it everywhere.
+        assert contributors == ["peer-0", "peer-2"], contributors
+        inputs = [make_input(i, numel) for i in (0, 2)]
+        if codec == "topk":
+            c = TopKCodec()
+            inputs = [c.decode(c.encode(t)) for t in inputs]
+        err = float((load_result(tmp_path, 0) - torch.stack(inputs).mean(0)).abs().max())
+        assert err <= tolerance(codec, inputs), err
+    else:
+        # Never one survivor with a mean and the other without.
+        assert not any(r.get("ok") for r in survivors), survivors
+        assert all(r.get("aborted") for r in survivors), survivors
+
+
+def test_parent_sigkill_mid_exchange_keeps_survivors_consistent(tmp_path: Path) -> None:
+    """The victim encodes slowly; the test process SIGKILLs it from outside while the exchange runs."""
+    numel = 400_000
+    procs = spawn_workers(3, numel, "slow-fp32", {}, tmp_path)
+    try:
+        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
+        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(group + "\n")
+            proc.stdin.flush()
+        assert procs[1].stdout is not None
+        assert procs[1].stdout.readline().strip() == "averaging"
+        time.sleep(0.5)  # slow-fp32 sleeps 0.1 s per encode: the exchange is well under way, not done
+        procs[1].send_signal(signal.SIGKILL)
+        reports = []
+        for proc in (procs[0], procs[2]):
+            out, _ = proc.communicate(timeout=60)
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        procs[1].wait()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(r.get("ok") for r in reports), reports
+    assert reports[0]["contributors"] == reports[1]["contributors"] == ["peer-0", "peer-2"]
+    assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
+    exact = (make_input(0, numel) + make_input(2, numel)) / 2
+    assert torch.allclose(load_result(tmp_path, 0), exact, atol=1e-6)
+
+
+class SlowCodec(Fp32Codec):
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        time.sleep(0.1)
+        return super().encode(tensor)
+
+
+async def worker(
+    peer_id: str, index: int, numel: int, codec_name: str, die_at: int, out_dir: Path
+) -> dict[str, Any]:
+    node = Node(peer_id)
+    member = await node.start()
+    print(member.address, flush=True)
+    loop = asyncio.get_running_loop()
+    line = await loop.run_in_executor(None, sys.stdin.readline)
+    spec = json.loads(line)
+    group = Group.make(spec["round"], [GroupMember(p, a) for p, a in spec["members"]])
+    codec: Any = SlowCodec() if codec_name == "slow-fp32" else CODECS[codec_name]()
+    if die_at:
+        codec = SuicidalCodec(codec, die_at)
+    print("averaging", flush=True)
+    try:
+        result = await node.exchange.average(group, make_input(index, numel), codec, timeout=40)
+    except ExchangeAborted as exc:
+        return {"aborted": exc.reason, "detail": exc.detail}
+    finally:
+        await asyncio.sleep(0.5)  # keep serving a moment: peers may still be fetching our part's mean
+        await node.stop()
+    (out_dir / f"averaged-{index}.f32").write_bytes(result.averaged.numpy().astype("<f4").tobytes())
+    return {"ok": True, "contributors": list(result.contributors), "seconds": result.seconds}
+
+
+if __name__ == "__main__":
+    name, idx, size, codec_arg, die, out = sys.argv[1:7]
+    report = asyncio.run(worker(name, int(idx), int(size), codec_arg, int(die), Path(out)))
+    print(json.dumps(report), flush=True)
