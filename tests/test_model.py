@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,8 @@ from farloco.node.model import (
 
 # A model small enough that every test here runs in well under a second.
 MICRO = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+# sha256 over (name, float32 bytes) of build_model(MICRO, seed=0)'s parameters.
+GOLDEN_MICRO_SHA256 = "1c570dbb9be8608e31316a851d94c59d62ece5a68913ca3ae78fc705db072c8b"
 
 
 def test_forward_shape_and_dtype() -> None:
@@ -87,7 +91,27 @@ def test_init_golden_values() -> None:
     for name, param in model.named_parameters():
         digest.update(name.encode())
         digest.update(param.detach().numpy().tobytes())
-    assert digest.hexdigest() == "1c570dbb9be8608e31316a851d94c59d62ece5a68913ca3ae78fc705db072c8b"
+    assert digest.hexdigest() == GOLDEN_MICRO_SHA256
+
+
+def test_init_does_not_depend_on_cpu_kernels() -> None:
+    # torch picks vectorised CPU kernels at run time (AVX2/AVX512 or none); ATEN_CPU_CAPABILITY=default
+    # forces the portable ones, standing in for a machine without AVX. The parameters must not change.
+    script = (
+        "import hashlib, torch\n"
+        "from farloco.node.model import ModelConfig, build_model\n"
+        f"model = build_model(ModelConfig(**{dataclasses.asdict(MICRO)!r}), seed=0)\n"
+        "digest = hashlib.sha256()\n"
+        "for name, param in model.named_parameters():\n"
+        "    digest.update(name.encode()); digest.update(param.detach().numpy().tobytes())\n"
+        "print(torch.backends.cpu.get_cpu_capability(), digest.hexdigest())\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["DEFAULT", GOLDEN_MICRO_SHA256]
 
 
 def test_init_statistics() -> None:
