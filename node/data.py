@@ -106,6 +106,14 @@ class DatasetInfo:
                 digest.update(f"|{shard.name}:{shard.num_tokens}:{shard.sha256}".encode())
         return digest.hexdigest()
 
+    def __str__(self) -> str:
+        splits = ", ".join(
+            f"{split} {self.num_tokens(split):,} tokens / {self.num_documents[split]:,} docs / "
+            f"{len(self.shards[split])} shard(s)"
+            for split in SPLITS
+        )
+        return f"{self.path} ({self.tokenizer}, vocab {self.vocab_size}, {self.dtype}): {splits}"
+
     def to_manifest(self) -> dict[str, Any]:
         """The JSON object stored in ``dataset.json``."""
         return {

@@ -93,6 +93,7 @@ def test_prepare_txt_writes_exact_tokens_and_manifest(tmp_path: Path) -> None:
     assert _stream(tmp_path / "out", "train").tolist() == expected
     assert info.num_tokens("train") == len(expected) and info.num_tokens("val") == 0
     assert info.num_documents == {"train": 2, "val": 0}
+    assert str(info).endswith("val 0 tokens / 0 docs / 0 shard(s)")
 
     manifest = json.loads((tmp_path / "out" / "dataset.json").read_text())
     assert (
