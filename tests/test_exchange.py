@@ -359,7 +359,12 @@ def test_bad_arguments() -> None:
 
 
 def spawn_workers(
-    count: int, numel: int, codec: str, die: dict[int, int], tmp_path: Path
+    count: int,
+    numel: int,
+    codec: str,
+    die: dict[int, int],
+    tmp_path: Path,
+    codecs: dict[int, str] | None = None,
 ) -> list[subprocess.Popen[str]]:
     procs = []
     for i in range(count):
@@ -369,7 +374,7 @@ def spawn_workers(
             f"peer-{i}",
             str(i),
             str(numel),
-            codec,
+            (codecs or {}).get(i, codec),
             str(die.get(i, 0)),
             str(tmp_path),
         ]
@@ -412,7 +417,14 @@ def load_result(tmp_path: Path, index: int) -> torch.Tensor:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("count", "codec"), [(2, "int8"), (3, "fp32"), (4, "topk")])
+@pytest.mark.parametrize(
+    ("count", "codec"),
+    [
+        pytest.param(2, "int8", marks=pytest.mark.slow),
+        (3, "fp32"),
+        pytest.param(4, "topk", marks=pytest.mark.slow),
+    ],
+)
 def test_mean_across_processes(count: int, codec: str, tmp_path: Path) -> None:
     numel = 300_007
     _, reports = run_workers(count, numel, codec, tmp_path)
@@ -432,8 +444,10 @@ def test_mean_across_processes(count: int, codec: str, tmp_path: Path) -> None:
     ("codec", "die_at"),
     [
         ("fp32", 3),  # while sending its contributions (reduce-scatter)
-        ("int8", 14),  # while owning and re-encoding means of its part (all-gather)
-        ("topk", 1),  # before its sparse payload left
+        pytest.param(
+            "int8", 14, marks=pytest.mark.slow
+        ),  # while re-encoding the means of its part (all-gather)
+        pytest.param("topk", 1, marks=pytest.mark.slow),  # before its sparse payload left
     ],
 )
 def test_sigkill_member_mid_exchange(codec: str, die_at: int, tmp_path: Path) -> None:
@@ -459,10 +473,11 @@ def test_sigkill_member_mid_exchange(codec: str, die_at: int, tmp_path: Path) ->
         assert all(r.get("aborted") for r in survivors), survivors
 
 
+@pytest.mark.multiprocess
 def test_parent_sigkill_mid_exchange_keeps_survivors_consistent(tmp_path: Path) -> None:
     """The victim encodes slowly; the test process SIGKILLs it from outside while the exchange runs."""
     numel = 400_000
-    procs = spawn_workers(3, numel, "slow-fp32", {}, tmp_path)
+    procs = spawn_workers(3, numel, "fp32", {}, tmp_path, codecs={1: "slow-fp32"})
     try:
         addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
         group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
@@ -472,7 +487,7 @@ def test_parent_sigkill_mid_exchange_keeps_survivors_consistent(tmp_path: Path) 
             proc.stdin.flush()
         assert procs[1].stdout is not None
         assert procs[1].stdout.readline().strip() == "averaging"
-        time.sleep(0.5)  # slow-fp32 sleeps 0.1 s per encode: the exchange is well under way, not done
+        time.sleep(0.5)  # slow-fp32 sleeps 0.1 s per encode (~36 encodes): well under way, far from done
         procs[1].send_signal(signal.SIGKILL)
         reports = []
         for proc in (procs[0], procs[2]):
