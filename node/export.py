@@ -1,0 +1,156 @@
+"""`farloco export`: turn a run directory's newest checkpoint into a Hugging Face Llama-style model folder.
+
+Owns the conversion from farloco's outer state (one flat float32 theta in canonical order, see
+`farloco.node.handoff`) to what a Llama loader reads: `model.safetensors` with HF parameter names,
+`config.json` (a LlamaConfig dict) and `generation_config.json`. Tied embeddings are written once, as
+`model.embed_tokens.weight`, with `tie_word_embeddings = true`; `lm_head.weight` exists only for untied models.
+
+Each file is written to a temporary name, fsynced and renamed into place, `config.json` last: a loader that finds
+a `config.json` finds the complete model next to it, and an interrupted export never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from safetensors.torch import save_file
+
+from farloco.node.checkpoint import (
+    CheckpointError,
+    checkpoints_dir,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from farloco.node.config import ConfigError, load_config, run_hash
+from farloco.node.handoff import layout_of, unflatten
+from farloco.node.model import ModelConfig, Transformer, export_hf_config, hf_state_dict_names, model_config
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+class ExportError(RuntimeError):
+    """A run directory cannot be exported; the message says what was expected and what was found."""
+
+
+def export_run(run_dir: Path, out_dir: Path, *, progress: bool = True) -> Path:
+    """Export the newest loadable checkpoint of `run_dir` as a Llama-style model folder `out_dir`; returns it."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    console = Console(stderr=True, quiet=not progress)
+    config_path = run_dir / "config.toml"
+    if not config_path.is_file():
+        raise ExportError(f"{run_dir}: expected a run directory with config.toml (written by `farloco join`)")
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        raise ExportError(f"{config_path}: {exc}") from exc
+    with _step(console, "finding the newest loadable checkpoint"):
+        checkpoint = latest_checkpoint(checkpoints_dir(run_dir))
+    if checkpoint is None:
+        raise ExportError(f"{run_dir}: no loadable checkpoint under {checkpoints_dir(run_dir)}")
+    with _step(console, f"loading {checkpoint.name} (verifying its hash)"):
+        try:
+            meta, tensors = load_checkpoint(checkpoint)
+        except CheckpointError as exc:  # e.g. removed or corrupted between the two calls
+            raise ExportError(str(exc)) from exc
+    expected_hash = run_hash(config)
+    if meta["run_hash"] != expected_hash:
+        raise ExportError(
+            f"{checkpoint}: expected a checkpoint of run_hash {expected_hash} ({config_path}), "
+            f"found run_hash {meta['run_hash']}"
+        )
+    source = {
+        "farloco.run_name": config.run.name,
+        "farloco.run_hash": meta["run_hash"],
+        "farloco.round_id": meta["round_id"],
+        "farloco.outer_hash": meta["outer_hash"],
+        "farloco.inner_step": meta["inner_step"],
+    }
+    with _step(console, f"writing {out_dir}"):
+        export_theta(model_config(config.run.model), tensors["theta"], out_dir, metadata=source)
+    console.print(f"exported round {meta['round_id']} of run {config.run.name!r} to {out_dir}")
+    return out_dir
+
+
+def export_theta(
+    config: ModelConfig, theta: torch.Tensor, out_dir: Path, *, metadata: dict[str, str] | None = None
+) -> Path:
+    """Write the model folder for `theta` (flat float32, canonical order of a `Transformer(config)`)."""
+    out_dir = Path(out_dir)
+    # The layout and the names depend only on the shapes: build on the meta device, so exporting a 1B model
+    # allocates no second copy of its weights and runs no initialisation.
+    with torch.device("meta"):
+        skeleton = Transformer(config)
+    layout = layout_of(skeleton)
+    expected = layout[-1].offset + layout[-1].numel if layout else 0
+    if theta.dtype != torch.float32 or theta.dim() != 1 or theta.numel() != expected:
+        raise ExportError(
+            f"expected theta float32[{expected}] for model {config}, got {theta.dtype}{list(theta.shape)}"
+        )
+    hf_names = hf_state_dict_names(skeleton)
+    hf_config = export_hf_config(config)
+    has_lm_head = "lm_head.weight" in hf_names.values()
+    if has_lm_head == bool(hf_config["tie_word_embeddings"]):
+        raise ExportError(
+            f"tie_word_embeddings={hf_config['tie_word_embeddings']} but lm_head.weight "
+            f"{'present' if has_lm_head else 'absent'} in the HF names"
+        )
+    # Clone each parameter: safetensors refuses tensors that share one storage (views of theta).
+    state = {hf_names[name]: view.clone() for name, view in unflatten(theta.detach().cpu(), layout).items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # "format": "pt" is what HF loaders check before reading a safetensors file.
+    header = {"format": "pt", **(metadata or {})}
+    with _atomic_path(out_dir / MODEL_FILE) as tmp:
+        save_file(state, str(tmp), metadata=header)
+    generation = {"_from_model_config": True, "max_length": config.max_seq_len}
+    _write_json(out_dir / GENERATION_CONFIG_FILE, generation)
+    _write_json(out_dir / CONFIG_FILE, hf_config)
+    _fsync_dir(out_dir)
+    return out_dir
+
+
+@contextmanager
+def _step(console: Console, text: str) -> Iterator[None]:
+    with console.status(text):
+        yield
+    console.log(f"done: {text}")
+
+
+@contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path next to `path`; on success it is fsynced and renamed to `path`, on failure removed."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with _atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some network file systems refuse directory fsync; the renames are still atomic
+        pass
+    finally:
+        os.close(fd)
