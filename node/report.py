@@ -21,6 +21,7 @@ from typing import Any
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 LOG_FILE = Path("logs") / "agent.jsonl"
 ROUND_FIELDS = ("round_id", "train_loss", "eval_loss", "bytes_sent", "ddp_bytes", "seconds", "contributors")
@@ -210,6 +211,6 @@ def _draw_peers(figure: Figure, logs: list[RunLog]) -> None:
     axes.set_xlabel("outer round")
     axes.set_ylabel("peers")
     axes.set_ylim(bottom=0)
-    axes.yaxis.get_major_locator().set_params(integer=True)
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")

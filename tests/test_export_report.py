@@ -213,7 +213,8 @@ def _write_log(run_dir: Path, peer_id: str, num_rounds: int, *, torn_tail: bool 
     events: list[dict[str, Any]] = [{"time": 0.0, "event": "started", "peer_id": peer_id, "num_params": 1000}]
     for r in range(1, num_rounds + 1):
         if r == 4:
-            events.append({"time": r, "event": "aborted", "round_id": r, "reason": "x", "num_peers": 1})
+            # The attempt that started from round 3 aborts; the retry commits as round 4.
+            events.append({"time": r, "event": "aborted", "round_id": r - 1, "reason": "x", "num_peers": 1})
         contributors = ["a", "b", "c"][: 1 + r % 3]
         events.append(
             {
@@ -259,7 +260,7 @@ def test_read_run_log_fields(tmp_path: Path) -> None:
     assert log.round_ids == [1, 2, 3, 4, 5]
     assert math.isnan(log.eval_loss[0]) and log.eval_loss[1] == pytest.approx(5.0)
     assert log.num_contributors == [2, 3, 1, 2, 3]
-    assert log.aborted == [(4, 1)]
+    assert log.aborted == [(4, 1)]  # plotted where the aborted attempt's commit would have been
 
 
 def test_report_errors_are_clear(tmp_path: Path) -> None:
