@@ -233,6 +233,73 @@ def test_hf_names_cover_every_parameter_once(tie: bool) -> None:
     assert hf["tie_word_embeddings"] is tie and hf["max_position_embeddings"] == 32
 
 
+def _hf_llama_reference_logits(
+    hf_config: dict, weights: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> torch.Tensor:
+    """A plain re-implementation of Hugging Face LlamaForCausalLM's forward (eager attention), reading the
+    exported config and HF-named weights only: explicit mask, repeat_kv by expand, rotate_half RoPE."""
+    hidden, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    n_kv, eps = hf_config["num_key_value_heads"], hf_config["rms_norm_eps"]
+    head_dim = hidden // n_heads
+    seq_len = tokens.shape[1]
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., head_dim // 2 :], x[..., : head_dim // 2]), dim=-1)
+
+    def repeat_kv(x: torch.Tensor) -> torch.Tensor:
+        b, heads, t, d = x.shape
+        return x[:, :, None].expand(b, heads, n_heads // n_kv, t, d).reshape(b, n_heads, t, d)
+
+    inv_freq = 1.0 / (hf_config["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len).float(), inv_freq)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)
+
+    h = weights["model.embed_tokens.weight"][tokens]
+    for i in range(hf_config["num_hidden_layers"]):
+        w = {
+            k.removeprefix(f"model.layers.{i}."): v
+            for k, v in weights.items()
+            if k.startswith(f"model.layers.{i}.")
+        }
+        x = rms_norm(h, w["input_layernorm.weight"])
+        b = x.shape[0]
+        q = (x @ w["self_attn.q_proj.weight"].T).view(b, seq_len, n_heads, head_dim).transpose(1, 2)
+        k = (x @ w["self_attn.k_proj.weight"].T).view(b, seq_len, n_kv, head_dim).transpose(1, 2)
+        v = (x @ w["self_attn.v_proj.weight"].T).view(b, seq_len, n_kv, head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = repeat_kv(k), repeat_kv(v)
+        scores = (q @ k.transpose(-1, -2)) / head_dim**0.5 + mask
+        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq_len, hidden)
+        h = h + attn @ w["self_attn.o_proj.weight"].T
+        x = rms_norm(h, w["post_attention_layernorm.weight"])
+        gate, up = x @ w["mlp.gate_proj.weight"].T, x @ w["mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+    h = rms_norm(h, weights["model.norm.weight"])
+    lm_head = (
+        weights["model.embed_tokens.weight"]
+        if hf_config["tie_word_embeddings"]
+        else weights["lm_head.weight"]
+    )
+    return h @ lm_head.T
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_export_reproduces_logits(tie: bool) -> None:
+    config = dataclasses.replace(MICRO, tie_embeddings=tie)  # 4 query heads share 2 kv heads
+    model = build_model(config, seed=2)
+    names = hf_state_dict_names(model)
+    weights = {names[name]: param.detach() for name, param in model.named_parameters()}
+    tokens = torch.randint(0, config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+    reference = _hf_llama_reference_logits(export_hf_config(config), weights, tokens)
+    assert torch.allclose(ours, reference, atol=1e-5, rtol=1e-4), (ours - reference).abs().max()
+
+
 def test_rotary_matches_complex_rotation() -> None:
     # rotate_half pairs dimension i with i + head_dim/2; as complex numbers (x_i + i*x_{i+d/2}) the
     # embedding must be a rotation by position * inv_freq_i. This is the layout HF's Llama expects.
