@@ -16,14 +16,13 @@ Documented round-trip error bounds (x a finite input value, x' its decoded value
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from farloco.optim.wire import (
     Codec,
     CodecError,
     Header,
+    all_finite,
     ceil_div,
     nonfinite_error,
     positive_int_option,
@@ -54,24 +53,25 @@ class _CastCodec(Codec):
     def _body_bytes(self, numel: int, value_bits: int, block: int, k: int) -> int:
         return numel * torch.empty((), dtype=self.wire_dtype).element_size()
 
-    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
-        out, _ = section(body, 0, tensor.numel(), self.wire_dtype)
-        out.copy_(tensor)
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        # fp32 is sent as the input's own memory; the one copy happens when the payload bytes are joined.
+        out = tensor if self.wire_dtype == torch.float32 else tensor.to(self.wire_dtype)
         # One check on the wire values catches NaN/Inf input and values that overflowed the narrower type.
-        if not bool(torch.isfinite(out).all()):
-            if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(out):
+            if not all_finite(tensor):
                 raise nonfinite_error(f"{self.name} encode input", tensor)
             limit = torch.finfo(self.wire_dtype).max
             raise CodecError(
                 f"{self.name} encode input range: expected |x| <= {limit:g} after rounding, "
                 f"got max |x| = {float(tensor.abs().max()):g}"
             )
+        return [out]
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         values, _ = section(body, 0, header.numel, self.wire_dtype)
         # fp32: clone, since the bytes are immutable and shared and the caller gets its own tensor.
         out = values.clone() if self.wire_dtype == torch.float32 else values.to(torch.float32)
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             raise nonfinite_error(f"{self.name} payload values", out)
         return out
 
@@ -138,14 +138,20 @@ class _BlockQuantCodec(Codec):
         """Per-block absmax / levels; a NaN/Inf anywhere shows up as a non-finite scale."""
         numel = tensor.numel()
         num_full = numel // block
-        absmax = torch.empty(ceil_div(numel, block), dtype=torch.float32)
+        lows, highs = [], []
         if num_full:
-            torch.linalg.vector_norm(
-                tensor[: num_full * block].view(num_full, block), ord=math.inf, dim=1, out=absmax[:num_full]
-            )
+            low, high = torch.aminmax(tensor[: num_full * block].view(num_full, block), dim=1)
+            lows.append(low)
+            highs.append(high)
         if numel % block:
-            absmax[num_full] = tensor[num_full * block :].abs().max()
-        if not bool(torch.isfinite(absmax).all()):
+            low, high = torch.aminmax(tensor[num_full * block :].view(1, -1), dim=1)
+            lows.append(low)
+            highs.append(high)
+        if not lows:
+            return torch.empty(0)
+        # max(-min, max) is the absmax; NaN propagates through aminmax, so the check below sees it.
+        absmax = torch.maximum(torch.cat(lows).neg_(), torch.cat(highs))
+        if not all_finite(absmax):
             raise nonfinite_error(f"{self.name} encode input", tensor)
         return absmax.div_(self.levels)
 
@@ -179,7 +185,7 @@ class _BlockQuantCodec(Codec):
         return out
 
     def _check_scales(self, scales: torch.Tensor) -> None:
-        bad = ~(torch.isfinite(scales) & (scales >= 0))
+        bad = ~(torch.isfinite(scales) & (scales >= 0))  # scales are few: the plain check is cheap here
         if bool(bad.any()):
             first = int(bad.nonzero()[0, 0])
             raise CodecError(
@@ -197,19 +203,15 @@ class Int8Codec(_BlockQuantCodec):
     def __init__(self, block_size: int = 128) -> None:
         super().__init__(block_size)
 
-    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
-        numel = tensor.numel()
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         scales = self._scales(tensor, self.block_size)
-        scale_view, offset = section(body, 0, scales.numel(), torch.float32)
-        scale_view.copy_(scales)
-        codes, _ = section(body, offset, numel, torch.int8)
-        codes.copy_(self._quantize(tensor, scales, self.block_size))
+        return [scales, self._quantize(tensor, scales, self.block_size).to(torch.int8)]
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         scales, offset = section(body, 0, ceil_div(header.numel, header.block), torch.float32)
         self._check_scales(scales)
         codes, _ = section(body, offset, header.numel, torch.int8)
-        if bool((codes == -128).any()):
+        if codes.numel() and int(codes.min()) == -128:
             raise CodecError("int8 payload codes: expected values in [-127, 127], got -128")
         return self._dequantize(codes, scales, header.block)
 
@@ -224,17 +226,14 @@ class Int4Codec(_BlockQuantCodec):
     def __init__(self, block_size: int = 64) -> None:
         super().__init__(block_size)
 
-    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         numel = tensor.numel()
         scales = self._scales(tensor, self.block_size)
-        scale_view, offset = section(body, 0, scales.numel(), torch.float32)
-        scale_view.copy_(scales)
         num_bytes = ceil_div(numel, 2)
         nibbles = torch.full((2 * num_bytes,), 8, dtype=torch.uint8)  # an odd tail pads with code 8 (= 0)
         nibbles[:numel] = self._quantize(tensor, scales, self.block_size).add_(8)
         pairs = nibbles.view(num_bytes, 2)
-        packed, _ = section(body, offset, num_bytes, torch.uint8)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=packed)
+        return [scales, pairs[:, 0] | (pairs[:, 1] << 4)]
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         numel = header.numel

@@ -30,6 +30,7 @@ from farloco.optim.wire import (
     Codec,
     CodecError,
     Header,
+    all_finite,
     ceil_div,
     nonfinite_error,
     positive_int_option,
@@ -134,8 +135,8 @@ class TopKCodec(_ChunkedSparseCodec):
         num_chunks = num_full + (1 if tail else 0)
         return 8 * num_chunks + index_bytes + ceil_div(count, 4)
 
-    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
-        if not bool(torch.isfinite(tensor).all()):
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if not all_finite(tensor):
             raise nonfinite_error("topk encode input", tensor)
         numel, chunk, k = tensor.numel(), self.chunk, self.k
         num_full, tail, count = _chunk_layout(numel, chunk, k)
@@ -146,38 +147,29 @@ class TopKCodec(_ChunkedSparseCodec):
         if tail:
             rows = tensor[num_full * chunk :].view(1, tail)
             parts.append(self._select(rows, min(k, tail), rows.abs()))
-        indices = _cat([idx.view(-1) for idx, _ in parts])
+        indices = _cat([idx.view(-1) for idx, _ in parts]).to(_index_dtype(chunk))
         values = _cat([v.view(-1) for _, v in parts])
-        offset = 0
-        if self.value_bits == 2:
-            # 2-bit codes: bit 1 = sign, bit 0 = high magnitude level; four codes per byte, first in the low bits.
-            levels = [_two_level_magnitudes(v) for _, v in parts]
-            level_view, offset = section(body, offset, 2 * sum(lv.shape[0] for lv in levels), torch.float32)
-            level_view.copy_(_cat([lv.view(-1) for lv in levels]))
-            high = _cat(
-                [
-                    (v.abs() >= lv.mean(dim=1, keepdim=True)).view(-1)
-                    for lv, (_, v) in zip(levels, parts, strict=True)
-                ]
-            )
-        index_view, offset = section(body, offset, count, _index_dtype(chunk))
-        index_view.copy_(indices)
         if self.value_bits == 16:
-            value_view, _ = section(body, offset, count, torch.float16)
-            value_view.copy_(values)
-            if not bool(torch.isfinite(value_view).all()):
+            half = values.to(torch.float16)
+            if not all_finite(half):
                 raise CodecError(
                     f"topk encode input range: expected kept |x| <= 65504 for fp16 values, "
                     f"got max |x| = {float(values.abs().max()):g}"
                 )
-            return
+            return [indices, half]
+        # 2-bit codes: bit 1 = sign, bit 0 = high magnitude level; four codes per byte, first in the low bits.
+        levels = [_two_level_magnitudes(v) for _, v in parts]
+        high = _cat(
+            [
+                (v.abs() >= lv.mean(dim=1, keepdim=True)).view(-1)
+                for lv, (_, v) in zip(levels, parts, strict=True)
+            ]
+        )
         codes = torch.zeros(4 * ceil_div(count, 4), dtype=torch.uint8)
         codes[:count] = (values < 0).to(torch.uint8) * 2 + high.to(torch.uint8)
         quads = codes.view(-1, 4)
-        packed, _ = section(body, offset, quads.shape[0], torch.uint8)
-        torch.bitwise_or(
-            quads[:, 0] | (quads[:, 1] << 2), (quads[:, 2] << 4) | (quads[:, 3] << 6), out=packed
-        )
+        packed = (quads[:, 0] | (quads[:, 1] << 2)) | ((quads[:, 2] << 4) | (quads[:, 3] << 6))
+        return [_cat([lv.view(-1) for lv in levels]), indices, packed]
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         numel, chunk, k = header.numel, header.block, header.k
@@ -199,7 +191,7 @@ class TopKCodec(_ChunkedSparseCodec):
         if header.value_bits == 16:
             raw, _ = section(body, offset, count, torch.float16)
             values = raw.to(torch.float32)
-            if not bool(torch.isfinite(values).all()):
+            if not all_finite(values):
                 raise nonfinite_error("topk payload values", values)
         else:
             packed, _ = section(body, offset, ceil_div(count, 4), torch.uint8)
@@ -244,21 +236,21 @@ class DctTopKCodec(_ChunkedSparseCodec):
         index_bytes = count * torch.empty((), dtype=_index_dtype(block)).element_size()
         return 4 * num_chunks + 2 * count + index_bytes
 
-    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
-        if not bool(torch.isfinite(tensor).all()):
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if not all_finite(tensor):
             raise nonfinite_error("dct-topk encode input", tensor)
         numel, chunk, k = tensor.numel(), self.chunk, self.k
-        num_full, tail, count = _chunk_layout(numel, chunk, k)
+        num_full = numel // chunk
         parts = []
         for rows in (
             tensor[: num_full * chunk].view(num_full, chunk),
-            tensor[num_full * chunk :].view(1, tail),
+            tensor[num_full * chunk :].view(1, -1),
         ):
             if rows.numel() == 0:
                 continue
             # The encoder's matmul need not be bit-reproducible across machines: only its output bytes travel.
             coefficients = rows @ dct_matrix(rows.shape[1]).T
-            if not bool(torch.isfinite(coefficients).all()):
+            if not all_finite(coefficients):
                 raise CodecError(
                     f"dct-topk encode input range: expected DCT coefficients within float32, "
                     f"got overflow (max |x| = {float(rows.abs().max()):g})"
@@ -266,16 +258,12 @@ class DctTopKCodec(_ChunkedSparseCodec):
             parts.append(self._select(coefficients, min(k, rows.shape[1]), coefficients.abs()))
         scales, codes = [], []
         for _, values in parts:
-            part_scales = torch.linalg.vector_norm(values, ord=math.inf, dim=1, keepdim=True) / _INT16_LEVELS
+            part_scales = values.abs().amax(dim=1, keepdim=True) / _INT16_LEVELS
             safe = torch.where(part_scales > 0, part_scales, torch.ones_like(part_scales))  # all-zero chunk
             codes.append((values / safe).round_().clamp_(-_INT16_LEVELS, _INT16_LEVELS).view(-1))
             scales.append(part_scales.view(-1))
-        scale_view, offset = section(body, 0, num_full + (1 if tail else 0), torch.float32)
-        scale_view.copy_(_cat(scales))
-        code_view, offset = section(body, offset, count, torch.int16)
-        code_view.copy_(_cat(codes))
-        index_view, _ = section(body, offset, count, _index_dtype(chunk))
-        index_view.copy_(_cat([idx.view(-1) for idx, _ in parts]))
+        indices = _cat([idx.view(-1) for idx, _ in parts]).to(_index_dtype(chunk))
+        return [_cat(scales), _cat(codes).to(torch.int16), indices]
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         numel, chunk, k = header.numel, header.block, header.k

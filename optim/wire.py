@@ -26,6 +26,7 @@ wherever the bytes come from.
 from __future__ import annotations
 
 import abc
+import math
 import struct
 import sys
 import warnings
@@ -87,14 +88,21 @@ class Codec(abc.ABC):
         check_input(tensor)
         tensor = tensor.contiguous()
         value_bits, block, k = self._header_params()
-        body_bytes = self._body_bytes(tensor.numel(), value_bits, block, k)
-        out = bytearray(HEADER_BYTES + body_bytes)
-        self._encode_body(tensor, memoryview(out)[HEADER_BYTES:])
-        HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, 0,
-                         tensor.numel(), block, k, 0)  # fmt: skip
-        crc = zlib.crc32(memoryview(out)[HEADER_BYTES:], zlib.crc32(memoryview(out)[:_CRC_OFFSET]))
-        struct.pack_into("<I", out, _CRC_OFFSET, crc)
-        return bytes(out)
+        sections = [s.contiguous().view(torch.uint8) for s in self._encode_sections(tensor) if s.numel()]
+        expected = self._body_bytes(tensor.numel(), value_bits, block, k)
+        if sum(s.numel() for s in sections) != expected:  # pragma: no cover - a codec bug, not bad input
+            raise AssertionError(
+                f"{self.name} wrote {sum(s.numel() for s in sections)} body bytes, not {expected}"
+            )
+        header = bytearray(HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, 0,
+                                       tensor.numel(), block, k, 0))  # fmt: skip
+        views = [s.numpy().data for s in sections]
+        crc = zlib.crc32(memoryview(header)[:_CRC_OFFSET])
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        struct.pack_into("<I", header, _CRC_OFFSET, crc)
+        # One copy from the section tensors into the immutable result: no zero-filled staging buffer.
+        return b"".join([header, *views])
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor:
         """Decode bytes from `encode` into a new 1-D float32 tensor; same bytes -> bit-identical tensor.
@@ -136,8 +144,8 @@ class Codec(abc.ABC):
         """Exact body length for these header parameters."""
 
     @abc.abstractmethod
-    def _encode_body(self, tensor: torch.Tensor, body: memoryview) -> None:
-        """Write the body of a checked, contiguous input into `body` (exactly `_body_bytes` long)."""
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The body of a checked, contiguous input as tensors whose raw bytes, in order, are the body."""
 
     @abc.abstractmethod
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
@@ -157,6 +165,14 @@ def check_input(tensor: object) -> None:
         raise CodecError(f"encode input shape: expected a 1-D tensor, got shape {list(tensor.shape)}")
     if tensor.device.type != "cpu":
         raise CodecError(f"encode input device: expected cpu, got {tensor.device}")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True if no NaN/Inf: min and max are finite (NaN propagates through both); far cheaper than isfinite()."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def nonfinite_error(what: str, tensor: torch.Tensor) -> CodecError:
@@ -191,11 +207,10 @@ def check_crc(view: memoryview) -> None:
 
 
 def section(body: memoryview, offset: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """A tensor view of `count` elements of `dtype` at `offset` of the body, and the offset after it.
+    """A tensor view of `count` elements of `dtype` at `offset` of a payload body, and the offset after it.
 
-    Encode passes a writable bytearray view (the codec writes into it); decode passes read-only bytes. Torch
-    warns once per process that it cannot mark a tensor read-only; decode only ever reads these views, so the
-    warning is silenced here rather than paying a copy of every payload.
+    The payload is usually immutable bytes. Torch warns once per process that it cannot mark a tensor
+    read-only; decoders only ever read these views, so the warning is silenced rather than paying a copy.
     """
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if count == 0:
