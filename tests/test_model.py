@@ -42,6 +42,19 @@ def test_forward_shape_and_dtype() -> None:
     assert torch.isfinite(logits).all()
 
 
+def test_bf16_parameters_give_float32_logits() -> None:
+    # FSDP2 mixed precision runs blocks with bf16 parameters; the fp32 rotary tables must not upcast q/k.
+    model = build_model(MICRO, seed=0)
+    tokens = torch.randint(0, MICRO.vocab_size, (2, 9))
+    reference = model(tokens)
+    for param in model.parameters():  # parameters only: like FSDP2's param_dtype, buffers stay float32
+        param.data = param.data.to(torch.bfloat16)
+    assert model.rope_cos.dtype == torch.float32
+    logits = model(tokens)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, reference, atol=0.05)
+
+
 def test_forward_refuses_bad_input() -> None:
     model = build_model(MICRO, seed=0)
     with pytest.raises(ValueError, match="max_seq_len=32"):
