@@ -539,9 +539,11 @@ class DHTMembership:
                 and current < num_slots
                 and self.core.slot_conflict(peer_id, current, now) is None
             ):
-                holders = [r for r in self.core.live(now) if r.slot == current and r.peer_id != peer_id]
-                if not holders:
+                if not any(r.slot == current and r.peer_id != peer_id for r in self.core.live(now)):
                     return current
+                # Only higher peer ids share our slot: they move, we keep it. Look again after they did.
+                await self.clock.sleep(self.claim_settle)
+                continue
             slot = self.core.free_slot(peer_id, num_slots, now)
             await self.publish(dataclasses.replace(self._record, slot=slot))
             await self.clock.sleep(self.claim_settle)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from test_membership import dht_nodes, dht_swarm  # noqa: F401  (the shared real-DHT fixtures)
 
 from farloco.protocol.matchmaking import (
     GroupRecord,
@@ -301,7 +302,7 @@ def test_simulated_swarm_agrees_on_every_group_for_500_rounds() -> None:
 
 
 @pytest.mark.dht
-def test_three_peers_form_groups_on_a_real_dht(dht_swarm: Any) -> None:
+def test_three_peers_form_groups_on_a_real_dht(dht_swarm: Any) -> None:  # noqa: F811
     """3 DHT peers on 127.0.0.1, all ready at once, a few rounds; then a round where one peer is late."""
     from farloco.protocol.matchmaking import DHTMatchmaker
 

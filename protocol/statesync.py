@@ -1,0 +1,497 @@
+"""State transfer to joiners: a donor serves its outer state over the `GetState` stream; a joiner fetches it.
+
+Wire (all frames, see rpc.py; nothing is pickled):
+- request: one frame, header `{"ranges": [[name, start, end], ...], "manifest_id": str}`. No ranges asks for
+  the manifest only. `manifest_id` (when given) pins the state the ranges refer to: a donor whose state changed
+  since (a new round) refuses with FAILED_PRECONDITION / STATE_CHANGED rather than mixing two rounds.
+- answer: a manifest frame (header `{"kind": "manifest"}`, payload = msgpack of
+  `{"meta": {...}, "tensors": [{"name", "dtype", "shape", "nbytes", "sha256"}], "chunk_bytes": int}`), then
+  for each range its bytes in chunks of at most 1 MiB: header `{"kind": "chunk", "name", "offset", "crc32"}`,
+  payload = the tensor's raw little-endian bytes at [offset, offset + len).
+
+The joiner (`fetch_state`) reads every donor's manifest, keeps the donors of the highest round that agree on
+one manifest, checks sizes/dtypes/shapes against its limits *before* allocating, then lets each donor pull
+segments of at most `segment_bytes` from a shared queue (so a fast donor serves more). Every chunk's crc32 is
+checked as it arrives; a donor that fails or sends a bad chunk is dropped and the rest of its segment goes back
+on the queue for the others (resume by byte range). At the end every tensor's sha256 must match the manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import sys
+import zlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import msgpack
+import numpy as np
+import torch
+
+from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+
+logger = logging.getLogger(__name__)
+
+METHOD = "GetState"
+CHUNK_BYTES = 1 << 20
+SEGMENT_BYTES = 8 << 20  # bytes per request: large enough to amortise a stream, small enough to rebalance
+DEFAULT_MAX_TOTAL_BYTES = 16 << 30
+DEFAULT_MAX_TENSORS = 65536
+MAX_MANIFEST_BYTES = 6 << 20  # must fit in one gRPC message (8 MiB by default)
+
+# Wire dtype names; only plain numeric types travel (no object/complex/quantised tensors).
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+StateProvider = Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+
+if sys.byteorder != "little":  # raw tensor bytes travel as they sit in memory
+    raise ImportError("farloco.protocol.statesync needs a little-endian host")
+
+
+class StateSyncError(Exception):
+    """A state fetch failed: no usable donor, a manifest over our limits, or data that does not verify."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the manifest."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    sha256: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "sha256": self.sha256,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a donor serves: the provider's meta (round_id, run_hash, ...) and its tensors' layout and hashes."""
+
+    meta: dict[str, Any]
+    tensors: tuple[TensorEntry, ...]
+    chunk_bytes: int
+
+    @property
+    def round_id(self) -> int:
+        return int(self.meta["round_id"])
+
+    @property
+    def manifest_id(self) -> str:
+        """sha256 over the round, run hash and every tensor's name, dtype, shape and hash."""
+        digest = hashlib.sha256(f"{self.round_id}\0{self.meta.get('run_hash', '')}".encode())
+        for t in self.tensors:
+            digest.update(f"\0{t.name}\0{t.dtype}\0{list(t.shape)}\0{t.sha256}".encode())
+        return digest.hexdigest()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def encode(self) -> bytes:
+        wire = {
+            "meta": self.meta,
+            "tensors": [t.to_wire() for t in self.tensors],
+            "chunk_bytes": self.chunk_bytes,
+        }
+        return bytes(msgpack.packb(wire, use_bin_type=True))
+
+
+def _fail(where: str, expected: str, got: object) -> StateSyncError:
+    return StateSyncError(f"{where}: expected {expected}, got {got!r:.200}")
+
+
+def parse_manifest(
+    payload: bytes | memoryview,
+    *,
+    max_total_bytes: int,
+    max_tensors: int,
+    max_chunk_bytes: int = 4 * CHUNK_BYTES,
+) -> Manifest:
+    """Decode and check a manifest against our limits; nothing is allocated for the tensors here."""
+    if len(payload) > MAX_MANIFEST_BYTES:
+        raise _fail("manifest", f"at most {MAX_MANIFEST_BYTES} bytes", f"{len(payload)} bytes")
+    try:
+        wire = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=max_tensors + 16)
+    except Exception as error:  # msgpack raises several unrelated types on bad input
+        raise _fail("manifest", "valid msgpack", f"{type(error).__name__}: {error}") from None
+    if not isinstance(wire, dict) or set(wire) != {"meta", "tensors", "chunk_bytes"}:
+        raise _fail(
+            "manifest",
+            "a map with meta, tensors, chunk_bytes",
+            sorted(wire) if isinstance(wire, dict) else wire,
+        )
+    meta, tensors, chunk_bytes = wire["meta"], wire["tensors"], wire["chunk_bytes"]
+    if not isinstance(meta, dict) or not isinstance(meta.get("round_id"), int) or meta["round_id"] < 0:
+        raise _fail("manifest meta", "a map with round_id: int >= 0", meta)
+    if not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= max_chunk_bytes:
+        raise _fail("manifest chunk_bytes", f"an int in (0, {max_chunk_bytes}]", chunk_bytes)
+    if not isinstance(tensors, list) or len(tensors) > max_tensors:
+        raise _fail(
+            "manifest tensors", f"a list of at most {max_tensors} entries", f"{type(tensors).__name__}"
+        )
+    entries, names, total = [], set(), 0
+    for item in tensors:
+        if not isinstance(item, dict) or set(item) != {"name", "dtype", "shape", "nbytes", "sha256"}:
+            raise _fail("manifest tensor", "{name, dtype, shape, nbytes, sha256}", item)
+        name, dtype, shape, nbytes, sha = (item[k] for k in ("name", "dtype", "shape", "nbytes", "sha256"))
+        if not isinstance(name, str) or not name or name in names:
+            raise _fail("manifest tensor name", "a unique non-empty str", name)
+        if dtype not in DTYPES:
+            raise _fail(f"dtype of {name}", f"one of {sorted(DTYPES)}", dtype)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 16
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise _fail(f"shape of {name}", "a list of at most 16 ints >= 0", shape)
+        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        expected = math.prod(shape) * itemsize
+        if nbytes != expected:
+            raise _fail(f"nbytes of {name}", f"{expected} (shape {shape} x {itemsize} bytes)", nbytes)
+        if not isinstance(sha, str) or len(sha) != 64:
+            raise _fail(f"sha256 of {name}", "64 hex chars", sha)
+        total += nbytes
+        if total > max_total_bytes:
+            raise _fail(
+                "manifest",
+                f"a state of at most max_total_bytes={max_total_bytes}",
+                f"more than {total} bytes",
+            )
+        names.add(name)
+        entries.append(TensorEntry(name, dtype, tuple(shape), nbytes, sha))
+    return Manifest(meta, tuple(entries), chunk_bytes)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The tensor's bytes as a flat uint8 array (little-endian, row-major), without a copy when contiguous."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
+
+
+# --------------------------------------------------------------------------------------------- donor
+
+
+class StateServer:
+    """Serves the node's outer state on `GetState`; `provider()` returns `(meta, tensors)`.
+
+    meta must hold `round_id` (int) and `run_hash` (str) plus anything msgpack-able (the run config...).
+    The provider must return a snapshot that stays unchanged for as long as its round_id does: hashes are
+    computed once per round_id (in a worker thread) and reused for every joiner of that round.
+    """
+
+    def __init__(self, provider: StateProvider, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.provider = provider
+        self.chunk_bytes = chunk_bytes
+        self.bytes_served = 0
+        self._cache: tuple[int, Manifest, dict[str, np.ndarray[Any, np.dtype[np.uint8]]]] | None = None
+        self._lock = asyncio.Lock()
+
+    def register(self, server: RpcServer) -> None:
+        server.add_stream(METHOD, self.handle)
+
+    async def snapshot(self) -> tuple[Manifest, dict[str, np.ndarray[Any, np.dtype[np.uint8]]]]:
+        """The current manifest and raw bytes (hashes cached per round_id)."""
+        async with self._lock:
+            meta, tensors = self.provider()
+            round_id = meta.get("round_id")
+            if not isinstance(round_id, int) or not isinstance(meta.get("run_hash"), str):
+                raise Reject(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "NO_STATE",
+                    f"state meta lacks round_id/run_hash: {sorted(meta)}",
+                )
+            if self._cache is not None and self._cache[0] == round_id:
+                return self._cache[1], self._cache[2]
+            raw = {name: _raw_bytes(t) for name, t in tensors.items()}
+            hashes = await asyncio.to_thread(
+                lambda: {name: hashlib.sha256(b.data).hexdigest() for name, b in raw.items()}
+            )
+            entries = []
+            for name, tensor in tensors.items():
+                if tensor.dtype not in _DTYPE_NAMES:
+                    raise Reject(
+                        grpc.StatusCode.INTERNAL,
+                        "BAD_STATE",
+                        f"tensor {name} has unsupported dtype {tensor.dtype}",
+                    )
+                entries.append(
+                    TensorEntry(
+                        name,
+                        _DTYPE_NAMES[tensor.dtype],
+                        tuple(tensor.shape),
+                        int(raw[name].nbytes),
+                        hashes[name],
+                    )
+                )
+            manifest = Manifest({**meta, "sha256": hashes}, tuple(entries), self.chunk_bytes)
+            self._cache = (round_id, manifest, raw)
+            return manifest, raw
+
+    async def handle(self, ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        """The `GetState` stream handler: manifest, then the requested ranges in crc32-checked chunks."""
+        request = await anext(requests, None)
+        if request is None:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "BAD_REQUEST",
+                "GetState expects one request frame, got none",
+            )
+        ranges = request.header.get("ranges", [])
+        pinned = request.header.get("manifest_id")
+        if not isinstance(ranges, list) or len(ranges) > 1 << 16:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "BAD_RANGE",
+                f"ranges must be a list, got {type(ranges).__name__}",
+            )
+        manifest, raw = await self.snapshot()
+        if pinned is not None and pinned != manifest.manifest_id:
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "STATE_CHANGED",
+                f"requested state {str(pinned)[:16]}, this donor now serves round {manifest.round_id} "
+                f"({manifest.manifest_id[:16]})",
+            )
+        checked = []
+        for item in ranges:
+            ok = isinstance(item, list) and len(item) == 3 and item[0] in raw
+            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in item[1:])
+            if not ok or not 0 <= item[1] < item[2] <= raw[item[0]].nbytes:
+                raise Reject(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "BAD_RANGE",
+                    f"expected [name, start, end] within a tensor, got {item!r:.120}",
+                )
+            checked.append((item[0], item[1], item[2]))
+        yield Frame({"kind": "manifest"}, manifest.encode())
+        for name, start, end in checked:
+            data = raw[name].data
+            for offset in range(start, end, self.chunk_bytes):
+                payload = data[offset : min(offset + self.chunk_bytes, end)]
+                self.bytes_served += len(payload)
+                yield Frame(
+                    {"kind": "chunk", "name": name, "offset": offset, "crc32": zlib.crc32(payload)}, payload
+                )
+
+
+# --------------------------------------------------------------------------------------------- joiner
+
+
+async def _one_request(frame: Frame) -> AsyncIterator[Frame]:
+    yield frame
+
+
+def _choose(manifests: Mapping[str, Manifest], expect_run_hash: str | None) -> tuple[Manifest, list[str]]:
+    """Donors of the highest round that agree on one manifest (the largest such set; ties by manifest id)."""
+    usable = {
+        d: m
+        for d, m in manifests.items()
+        if expect_run_hash is None or m.meta.get("run_hash") == expect_run_hash
+    }
+    if not usable:
+        raise StateSyncError(
+            f"no donor serves run_hash={expect_run_hash}: got "
+            + ", ".join(f"{d}: {m.meta.get('run_hash')!r}" for d, m in manifests.items())
+        )
+    top = max(m.round_id for m in usable.values())
+    by_id: dict[str, list[str]] = {}
+    for donor, manifest in usable.items():
+        if manifest.round_id == top:
+            by_id.setdefault(manifest.manifest_id, []).append(donor)
+    chosen_id, donors = min(by_id.items(), key=lambda item: (-len(item[1]), item[0]))
+    if len(by_id) > 1:
+        logger.warning("donors disagree on the state of round %d; using %s (%s)", top, chosen_id[:16], donors)
+    return usable[donors[0]], donors
+
+
+@dataclass
+class _Segment:
+    name: str
+    start: int
+    end: int
+
+
+async def fetch_state(
+    client: RpcClient,
+    donors: list[str],
+    *,
+    timeout: float,
+    progress: Callable[[int, int], None] | None = None,
+    expect_run_hash: str | None = None,
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Download a donor's outer state, from several donors in parallel; returns `(meta, tensors)`.
+
+    meta is the donor's meta plus `sha256` (tensor name -> hex). `progress(done_bytes, total_bytes)` is called
+    after every verified chunk. Raises StateSyncError when no donor can serve a consistent, verified state
+    within `timeout` seconds.
+    """
+    if not donors:
+        raise StateSyncError("fetch_state needs at least one donor address, got none")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    failures: dict[str, str] = {}
+
+    async def manifest_of(donor: str) -> Manifest | None:
+        try:
+            async for frame in client.stream(
+                donor,
+                METHOD,
+                _one_request(Frame({"ranges": []})),
+                round_id=0,
+                timeout=max(deadline - loop.time(), 0.001),
+            ):
+                if frame.header.get("kind") != "manifest":
+                    raise _fail(f"first frame from {donor}", "a manifest", frame.header)
+                return parse_manifest(frame.payload, max_total_bytes=max_total_bytes, max_tensors=max_tensors)
+            raise _fail(f"answer from {donor}", "a manifest frame", "an empty stream")
+        except (RpcError, StateSyncError) as error:
+            failures[donor] = str(error)
+            return None
+
+    found = await asyncio.gather(*(manifest_of(d) for d in dict.fromkeys(donors)))
+    manifests = {d: m for d, m in zip(dict.fromkeys(donors), found, strict=True) if m is not None}
+    if not manifests:
+        raise StateSyncError(f"no donor answered with a usable manifest: {failures}")
+    manifest, chosen = _choose(manifests, expect_run_hash)
+
+    # Sizes were checked by parse_manifest: only now allocate.
+    tensors = {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in manifest.tensors}
+    buffers = {name: _raw_bytes(t) for name, t in tensors.items()}  # views sharing the tensors' storage
+    total, done = manifest.total_bytes, 0
+    queue: list[_Segment] = [
+        _Segment(t.name, start, min(start + segment_bytes, t.nbytes))
+        for t in manifest.tensors
+        for start in range(0, t.nbytes, segment_bytes)
+    ]
+    in_flight = 0
+    changed = asyncio.Event()  # set whenever the queue or in_flight changes, to wake idle donors
+
+    async def receive(donor: str, segment: _Segment) -> None:
+        nonlocal done
+        request = Frame(
+            {"ranges": [[segment.name, segment.start, segment.end]], "manifest_id": manifest.manifest_id}
+        )
+        frames = client.stream(
+            donor,
+            METHOD,
+            _one_request(request),
+            round_id=manifest.round_id,
+            timeout=max(deadline - loop.time(), 0.001),
+        )
+        first = True
+        async for frame in frames:
+            if first:
+                first = False
+                if frame.header.get("kind") != "manifest":
+                    raise _fail(f"first frame from {donor}", "a manifest", frame.header)
+                continue
+            header, payload = frame.header, frame.payload
+            if (
+                header.get("kind") != "chunk"
+                or header.get("name") != segment.name
+                or header.get("offset") != segment.start
+            ):
+                raise _fail(f"chunk from {donor}", f"{segment.name}@{segment.start}", header)
+            size = len(payload)
+            if not 0 < size <= segment.end - segment.start:
+                raise _fail(
+                    f"chunk {segment.name}@{segment.start} from {donor}",
+                    f"1..{segment.end - segment.start} bytes",
+                    size,
+                )
+            if zlib.crc32(payload) != header.get("crc32"):
+                raise _fail(
+                    f"chunk {segment.name}@{segment.start} from {donor}",
+                    f"crc32={header.get('crc32')}",
+                    zlib.crc32(payload),
+                )
+            buffers[segment.name][segment.start : segment.start + size] = np.frombuffer(
+                payload, dtype=np.uint8
+            )
+            segment.start += size
+            done += size
+            if progress is not None:
+                progress(done, total)
+        if segment.start != segment.end:
+            raise _fail(
+                f"stream from {donor}",
+                f"{segment.name} up to byte {segment.end}",
+                f"end at byte {segment.start}",
+            )
+
+    async def worker(donor: str) -> None:
+        nonlocal in_flight
+        while True:
+            if not queue:
+                if in_flight == 0:
+                    return
+                # Another donor may still fail and hand its segment back: wait for that or for the end.
+                changed.clear()
+                await changed.wait()
+                continue
+            segment = queue.pop(0)
+            in_flight += 1
+            try:
+                await receive(donor, segment)
+            except (RpcError, StateSyncError) as error:
+                # Resume: whatever this donor did not deliver goes back for the others; this donor is done.
+                failures[donor] = str(error)
+                logger.warning(
+                    "state donor %s failed at %s@%d: %s", donor, segment.name, segment.start, error
+                )
+                queue.insert(0, segment)
+                return
+            finally:
+                in_flight -= 1
+                changed.set()
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(worker(d) for d in chosen)), timeout=max(deadline - loop.time(), 0.001)
+        )
+    except TimeoutError:
+        raise StateSyncError(
+            f"state transfer did not finish within {timeout}s ({done}/{total} bytes)"
+        ) from None
+    if queue:
+        raise StateSyncError(
+            f"every donor of round {manifest.round_id} failed with {total - done} of {total} bytes missing: {failures}"
+        )
+    hashes = await asyncio.to_thread(
+        lambda: {name: hashlib.sha256(b.data).hexdigest() for name, b in buffers.items()}
+    )
+    bad = [t.name for t in manifest.tensors if hashes[t.name] != t.sha256]
+    if bad:
+        raise StateSyncError(
+            f"sha256 of {bad} does not match the manifest of round {manifest.round_id} from {chosen}"
+        )
+    return dict(manifest.meta), tensors

@@ -1,0 +1,268 @@
+"""Membership: the sans-IO table with hand-set times, and DHTMembership on real hivemind DHTs on 127.0.0.1.
+
+The `dht_swarm` fixture defined here is also used by test_matchmaking.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from farloco.protocol.clock import FakeClock
+from farloco.protocol.membership import (
+    NO_SLOT,
+    Departure,
+    DHTMembership,
+    MemberRecord,
+    Membership,
+    RunMismatchError,
+    SlotsExhaustedError,
+    config_differences,
+    make_record_validators,
+    members_key,
+)
+from farloco.protocol.types import GroupMember
+
+CONFIG: dict[str, str | int | float | bool] = {
+    "model": "tiny",
+    "inner_steps": 50,
+    "outer_lr": 0.7,
+    "nesterov": True,
+}
+
+
+def rec(
+    peer_id: str, *, heartbeat: float = 100.0, round_id: int = 0, slot: int = NO_SLOT, **changes: Any
+) -> MemberRecord:
+    base = MemberRecord(
+        peer_id=peer_id, address=f"127.0.0.1:{5000 + len(peer_id)}", state="training", round_id=round_id,
+        inner_step=3, slot=slot, run_hash="h1", run_config=dict(CONFIG), outer_hash="", loss=2.5,
+        heartbeat=heartbeat, maddrs=("/ip4/127.0.0.1/tcp/1",), version="0.1.0",
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+# --------------------------------------------------------------------------------------------- sans-IO
+
+
+def test_live_members_expire_after_ttl_and_other_runs_are_kept_aside() -> None:
+    table = Membership("h1", CONFIG, ttl=10.0)
+    table.observe(b"a", rec("a", heartbeat=100.0))
+    table.observe(b"b", rec("b", heartbeat=105.0))
+    other = dict(CONFIG, outer_lr=0.5, extra=1)
+    table.observe(b"c", rec("c", heartbeat=105.0, run_hash="h2", run_config=other))
+    assert [r.peer_id for r in table.live(109.0)] == ["a", "b"]
+    assert [r.peer_id for r in table.live(110.0)] == ["b"]  # a's heartbeat + ttl has passed
+    assert [(r.peer_id, keys) for r, keys in table.mismatched(110.0)] == [("c", ["extra", "outer_lr"])]
+    with pytest.raises(
+        RunMismatchError, match=r"outer_lr: expected=0.7 got=0.5.*extra: |extra: expected='<absent>' got=1"
+    ):
+        table.check_compatible(rec("c", run_hash="h2", run_config=other))
+
+
+def test_an_older_read_never_replaces_a_newer_record_and_departure_hides_at_once() -> None:
+    table = Membership("h1", CONFIG, ttl=10.0)
+    table.observe(b"a", rec("a", heartbeat=100.0, state="exchanging"))
+    table.observe(b"a", rec("a", heartbeat=99.0, state="training"))
+    assert table.get("a", 100.0) is not None and table.get("a", 100.0).state == "exchanging"  # type: ignore[union-attr]
+    table.observe(b"a", Departure("a", 101.0))
+    assert table.live(101.5) == []
+    # the same peer id coming back later (new key after a restart) is live again
+    table.observe(b"a2", rec("a", heartbeat=102.0))
+    assert [r.peer_id for r in table.live(102.5)] == ["a"]
+
+
+def test_round_and_state_queries_skip_leaving_members() -> None:
+    table = Membership("h1", CONFIG, ttl=10.0)
+    table.observe(b"a", rec("a", round_id=4))
+    table.observe(b"b", rec("b", round_id=4, state="leaving"))
+    table.observe(b"c", rec("c", round_id=5))
+    assert [r.peer_id for r in table.in_round(4, 100.0)] == ["a"]
+    assert [r.peer_id for r in table.in_state("leaving", 100.0)] == ["b"]
+    with pytest.raises(ValueError, match="state must be one of"):
+        table.in_state("asleep", 100.0)
+
+
+def test_slot_rule_lowest_free_slot_and_lower_peer_id_keeps_a_collided_slot() -> None:
+    table = Membership("h1", CONFIG, ttl=10.0)
+    table.observe(b"b", rec("b", slot=0))
+    table.observe(b"d", rec("d", slot=2))
+    # a newcomer never takes a slot it sees held, even by a higher peer id
+    assert table.free_slot("a", 4, 100.0) == 1
+    table.observe(b"a", rec("a", slot=0))  # a and b claimed 0 at the same time
+    assert table.slot_conflict("b", 0, 100.0) is not None  # b must move
+    assert table.slot_conflict("a", 0, 100.0) is None  # a keeps it
+    table.observe(b"c", rec("c", slot=1))
+    with pytest.raises(SlotsExhaustedError, match="all 3 data slots are held"):
+        table.free_slot("e", 3, 100.0)
+    with pytest.raises(ValueError, match="num_slots must be an int >= 1"):
+        table.free_slot("e", 0, 100.0)
+
+
+def test_config_differences_tell_types_apart() -> None:
+    assert config_differences({"a": 1}, {"a": 1.0}) == ["a: expected=1 got=1.0"]
+    assert config_differences({"a": 1}, {"a": True}) == ["a: expected=1 got=True"]
+    assert config_differences({"a": "x"}, {"a": "x"}) == []
+
+
+def test_member_record_validation_names_the_bad_field() -> None:
+    with pytest.raises(ValueError, match="state must be one of"):
+        rec("a", state="sleeping")
+    with pytest.raises(ValueError, match="round_id must be an int >= 0, got -1"):
+        rec("a", round_id=-1)
+    with pytest.raises(ValueError, match="loss must be a float, got int"):
+        rec("a", loss=1)
+    with pytest.raises(ValueError, match="missing \\['version'\\]"):
+        MemberRecord.from_wire({k: v for k, v in rec("a").to_wire().items() if k != "version"})
+    assert MemberRecord.from_wire(rec("a").to_wire()) == rec("a")
+    with pytest.raises(ValueError, match="run_name must be 1-64 characters"):
+        members_key("a/b")
+
+
+# --------------------------------------------------------------------------------------------- real DHT
+
+
+@dataclass
+class DhtPeer:
+    """One DHT node with its own signing key, a DHTMembership and the GroupMember it would be."""
+
+    dht: Any
+    membership: DHTMembership
+    me: GroupMember
+
+    def record(self, round_id: int, **changes: Any) -> MemberRecord:
+        return rec(self.me.peer_id, round_id=round_id, address=self.me.address, **changes)
+
+
+# One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
+# its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots")
+
+
+@pytest.fixture(scope="module")
+def dht_nodes() -> Iterator[list[tuple[Any, bytes]]]:
+    """Three hivemind DHT nodes on 127.0.0.1, each with its own signing key: [(dht, public_key)]."""
+    nodes: list[tuple[Any, bytes]] = []
+    try:
+        for _ in range(3):
+            key = RSAPrivateKey()  # one key per peer: hivemind's process-wide key would be shared by all
+            validators = [v for run in RUN_NAMES for v in make_record_validators(run, private_key=key)]
+            dht = hivemind.DHT(
+                initial_peers=nodes[0][0].get_visible_maddrs() if nodes else None,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                start=True,
+                record_validators=validators,
+            )
+            nodes.append((dht, validators[0].local_public_key))  # type: ignore[attr-defined]
+        yield nodes
+    finally:
+        for dht, _ in nodes:
+            dht.shutdown()
+
+
+@pytest.fixture
+def dht_swarm(dht_nodes: list[tuple[Any, bytes]]) -> Callable[..., list[DhtPeer]]:
+    """Factory: `dht_swarm(n, run_name=..., **membership_kwargs)` -> n peers on the module's DHT nodes."""
+
+    def make(n: int, run_name: str = "mm", **kwargs: Any) -> list[DhtPeer]:
+        assert run_name in RUN_NAMES, f"add {run_name!r} to RUN_NAMES so the DHT nodes validate it"
+        return [
+            DhtPeer(
+                dht,
+                DHTMembership(dht, run_name, "h1", CONFIG, public_key=public_key, **kwargs),
+                GroupMember(str(dht.peer_id), f"127.0.0.1:{7000 + i}"),
+            )
+            for i, (dht, public_key) in enumerate(dht_nodes[:n])
+        ]
+
+    return make
+
+
+@pytest.mark.dht
+def test_published_records_are_seen_by_other_peers_and_removed_at_once(dht_swarm: Any) -> None:
+    a, b, c = dht_swarm(3, run_name="members")
+
+    async def main() -> None:
+        await a.membership.publish(a.record(0, slot=0))
+        await b.membership.publish(b.record(0, slot=1))
+        seen = await c.membership.members()
+        assert sorted(r.peer_id for r in seen) == sorted([a.me.peer_id, b.me.peer_id])
+        assert {r.peer_id: r.slot for r in seen}[a.me.peer_id] == 0
+        await a.membership.remove()
+        assert [r.peer_id for r in await c.membership.members()] == [b.me.peer_id]
+        # a leaves and rejoins: its new record replaces the tombstone
+        await a.membership.publish(a.record(1))
+        assert a.me.peer_id in [r.peer_id for r in await b.membership.members()]
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_dht_refuses_wrong_schema_and_forged_records(dht_swarm: Any) -> None:
+    a, b = dht_swarm(2, run_name="schema")
+    key = members_key("schema")
+
+    async def main() -> None:
+        expiration = get_dht_time() + 30
+        bad = dict(a.record(0).to_wire(), state="dreaming")
+        assert not await a.dht.store(key, bad, expiration, subkey=a.membership.public_key, return_future=True)
+        coerced = dict(a.record(0).to_wire(), loss=1)  # int where the schema wants a float
+        assert not await a.dht.store(
+            key, coerced, expiration, subkey=a.membership.public_key, return_future=True
+        )
+        unsigned = a.record(0).to_wire()
+        assert not await a.dht.store(key, unsigned, expiration, subkey=b"no-key", return_future=True)
+        # a cannot write under b's key: it has no b's private key, so the signature check fails
+        forged = b.record(0, state="leaving").to_wire()
+        assert not await a.dht.store(
+            key, forged, expiration, subkey=b.membership.public_key, return_future=True
+        )
+        assert await b.membership.members() == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_ttl_expiry_with_a_fake_clock_and_run_mismatch(dht_swarm: Any) -> None:
+    clock = FakeClock(get_dht_time())
+    a, b = dht_swarm(2, run_name="ttl", ttl=5.0, heartbeat_interval=1.0, clock=clock)
+
+    async def main() -> None:
+        await a.membership.publish(a.record(0))
+        other = DHTMembership(
+            b.dht, "ttl", "h2", dict(CONFIG, model="big"), public_key=b.membership.public_key
+        )
+        await other.publish(rec(b.me.peer_id, run_hash="h2", run_config=dict(CONFIG, model="big")))
+        assert [r.peer_id for r in await b.membership.members()] == [a.me.peer_id]
+        assert [(r.peer_id, keys) for r, keys in b.membership.mismatched()] == [(b.me.peer_id, ["model"])]
+        clock.advance(5.5)  # a's heartbeat + ttl is past in our time, whatever the DHT still holds
+        assert await b.membership.members() == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_simultaneous_joiners_claim_distinct_slots(dht_swarm: Any) -> None:
+    peers = dht_swarm(3, run_name="slots", claim_settle=0.2)
+
+    async def main() -> None:
+        for p in peers:
+            await p.membership.publish(p.record(0))
+        slots = await asyncio.gather(*(p.membership.claim_slot(p.me.peer_id, 3) for p in peers))
+        assert sorted(slots) == [0, 1, 2]
+        seen = {r.peer_id: r.slot for r in await peers[0].membership.members()}
+        assert seen == {p.me.peer_id: s for p, s in zip(peers, slots, strict=True)}
+        late = DHTMembership(peers[0].dht, "slots", "h1", CONFIG, public_key=b"[owner:x]")
+        await late.refresh()
+        with pytest.raises(SlotsExhaustedError):
+            late.core.free_slot("zz", 3, get_dht_time())
+
+    asyncio.run(main())

@@ -1,0 +1,284 @@
+"""State transfer over real RpcServer/RpcClient on 127.0.0.1: one donor, two donors, a donor dying or lying
+mid-transfer, and manifests over the joiner's limits."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import torch
+
+from farloco.protocol.auth import Authenticator
+from farloco.protocol.rpc import CallContext, Frame, RpcClient, RpcServer
+from farloco.protocol.statesync import (
+    METHOD,
+    Manifest,
+    StateServer,
+    StateSyncError,
+    TensorEntry,
+    fetch_state,
+    parse_manifest,
+)
+
+SECRET = b"statesync-test-secret"
+
+
+def make_state(round_id: int = 5, seed: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        "theta.w": torch.randn(700, 1024, generator=gen),  # 2.7 MiB: several chunks and two segments
+        "theta.b": torch.randn(33, generator=gen).to(torch.bfloat16),
+        "outer.momentum": torch.randn(300, 300, generator=gen, dtype=torch.float64),
+        "mask": torch.rand(17, generator=gen) > 0.5,
+        "step": torch.tensor(12345, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+    }
+    meta = {"round_id": round_id, "run_hash": "h1", "run_config": {"model": "tiny", "outer_lr": 0.7}}
+    return meta, tensors
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), timeout=60))
+
+
+async def donor(
+    state: tuple[dict[str, Any], dict[str, torch.Tensor]], name: str
+) -> tuple[RpcServer, StateServer, str]:
+    server = RpcServer(Authenticator("run", SECRET, name))
+    state_server = StateServer(lambda: state)
+    state_server.register(server)
+    return server, state_server, await server.start()
+
+
+def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_fetch_from_one_donor_returns_identical_state_and_reports_progress() -> None:
+    meta, tensors = make_state()
+
+    async def body() -> None:
+        server, _, address = await donor((meta, tensors), "donor")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        seen: list[tuple[int, int]] = []
+        try:
+            got_meta, got = await fetch_state(
+                client, [address], timeout=20, progress=lambda d, t: seen.append((d, t))
+            )
+        finally:
+            await client.close()
+            await server.stop(0)
+        assert_same(got, tensors)
+        assert got_meta["round_id"] == 5 and got_meta["run_config"] == meta["run_config"]
+        assert set(got_meta["sha256"]) == set(tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert seen[-1] == (total, total) and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
+
+    run(body)
+
+
+def test_fetch_from_two_donors_splits_the_work() -> None:
+    state = make_state()
+
+    async def body() -> None:
+        (s1, st1, a1), (s2, st2, a2) = await donor(state, "d1"), await donor(state, "d2")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            _, got = await fetch_state(client, [a1, a2], timeout=20, segment_bytes=1 << 20)
+        finally:
+            await client.close()
+            await s1.stop(0)
+            await s2.stop(0)
+        assert_same(got, state[1])
+        assert st1.bytes_served > 0 and st2.bytes_served > 0
+
+    run(body)
+
+
+async def faulty_donor(
+    state: tuple[dict[str, Any], dict[str, torch.Tensor]], fault: Callable[[int, Frame], Frame | None]
+) -> tuple[RpcServer, str]:
+    """A donor whose GetState answers go through `fault(chunk_index, frame)`; None ends the stream abruptly."""
+    server = RpcServer(Authenticator("run", SECRET, "faulty"))
+    inner = StateServer(lambda: state)
+    count = 0
+
+    async def handle(ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        nonlocal count
+        async for frame in inner.handle(ctx, requests):
+            if frame.header["kind"] == "chunk":
+                count += 1
+                changed = fault(count, frame)
+                if changed is None:
+                    raise ConnectionResetError("donor process died")
+                frame = changed
+            yield frame
+
+    server.add_stream(METHOD, handle)
+    return server, await server.start()
+
+
+def resumed_offsets(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """Byte offsets at which fetch_state handed a failed donor's segment to another donor."""
+    found = [re.search(r"failed at [^@]+@(\d+)", r.getMessage()) for r in caplog.records]
+    return [int(m.group(1)) for m in found if m]
+
+
+def test_donor_dying_mid_transfer_is_resumed_from_the_other_donor(caplog: pytest.LogCaptureFixture) -> None:
+    state = make_state()
+    caplog.set_level(logging.WARNING, logger="farloco.protocol.statesync")
+
+    async def body() -> None:
+        dying, dying_address = await faulty_donor(state, lambda i, f: None if i == 3 else f)
+        healthy, healthy_state, healthy_address = await donor(state, "healthy")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            _, got = await fetch_state(
+                client, [dying_address, healthy_address], timeout=20, segment_bytes=4 << 20
+            )
+        finally:
+            await client.close()
+            await dying.stop(0)
+            await healthy.stop(0)
+        assert_same(got, state[1])
+        # the dying donor delivered 2 chunks of its first segment; the rest of it came from the other donor
+        assert resumed_offsets(caplog) == [2 << 20]
+        total = sum(t.numel() * t.element_size() for t in state[1].values())
+        assert healthy_state.bytes_served == total - (2 << 20)
+
+    run(body)
+
+
+def test_donor_server_stopped_mid_transfer_is_resumed_from_the_other_donor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = make_state()
+    caplog.set_level(logging.WARNING, logger="farloco.protocol.statesync")
+
+    async def body() -> None:
+        stopping: list[RpcServer] = []
+
+        def stop_after_two(i: int, frame: Frame) -> Frame:
+            if i == 2:
+                asyncio.get_running_loop().create_task(stopping[0].stop(0))
+            return frame
+
+        victim, victim_address = await faulty_donor(state, stop_after_two)
+        stopping.append(victim)
+        healthy, _, healthy_address = await donor(state, "healthy")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            _, got = await fetch_state(
+                client, [victim_address, healthy_address], timeout=20, segment_bytes=1 << 20
+            )
+        finally:
+            await client.close()
+            await victim.stop(0)
+            await healthy.stop(0)
+        assert_same(got, state[1])
+        assert len(resumed_offsets(caplog)) == 1
+
+    run(body)
+
+
+def corrupt(i: int, frame: Frame) -> Frame:
+    if i != 2:
+        return frame
+    payload = bytearray(frame.payload)
+    payload[10] ^= 0xFF  # the bytes change after the donor computed the crc: corruption in transit
+    return Frame(frame.header, bytes(payload))
+
+
+def test_corrupted_chunk_is_detected_and_fetched_again_elsewhere() -> None:
+    state = make_state()
+
+    async def body() -> None:
+        bad, bad_address = await faulty_donor(state, corrupt)
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            with pytest.raises(StateSyncError, match="crc32"):
+                await fetch_state(client, [bad_address], timeout=20)
+            good, _, good_address = await donor(state, "good")
+            _, got = await fetch_state(client, [bad_address, good_address], timeout=20, segment_bytes=1 << 20)
+            await good.stop(0)
+        finally:
+            await client.close()
+            await bad.stop(0)
+        assert_same(got, state[1])
+
+    run(body)
+
+
+def test_oversized_manifest_is_refused_before_allocation() -> None:
+    state = make_state()
+
+    async def body() -> None:
+        server, _, address = await donor(state, "big")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            with pytest.raises(StateSyncError, match="max_total_bytes=1000000"):
+                await fetch_state(client, [address], timeout=20, max_total_bytes=1_000_000)
+            with pytest.raises(StateSyncError, match="at most 3 entries"):
+                await fetch_state(client, [address], timeout=20, max_tensors=3)
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_manifest_parser_refuses_lies_about_shapes_and_dtypes() -> None:
+    good = TensorEntry("w", "float32", (4, 4), 64, "0" * 64)
+    limits = {"max_total_bytes": 1 << 20, "max_tensors": 10}
+    assert parse_manifest(Manifest({"round_id": 1}, (good,), 1 << 20).encode(), **limits).tensors == (good,)
+    lies = [
+        (TensorEntry("w", "float32", (4, 4), 60, "0" * 64), "expected 64"),
+        (TensorEntry("w", "object", (4,), 32, "0" * 64), "dtype of w"),
+        (TensorEntry("w", "float32", (1 << 30, 1 << 30), 1 << 62, "0" * 64), "max_total_bytes"),
+    ]
+    for entry, message in lies:
+        with pytest.raises(StateSyncError, match=message):
+            parse_manifest(Manifest({"round_id": 1}, (entry,), 1 << 20).encode(), **limits)
+    with pytest.raises(StateSyncError, match="valid msgpack"):
+        parse_manifest(b"\xc1garbage", **limits)
+
+
+def test_donors_of_different_rounds_the_highest_round_wins() -> None:
+    old, new = make_state(round_id=4, seed=1), make_state(round_id=6, seed=2)
+
+    async def body() -> None:
+        (s1, st_old, a1), (s2, _, a2) = await donor(old, "old"), await donor(new, "new")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            meta, got = await fetch_state(client, [a1, a2], timeout=20)
+            with pytest.raises(StateSyncError, match="no donor serves run_hash=other"):
+                await fetch_state(client, [a1, a2], timeout=20, expect_run_hash="other")
+        finally:
+            await client.close()
+            await s1.stop(0)
+            await s2.stop(0)
+        assert meta["round_id"] == 6
+        assert_same(got, new[1])
+        assert st_old.bytes_served == 0
+
+    run(body)
+
+
+def test_unreachable_donors_give_a_clear_error() -> None:
+    async def body() -> None:
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            with pytest.raises(StateSyncError, match="no donor answered"):
+                await fetch_state(client, ["127.0.0.1:1"], timeout=3)
+        finally:
+            await client.close()
+
+    run(body)
