@@ -353,10 +353,19 @@ def test_eval_batches_are_fixed_and_from_val(small_dataset: Path) -> None:
 # --------------------------------------------------------------------------------------------- builtin
 
 
-def test_builtin_dataset_builds_offline_and_is_reused(tmp_path: Path) -> None:
+def test_builtin_dataset_builds_offline_and_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
     import pydoc_data.topics
 
-    path = builtin_dataset(tmp_path)
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("builtin_dataset tried to open a socket")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(socket, "socket", no_network)
+        path = builtin_dataset(tmp_path)
     dataset = open_dataset(path, verify=True)
     topics = pydoc_data.topics.topics
     total_bytes = sum(len(text.encode()) for text in topics.values())
