@@ -356,9 +356,8 @@ def test_eval_batches_are_fixed_and_from_val(small_dataset: Path) -> None:
 def test_builtin_dataset_builds_offline_and_is_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import socket
-
     import pydoc_data.topics
+    import socket
 
     def no_network(*args: object, **kwargs: object) -> None:
         raise AssertionError("builtin_dataset tried to open a socket")
