@@ -538,6 +538,7 @@ async def worker(
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # several peer processes share 2 cores; intra-op threads only contend
     name, idx, size, codec_arg, die, out = sys.argv[1:7]
     report = asyncio.run(worker(name, int(idx), int(size), codec_arg, int(die), Path(out)))
     print(json.dumps(report), flush=True)
