@@ -319,22 +319,40 @@ def _scatter_chunks(
     return out
 
 
-# Rows of gathered table entries handled at once by the decoder: bounds its float64 temporaries (~32 MiB).
+# Values handled per decoder block: bounds the float64 temporaries (~32 MiB) without many Python iterations.
 _DECODE_ELEMENTS_PER_BLOCK = 1 << 22
 
 
 def _inverse_dct_rows(
-    codes: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    codes: torch.Tensor,
+    idx: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    dense: bool | None = None,
 ) -> None:
-    """out[r] = float32(scale[r] * 2^-28 * sum_s codes[r, s] * table[idx[r, s], :]), exactly (see module doc)."""
+    """out[r] = float32(scale[r] * 2^-28 * sum_s codes[r, s] * table[idx[r, s], :]), exactly (see module doc).
+
+    Because every sum is exact, the method is free: a dense float64 matmul of the scattered codes (BLAS does
+    length MACs per value, efficiently) or a gather of the k table rows each value needs (k MACs per value,
+    less efficiently). `dense=None` picks by cost; both give the same bits.
+    """
     num_rows, k = codes.shape
     length = out.shape[1]
     table = _dct_integer_table(length)
-    rows_per_block = max(1, _DECODE_ELEMENTS_PER_BLOCK // (k * length))
+    if dense is None:
+        dense = length <= 32 * k
+    per_row = length if dense else k * length
+    rows_per_block = max(1, _DECODE_ELEMENTS_PER_BLOCK // per_row)
     for start in range(0, num_rows, rows_per_block):
         stop = min(start + rows_per_block, num_rows)
-        gathered = table[idx[start:stop]]  # (rows, k, length), integers < 2^29 in magnitude
-        sums = torch.bmm(codes[start:stop].to(torch.float64).unsqueeze(1), gathered).squeeze(1)
+        block_codes = codes[start:stop].to(torch.float64)
+        if dense:
+            scattered = torch.zeros(stop - start, length, dtype=torch.float64)
+            scattered.scatter_(1, idx[start:stop], block_codes)
+            sums = scattered @ table
+        else:
+            sums = torch.bmm(block_codes.unsqueeze(1), table[idx[start:stop]]).squeeze(1)
         sums.mul_(scales[start:stop, None].to(torch.float64)).mul_(2.0**-DCT_GRID_BITS)
         out[start:stop] = sums
 

@@ -110,7 +110,12 @@ class Codec(abc.ABC):
         Everything is validated (magic, version, codec id, lengths vs numel, CRC, then codec-specific ranges)
         before any numel-sized buffer is allocated.
         """
-        view = memoryview(data).cast("B")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise CodecError(f"payload: expected bytes or memoryview, got {type(data).__name__}")
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError as exc:  # e.g. a strided or multi-dimensional memoryview
+            raise CodecError(f"payload: expected a contiguous byte buffer, got {exc}") from None
         header = parse_header(view)
         if header.codec_id != CODEC_IDS[self.name]:
             raise CodecError(

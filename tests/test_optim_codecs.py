@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from farloco.optim import Codec, CodecError, available_codecs, get_codec, mean_of
-from farloco.optim.sparse import _dct_integer_table, dct_matrix
+from farloco.optim.sparse import _dct_integer_table, _inverse_dct_rows, dct_matrix
 from farloco.optim.wire import HEADER_BYTES
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -414,3 +414,33 @@ def test_64_mib_round_trip_is_fast(name: str) -> None:
     start = time.perf_counter()
     codec.decode(codec.encode(x))
     assert time.perf_counter() - start < 3.0  # generous: the machine is shared; see benchmarks/codec_speed.py
+
+
+@pytest.mark.parametrize(("length", "k"), [(16, 1), (128, 4), (128, 128), (1024, 64), (1000, 7)])
+def test_dct_decode_is_exact_whatever_the_summation_order(length: int, k: int) -> None:
+    """The decoder's sums are exact integers in float64, so a BLAS matmul, a batched gather and a plain
+    float64 loop in reverse order all give the same bits: the reason decode is identical on every machine."""
+    generator = torch.Generator().manual_seed(length + k)
+    rows = 40
+    idx = torch.rand(rows, length, generator=generator).topk(k, dim=1).indices.sort(dim=1).values
+    codes = torch.randint(-32767, 32768, (rows, k), generator=generator, dtype=torch.int16)
+    scales = torch.rand(rows, generator=generator) * 10.0 ** torch.randint(
+        -30, 30, (rows,), generator=generator
+    )
+    dense, gathered = torch.empty(rows, length), torch.empty(rows, length)
+    _inverse_dct_rows(codes, idx, scales, dense, dense=True)
+    _inverse_dct_rows(codes, idx, scales, gathered, dense=False)
+    table = _dct_integer_table(length)
+    reverse = torch.zeros(rows, length, dtype=torch.float64)
+    for s in reversed(range(k)):
+        reverse += codes[:, s : s + 1].double() * table[idx[:, s]]
+    reverse = (reverse * scales[:, None].double() * 2.0**-28).float()
+    assert torch.equal(dense, gathered) and torch.equal(dense, reverse)
+
+
+def test_decode_refuses_non_buffers() -> None:
+    with pytest.raises(CodecError, match="expected bytes or memoryview, got str"):
+        get_codec("fp32").decode("FLOC")  # type: ignore[arg-type]
+    strided = memoryview(bytearray(get_codec("fp32").encode(torch.ones(100))))[::2]
+    with pytest.raises(CodecError, match="contiguous"):
+        get_codec("fp32").decode(strided)
