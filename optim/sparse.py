@@ -14,9 +14,12 @@ the smallest and largest kept magnitudes of the chunk; so |v - v'| <= (M - m) / 
 
 dct-topk: orthonormal DCT-II of each chunk, keep the k largest coefficients by magnitude, send them as int16
 codes with one fp32 scale per chunk (scale = max|kept| / 32767). Decoding is exact integer arithmetic: the DCT
-table is rounded once to integers on a 2^-28 grid, and code * table products summed over a chunk stay below
-2^53, so float64 computes them exactly whatever the summation order or BLAS — the decoded tensor is then one
-scale multiplication and one float32 rounding away, bit-identical on every machine.
+table is integers on a 2^-28 grid (computed with integer arithmetic only, so no libm ulp can change it), and
+code * table products summed over a chunk stay below 2^53 (|code| < 2^15, |entry| <= 2^28 sqrt(2/N), at most
+N <= 1024 terms), so float64 computes them exactly whatever the summation order or BLAS — the decoded tensor is
+then two multiplications and one float32 rounding away, bit-identical on every machine. The encoder uses the
+same table (times 2^-28) for the forward transform; its float32 matmul need not be reproducible, since only
+its output bytes travel.
 """
 
 from __future__ import annotations
@@ -87,14 +90,18 @@ class _ChunkedSparseCodec(Codec):
         raw, offset = section(body, offset, count, _index_dtype(header.block))
         idx = raw.to(torch.int64)
         k = header.k
-        for rows, length in ((idx[: num_full * k].view(num_full, k), header.block),
-                             (idx[num_full * k :].view(1, -1), tail)):  # fmt: skip
+        for rows, length in (
+            (idx[: num_full * k].view(num_full, k), header.block),
+            (idx[num_full * k :].view(1, -1), tail),
+        ):
             if rows.numel() == 0:
                 continue
             if not bool((rows[:, 1:] > rows[:, :-1]).all()):
                 raise CodecError(
                     f"{self.name} payload indices: expected strictly ascending within each chunk"
                 )
+            if int(rows[:, 0].min()) < 0:  # only int32 indices (chunk > 65536) can be negative
+                raise CodecError(f"{self.name} payload index: expected >= 0, got {int(rows[:, 0].min())}")
             top = int(rows[:, -1].max())
             if top >= length:
                 raise CodecError(f"{self.name} payload index: expected < {length} (chunk length), got {top}")
@@ -283,15 +290,19 @@ class DctTopKCodec(_ChunkedSparseCodec):
         out = torch.empty(numel, dtype=torch.float32)
         if num_full:
             _inverse_dct_rows(
-                codes[: num_full * k].view(num_full, k), idx[: num_full * k].view(num_full, k),
-                scales[:num_full], out[: num_full * chunk].view(num_full, chunk),
-            )  # fmt: skip
+                codes[: num_full * k].view(num_full, k),
+                idx[: num_full * k].view(num_full, k),
+                scales[:num_full],
+                out[: num_full * chunk].view(num_full, chunk),
+            )
         if tail:
             kt = min(k, tail)
             _inverse_dct_rows(
-                codes[num_full * k :].view(1, kt), idx[num_full * k :].view(1, kt),
-                scales[num_full:], out[num_full * chunk :].view(1, tail),
-            )  # fmt: skip
+                codes[num_full * k :].view(1, kt),
+                idx[num_full * k :].view(1, kt),
+                scales[num_full:],
+                out[num_full * chunk :].view(1, tail),
+            )
         return out
 
 
@@ -359,34 +370,73 @@ def _inverse_dct_rows(
 
 @functools.lru_cache(maxsize=8)
 def dct_matrix(length: int) -> torch.Tensor:
-    """Orthonormal DCT-II matrix D (float32, length x length): coefficients = D @ x, x = D.T @ coefficients."""
-    return _dct_float64(length).to(torch.float32)
+    """Orthonormal DCT-II matrix D (float32, length x length): coefficients = D @ x, x = D.T @ coefficients.
 
-
-@functools.lru_cache(maxsize=8)
-def _dct_float64(length: int) -> torch.Tensor:
-    # cos(pi * (2n + 1) * u / (2N)) only takes the values cos(pi * m / (2N)) for m = (2n + 1) * u mod 4N, so
-    # compute that small table with math.cos and index it with exact integer arithmetic.
-    angles = torch.tensor(
-        [math.cos(math.pi * m / (2 * length)) for m in range(4 * length)], dtype=torch.float64
-    )
-    u = torch.arange(length, dtype=torch.int64)[:, None]
-    n = torch.arange(length, dtype=torch.int64)[None, :]
-    matrix = angles[((2 * n + 1) * u) % (4 * length)]
-    matrix[0] *= math.sqrt(1 / length)
-    matrix[1:] *= math.sqrt(2 / length)
-    return matrix
+    It is the decoder's integer table times 2^-28, so encoder and decoder use the very same transform."""
+    return (_dct_integer_table(length) * 2.0**-DCT_GRID_BITS).to(torch.float32)
 
 
 @functools.lru_cache(maxsize=8)
 def _dct_integer_table(length: int) -> torch.Tensor:
-    """round(D * 2^28) as float64 integers. Refuses a length whose table could round differently elsewhere."""
-    scaled = _dct_float64(length) * 2.0**DCT_GRID_BITS
-    # libm's cos may differ by an ulp across machines; that can only change the rounding of an entry that sits
-    # within ~1e-7 of a half-integer. Checking that no entry is that close makes the table identical everywhere.
-    distance_to_half = ((scaled - scaled.floor()) - 0.5).abs()
-    if bool((distance_to_half < 1e-6).any()):
-        raise CodecError(
-            f"dct-topk chunk {length}: DCT table is not reproducible on this grid; pick another chunk"
-        )
-    return scaled.round()
+    """round(D * 2^28) as float64 integers, computed with integer arithmetic only.
+
+    A table built with libm's cos could differ by an ulp between machines, and an entry near a half-integer
+    would then round differently: the decoder would no longer be bit-identical everywhere. Fixed-point integer
+    arithmetic (pi by Machin's formula, cos by its Taylor series, square roots by isqrt) gives every machine
+    the same integers.
+    """
+    # cos(pi * (2n + 1) * u / (2N)) only takes the values cos(pi * m / (2N)) for m = (2n + 1) * u mod 4N.
+    one = 1 << _FIXED_BITS
+    cosines = [_fixed_cos_pi_fraction(m, 2 * length) for m in range(4 * length)]
+    shift = 2 * _FIXED_BITS - DCT_GRID_BITS
+    rows = []
+    for numerator in (1, 2):  # row 0 is scaled by sqrt(1/N), the other rows by sqrt(2/N)
+        norm = math.isqrt(numerator * one * one // length)
+        # round half up on the 2^-28 grid: floor(v + 1/2), exact for negative v too
+        rows.append([(c * norm + (1 << (shift - 1))) >> shift for c in cosines])
+    values = torch.tensor(rows, dtype=torch.int64)  # (2, 4N), |entries| <= 2^28
+    u = torch.arange(length, dtype=torch.int64)[:, None]
+    n = torch.arange(length, dtype=torch.int64)[None, :]
+    return values[(u > 0).to(torch.int64), ((2 * n + 1) * u) % (4 * length)].to(torch.float64)
+
+
+_FIXED_BITS = 96  # fixed-point precision of the table computation; far beyond the 2^-28 grid
+
+
+@functools.lru_cache(maxsize=1)
+def _fixed_pi() -> int:
+    """pi * 2^_FIXED_BITS, by Machin's formula pi = 16 atan(1/5) - 4 atan(1/239), with guard bits."""
+    guard = 16
+    one = 1 << (_FIXED_BITS + guard)
+
+    def atan_inverse(x: int) -> int:
+        term = one // x
+        total, n, sign = term, 1, 1
+        while term:
+            term //= x * x
+            n += 2
+            sign = -sign
+            total += sign * (term // n)
+        return total
+
+    return (16 * atan_inverse(5) - 4 * atan_inverse(239)) >> guard
+
+
+def _fixed_cos_pi_fraction(m: int, d: int) -> int:
+    """cos(pi * m / d) * 2^_FIXED_BITS, in integers; the angle is first folded into [0, pi/2]."""
+    m %= 2 * d
+    if m > d:
+        m = 2 * d - m  # cos is even and 2pi-periodic
+    sign = 1
+    if 2 * m > d:
+        m, sign = d - m, -1  # cos(pi - a) = -cos(a)
+    one = 1 << _FIXED_BITS
+    angle = _fixed_pi() * m // d
+    angle_squared = angle * angle >> _FIXED_BITS
+    total = term = one
+    k = 1
+    while term:
+        term = -(term * angle_squared >> _FIXED_BITS) // ((2 * k - 1) * (2 * k))
+        total += term
+        k += 1
+    return sign * total

@@ -75,7 +75,7 @@ class Header:
 class Codec(abc.ABC):
     """Turns a 1-D float32 CPU tensor into self-describing bytes and back.
 
-    Subclasses set `name`, `dense` and `lossless`, and implement `_encode_body`/`_decode_body`; this base class
+    Subclasses set `name`, `dense` and `lossless`, and implement `_encode_sections`/`_decode_body`; this base class
     checks inputs, writes and checks the header and the CRC, so every codec refuses bad input the same way.
     """
 
@@ -94,8 +94,11 @@ class Codec(abc.ABC):
             raise AssertionError(
                 f"{self.name} wrote {sum(s.numel() for s in sections)} body bytes, not {expected}"
             )
-        header = bytearray(HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, 0,
-                                       tensor.numel(), block, k, 0))  # fmt: skip
+        header = bytearray(
+            HEADER.pack(
+                MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, 0, tensor.numel(), block, k, 0
+            )
+        )
         views = [s.numpy().data for s in sections]
         crc = zlib.crc32(memoryview(header)[:_CRC_OFFSET])
         for view in views:
