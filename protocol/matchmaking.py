@@ -417,12 +417,22 @@ class DHTMatchmaker:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
 
         interval = self.min_poll_interval
-        need_members = True
+        # What to re-read on a poll. The group key always; the ready records and the member table only when
+        # a decision may depend on them: a possible leader before its freeze (it waits for everyone), and
+        # anyone about to publish or give up (checked against fresh records first). A follower's rank can
+        # only grow as more ready records appear, so stale ready records never make it act early.
+        need_ready = need_members = True
+        ready_raw: dict[bytes, Any] = {}
         while True:
-            reads: list[Awaitable[Any]] = [self._get(key), self._get(group_key)]
+            reads: list[Awaitable[Any]] = [self._get(group_key)]
+            if need_ready:
+                reads.append(self._get(key))
             if need_members:
                 reads.append(self.membership.refresh())
-            ready_raw, group_raw, *_ = await asyncio.gather(*reads)
+            group_raw, *rest = await asyncio.gather(*reads)
+            fresh = need_ready
+            if need_ready:
+                ready_raw = rest[0]
             ready, owners = parse_ready(ready_raw, round_id)
             ready[me.peer_id] = mine  # our own record counts at once, whatever the read returned
             owners[me.peer_id] = self.membership.public_key
@@ -435,11 +445,16 @@ class DHTMatchmaker:
                 expected=frozenset(
                     r.peer_id for r in live if r.round_id == round_id and r.state != "leaving"
                 ),
+                ahead=frozenset(r.peer_id for r in live if r.round_id > round_id),
                 leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
             )
             decision = decide(round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout)
             if isinstance(decision, Joined):
                 return decision.group
+            acting = isinstance(decision, Publish) or (isinstance(decision, Late) and not view.groups)
+            if acting and not fresh:
+                need_ready = need_members = True
+                continue
             if isinstance(decision, Late):
                 raise LateForRound(round_id, me.peer_id, decision.reason)
             if isinstance(decision, Publish):
@@ -447,8 +462,10 @@ class DHTMatchmaker:
                     return decision.record.group
                 logger.warning("the DHT refused our group record for round %d; retrying", round_id)
                 continue
-            # Only a possible leader needs the member table (for the early freeze); followers skip that read.
             plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
-            need_members = bool(plan.candidates) and plan.candidates[0] == me.peer_id and now < plan.freeze_at
-            await self.clock.sleep(min(interval, max(decision.until - now, 0.0)))
+            leading = bool(plan.candidates) and plan.candidates[0] == me.peer_id and now < plan.freeze_at
+            wake = now + min(interval, max(decision.until - now, 0.0))
+            need_ready = leading or wake >= decision.until
+            need_members = leading
+            await self.clock.sleep(wake - now)
             interval = min(interval * 2, self.poll_interval)

@@ -87,6 +87,15 @@ def test_early_freeze_needs_our_own_member_record_in_the_round() -> None:
     assert run("p1", view(10.1, {"p1": 10.0}, set())) == Wait(10.0 + M)
 
 
+def test_no_early_freeze_while_a_member_is_already_past_the_round() -> None:
+    # p0's record says round 8: it finished round 7 in a group we cannot see yet, so we must not freeze alone.
+    everyone = {"p1": 10.0, "p2": 10.0}
+    v = RoundView(
+        10.1, {p: ready(p, t) for p, t in everyone.items()}, [], frozenset(everyone), frozenset({"p0"})
+    )
+    assert run("p1", v) == Wait(10.0 + M)
+
+
 def test_dead_leader_is_replaced_by_next_candidate_after_leader_timeout() -> None:
     seen = {"p1": 10.0, "p2": 10.1, "p3": 10.2}
     expected = {"p1", "p2", "p3", "p4"}  # p4 never comes, so nobody freezes early
