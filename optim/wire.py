@@ -86,7 +86,7 @@ class Codec(abc.ABC):
     def encode(self, tensor: torch.Tensor) -> bytes:
         """Encode a 1-D float32 CPU tensor (any length >= 0). Raises CodecError on NaN/Inf or bad dtype/ndim."""
         check_input(tensor)
-        tensor = tensor.contiguous()
+        tensor = tensor.detach().contiguous()  # a Parameter is encoded by value; autograd has no say here
         value_bits, block, k = self._header_params()
         sections = [s.contiguous().view(torch.uint8) for s in self._encode_sections(tensor) if s.numel()]
         expected = self._body_bytes(tensor.numel(), value_bits, block, k)
