@@ -144,7 +144,7 @@ class DhtPeer:
 
 # One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
 # its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
-RUN_NAMES = ("mm", "members", "schema", "ttl", "slots")
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat")
 
 
 @pytest.fixture(scope="module")
@@ -264,5 +264,34 @@ def test_simultaneous_joiners_claim_distinct_slots(dht_swarm: Any) -> None:
         await late.refresh()
         with pytest.raises(SlotsExhaustedError):
             late.core.free_slot("zz", 3, get_dht_time())
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_heartbeat_republishes_on_the_clock_and_stops_on_remove(dht_swarm: Any) -> None:
+    clock = FakeClock(get_dht_time())
+    a, b = dht_swarm(2, run_name="beat", ttl=5.0, heartbeat_interval=1.0, clock=clock)
+
+    async def republished(after: float) -> float:
+        for _ in range(
+            200
+        ):  # wait for the DHT round trip, not for time to pass: the fake clock does not move
+            seen = {r.peer_id: r.heartbeat for r in await b.membership.members()}
+            if seen.get(a.me.peer_id, -1.0) > after:
+                return seen[a.me.peer_id]
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no heartbeat of {a.me.peer_id} after {after}")
+
+    async def main() -> None:
+        first = (await a.membership.publish(a.record(0))).heartbeat
+        a.membership.start_heartbeat()
+        await asyncio.sleep(0)
+        clock.advance(1.0)
+        assert await republished(first) == pytest.approx(first + 1.0)
+        await a.membership.remove()
+        clock.advance(1.0)
+        await asyncio.sleep(0.2)
+        assert await b.membership.members() == []
 
     asyncio.run(main())
