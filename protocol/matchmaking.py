@@ -406,7 +406,11 @@ class DHTMatchmaker:
     async def form_group(
         self, round_id: int, me: GroupMember, *, match_timeout: float, leader_timeout: float
     ) -> Group:
-        """Declare us ready for `round_id` and return the round's group; LateForRound if we are not in it."""
+        """Declare us ready for `round_id` and return the round's group; LateForRound if we are not in it.
+
+        Precondition (what makes the early freeze safe): our member record already says `round_id`, and it
+        moved there when our local work for the round started, not just now.
+        """
         key = round_key(self.run_name, round_id)
         group_key = f"{key}/group"
         now = self.clock.now()
@@ -461,6 +465,7 @@ class DHTMatchmaker:
                 if await self._store(group_key, decision.record.to_wire(), expiration):
                     return decision.record.group
                 logger.warning("the DHT refused our group record for round %d; retrying", round_id)
+                await self.clock.sleep(interval)
                 continue
             plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
             leading = bool(plan.candidates) and plan.candidates[0] == me.peer_id and now < plan.freeze_at

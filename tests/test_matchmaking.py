@@ -339,13 +339,13 @@ def test_three_peers_form_groups_on_a_real_dht(dht_swarm: Any) -> None:  # noqa:
             await p.membership.publish(p.record(4))
         on_time = asyncio.gather(
             *(
-                mk.form_group(4, p.me, match_timeout=0.6, leader_timeout=0.4)
+                mk.form_group(4, p.me, match_timeout=1.0, leader_timeout=1.0)
                 for mk, p in zip(makers[:2], peers[:2], strict=True)
             )
         )
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.6)  # past the freeze (1.0 s after the first ready record)
         with pytest.raises(LateForRound):
-            await makers[2].form_group(4, peers[2].me, match_timeout=0.6, leader_timeout=0.4)
+            await makers[2].form_group(4, peers[2].me, match_timeout=1.0, leader_timeout=1.0)
         two = await on_time
         assert len({g.group_id for g in two}) == 1 and len(two[0].members) == 2
         return durations
