@@ -122,7 +122,7 @@ def export_theta(
 def _step(console: Console, text: str) -> Iterator[None]:
     with console.status(text):
         yield
-    console.log(f"done: {text}")
+    console.print(f"done: {text}")
 
 
 @contextmanager

@@ -12,15 +12,19 @@ if [ ! -s "$dir/run-secret" ]; then
   "$python" -c 'import secrets; print(secrets.token_hex(32))' > "$dir/run-secret"
   echo "wrote $dir/run-secret" >&2
 fi
-if [ ! -s "$dir/bootstrap-identity.key" ]; then
-  "$python" -c 'import sys; from hivemind.p2p import P2P; P2P.generate_identity(sys.argv[1])' \
-    "$dir/bootstrap-identity.key"
-  echo "wrote $dir/bootstrap-identity.key" >&2
-fi
-peer_id=$("$python" -c '
+# One python process (importing hivemind takes seconds): create the key unless it exists, print its peer id.
+peer_id=$("$python" - "$dir/bootstrap-identity.key" <<'PY'
+import os
 import sys
-from hivemind.p2p import PeerID
-with open(sys.argv[1], "rb") as key:
+
+from hivemind.p2p import P2P, PeerID
+
+path = sys.argv[1]
+if not os.path.exists(path) or os.path.getsize(path) == 0:
+    P2P.generate_identity(path)
+    print(f"wrote {path}", file=sys.stderr)
+with open(path, "rb") as key:
     print(PeerID.from_identity(key.read()).to_base58())
-' "$dir/bootstrap-identity.key")
+PY
+)
 echo "/dns4/farloco-bootstrap/tcp/31337/p2p/$peer_id"
