@@ -57,7 +57,11 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 
 
 class TensorCodec(Protocol):
-    """What farloco.optim codecs look like (structural typing: protocol never imports optim)."""
+    """What farloco.optim codecs look like (structural typing: protocol never imports optim).
+
+    A codec may also carry `lossless = True` (decode(encode(x)) is x, bit for bit, e.g. plain fp32); the
+    exchange then skips the decode(encode(.)) round trips that would only copy.
+    """
 
     name: str
     dense: bool
@@ -138,6 +142,7 @@ class _Attempt:
     me: int = 0
     dense: bool = True
     codec: Any = None
+    lossless: bool = False
     weight: float = 1.0
     flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     plan: _Plan = field(default_factory=lambda: _Plan(0, 1, 1))
@@ -311,11 +316,15 @@ class Exchange:
         attempt.me = [m.peer_id for m in members].index(self.peer_id)
         attempt.dense = bool(codec.dense)
         attempt.codec = codec
+        attempt.lossless = getattr(codec, "lossless", False) is True
         attempt.weight = weight
         attempt.flat = flat
         attempt.plan = _Plan(flat.numel(), len(members), self.chunk_elems)
         attempt.result = torch.empty(flat.numel(), dtype=torch.float32)
-        attempt.transmitted = torch.empty(flat.numel(), dtype=torch.float32)
+        # Lossless: what goes on the wire is our tensor itself (copied, so the caller may reuse its input).
+        attempt.transmitted = (
+            flat.clone() if attempt.lossless else torch.empty(flat.numel(), dtype=torch.float32)
+        )
         attempt.weights = {attempt.me: weight}
         attempt.status = asyncio.get_running_loop().create_future()
         # Dense: every other member's part, plus our own part once it is reduced. Sparse: every other payload.
@@ -372,8 +381,8 @@ class Exchange:
         codec = attempt.codec
         for a, b in attempt.plan.chunks(0):
             own = codec.decode(codec.encode(attempt.flat[a:b]))
-            attempt.transmitted[a:b] = own
-            attempt.result[a:b] = codec.decode(codec.encode(own))
+            attempt.transmitted[a:b].copy_(own)
+            attempt.result[a:b].copy_(codec.decode(codec.encode(own)))
         attempt.part_done()
 
     def _encode_sparse(self, attempt: _Attempt) -> None:
@@ -407,7 +416,8 @@ class Exchange:
             for k, (a, b) in enumerate(chunks):
                 try:
                     data = codec.encode(attempt.flat[a:b])
-                    attempt.transmitted[a:b] = codec.decode(data)
+                    if not attempt.lossless:
+                        attempt.transmitted[a:b].copy_(codec.decode(data))
                 except Exception as exc:
                     self._local_failure(attempt, exc)
                     return
@@ -450,8 +460,8 @@ class Exchange:
                         "SIZE_MISMATCH", f"mean chunk of {len(frame.payload)} bytes for {b - a} elements"
                     )
                 attempt.bytes_received += len(frame.payload)
-                attempt.result[a:b] = _decode(
-                    codec, frame.payload, b - a, f"mean of part {j} chunk {received}"
+                attempt.result[a:b].copy_(
+                    _decode(codec, frame.payload, b - a, f"mean of part {j} chunk {received}")
                 )
                 received += 1
             if attempt.dense and received != len(chunks):
@@ -672,21 +682,26 @@ class Exchange:
         codec = attempt.codec
         a, b = attempt.plan.chunks(attempt.me)[k]
         contributions = attempt.pending.pop(k)
-        own = codec.decode(codec.encode(attempt.flat[a:b]))
-        attempt.transmitted[a:b] = own
-        contributions[attempt.me] = own
+        if attempt.lossless:
+            contributions[attempt.me] = attempt.flat[a:b]
+        else:
+            own = codec.decode(codec.encode(attempt.flat[a:b]))
+            attempt.transmitted[a:b].copy_(own)
+            contributions[attempt.me] = own
         # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order.
-        total = torch.empty(b - a, dtype=torch.float32)
-        for index in range(len(attempt.members)):
-            weight = attempt.weights[index]
-            term = contributions[index] if weight == 1.0 else contributions[index] * weight
-            if index == 0:
-                total.copy_(term)
-            else:
-                total.add_(term)
+        # Lossless codecs: the mean is the result itself, so it is summed straight into place.
+        total = attempt.result[a:b] if attempt.lossless else torch.empty(b - a, dtype=torch.float32)
+        terms = [
+            contributions[i] if attempt.weights[i] == 1.0 else contributions[i] * attempt.weights[i]
+            for i in range(len(attempt.members))
+        ]
+        torch.add(terms[0], terms[1], out=total)  # a dense reduce has >= 2 members
+        for term in terms[2:]:
+            total.add_(term)
         total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
         mean = codec.encode(total)
-        attempt.result[a:b] = codec.decode(mean)
+        if not attempt.lossless:
+            attempt.result[a:b].copy_(codec.decode(mean))
         frame = Frame({"k": k}, mean)
         for outbox in attempt.outboxes.values():
             outbox.put_nowait(frame)

@@ -129,8 +129,14 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        # Loopback and LAN links: larger flow-control windows keep 1-2 MiB chunks flowing without stalls.
-        ("grpc.http2.bdp_probe", 1),
+        # Bulk transfer tuning, measured on loopback with 1 MiB messages (raw grpc.aio stream, one direction):
+        # ~0.5 GiB/s with defaults, ~0.9 GiB/s with these. gRPC's default 16 KiB HTTP/2 frames and small TCP
+        # read chunks cost a Python-visible wakeup per few KiB.
+        ("grpc.http2.max_frame_size", (1 << 24) - 1),
+        ("grpc.http2.write_buffer_size", 8 << 20),
+        ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
+        ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
+        ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
     ]
 
 

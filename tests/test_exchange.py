@@ -33,6 +33,7 @@ from farloco.protocol.types import Group, GroupMember
 class Fp32Codec:
     name = "fp32"
     dense = True
+    lossless = True  # lets the exchange skip identity round trips; Int8Codec covers the lossy path
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         return tensor.detach().contiguous().numpy().astype("<f4", copy=False).tobytes()
