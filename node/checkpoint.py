@@ -124,31 +124,24 @@ def load_checkpoint(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
     """Read a committed checkpoint directory: (metadata, tensors). Refuses anything not provably intact."""
     path = Path(path)
     meta = _read_meta(path)
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(path / STATE_FILE), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[name] = handle.get_tensor(name)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {exc}") from exc
-    theta = tensors.get(THETA)
-    if theta is None or theta.dtype != torch.float32 or theta.dim() != 1:
-        found = "nothing" if theta is None else f"{theta.dtype} {list(theta.shape)}"
-        raise CheckpointError(f"checkpoint {path}: expected a 1-D float32 tensor 'theta', found {found}")
-    found_hash = theta_sha256(theta)
-    if found_hash != meta["outer_hash"]:
-        raise CheckpointError(
-            f"checkpoint {path}: theta is corrupt: expected sha256 {meta['outer_hash']} (from its metadata), "
-            f"found {found_hash}"
-        )
+    tensors = _read_tensors(path, None)
+    _check_theta(path, meta, tensors.get(THETA))
     return meta, tensors
+
+
+def verify_checkpoint(path: Path) -> dict[str, str]:
+    """Check a checkpoint like `load_checkpoint` does, reading only theta; returns its metadata."""
+    path = Path(path)
+    meta = _read_meta(path)
+    _check_theta(path, meta, _read_tensors(path, THETA).get(THETA))
+    return meta
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest checkpoint that loads (committed, hash verified), or None. Broken ones are skipped."""
     for _, path in _committed(Path(root)):
         try:
-            load_checkpoint(path)
+            verify_checkpoint(path)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s", exc)
             continue
@@ -182,7 +175,7 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     anchor: Path | None = None
     for path in committed:
         try:
-            load_checkpoint(path)
+            verify_checkpoint(path)
         except CheckpointError as exc:
             log.warning("removing broken checkpoint: %s", exc)
             _remove(path, removed)
@@ -259,6 +252,30 @@ def _read_meta(path: Path) -> dict[str, str]:
             f"checkpoint {path}: directory says round {int(match.group(1))}, metadata says {meta['round_id']}"
         )
     return meta
+
+
+def _read_tensors(path: Path, only: str | None) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path / STATE_FILE), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if only is None or name == only:
+                    tensors[name] = handle.get_tensor(name)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {exc}") from exc
+    return tensors
+
+
+def _check_theta(path: Path, meta: dict[str, str], theta: torch.Tensor | None) -> None:
+    if theta is None or theta.dtype != torch.float32 or theta.dim() != 1:
+        found = "nothing" if theta is None else f"{theta.dtype} {list(theta.shape)}"
+        raise CheckpointError(f"checkpoint {path}: expected a 1-D float32 tensor 'theta', found {found}")
+    found_hash = theta_sha256(theta)
+    if found_hash != meta["outer_hash"]:
+        raise CheckpointError(
+            f"checkpoint {path}: theta is corrupt: expected sha256 {meta['outer_hash']} (from its metadata), "
+            f"found {found_hash}"
+        )
 
 
 def _committed(root: Path) -> list[tuple[int, Path]]:

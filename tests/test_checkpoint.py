@@ -245,3 +245,23 @@ def test_writer_killed_mid_save_leaves_previous_as_latest(tmp_path: Path, stop_a
     assert latest_checkpoint(tmp_path) == previous
     assert prune_checkpoints(tmp_path, keep=3) == leftovers  # the dead writer's directory is cleaned up
     assert latest_checkpoint(tmp_path) == previous
+
+
+@pytest.mark.parametrize(("strategy", "codec"), [("diloco", "fp32"), ("sparseloco", "topk")])
+def test_a_real_outer_strategy_state_round_trips(tmp_path: Path, strategy: str, codec: str) -> None:
+    """The agent's snapshot ("theta" + "strategy.<name>", incl. 0-d tensors) saves and reinstalls as is."""
+    from farloco.optim import get_codec, make_strategy
+
+    num_params = 500
+    original = make_strategy(strategy, num_params, get_codec(codec))
+    theta = torch.randn(num_params)
+    original.propose(theta.clone(), theta.clone())
+    original.apply(theta, theta.clone())
+    original.commit()
+    state = {f"strategy.{name}": tensor for name, tensor in original.state_dict().items()}
+    path = save_checkpoint(tmp_path, 1, {"theta": theta, **state}, {"run_hash": RUN_HASH, "inner_step": "20"})
+    _, tensors = load_checkpoint(path)
+    restored = make_strategy(strategy, num_params, get_codec(codec))
+    restored.load_state_dict({k.removeprefix("strategy."): v for k, v in tensors.items() if k != "theta"})
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], tensor), name
