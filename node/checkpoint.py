@@ -100,13 +100,16 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         state_path = tmp / STATE_FILE
+        # save_file streams from the tensors' memory; `save` to bytes would first build a second in-RAM copy of
+        # the whole state (8 GB for a 1B model with momentum).
         save_file(_owned(tensors), str(state_path), metadata=metadata)
         _fsync_file(state_path)
         _write_durably(tmp / COMMITTED_FILE, outer_hash.encode() + b"\n")
         _fsync_dir(tmp)
         if final.exists():
-            # Same round written again (e.g. after a restart resumed from it): move the old one out of the way
-            # under a .tmp- name, so a crash between the two renames leaves only something prune removes.
+            # Same round written again (e.g. after a restart resumed from it): move the old one aside under a
+            # .tmp- name. A crash between the two renames loses this round's checkpoint (older ones stay
+            # loadable) but never leaves a half-written one under a final name.
             aside = root / f"{checkpoint_name(round_id)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             final.rename(aside)
             tmp.rename(final)
