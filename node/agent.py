@@ -257,6 +257,7 @@ class Agent:
 
         self._loop = asyncio.get_running_loop()
         self._leave_event = asyncio.Event()
+        self._publish_lock = asyncio.Lock()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.request_leave, "graceful")
 
@@ -279,6 +280,7 @@ class Agent:
         from farloco.optim import get_codec, make_strategy
         from farloco.protocol.auth import Authenticator
         from farloco.protocol.exchange import Exchange
+        from farloco.protocol.matchmaking import DHTMatchmaker
         from farloco.protocol.rpc import RpcClient, RpcServer
         from farloco.protocol.statesync import StateServer
 
@@ -290,7 +292,8 @@ class Agent:
         self.server = RpcServer(auth, host=net.host, port=net.grpc_port)
         self.client = RpcClient(auth)
         self.exchange = Exchange(self.server, self.client, self.peer_id)
-        self.state_server = StateServer(self.server, self._state_snapshot)
+        self.state_server = StateServer(self._state_snapshot)
+        self.state_server.register(self.server)
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]
         self.grpc_address = f"{net.announce_host or net.host}:{port}"
@@ -305,6 +308,7 @@ class Agent:
             ttl=self.config.timeouts.member_ttl,
             heartbeat_interval=self.config.timeouts.heartbeat_interval,
         )
+        self.matchmaker = DHTMatchmaker(self.dht, run.name, self.membership)
         self.control = ControlServer(
             self.run_dir,
             net.control_host,
@@ -407,7 +411,9 @@ class Agent:
 
         self.status = Status.SYNCING
         started = time.monotonic()
-        meta, tensors = await fetch_state(self.client, donors, timeout=self.config.timeouts.sync_timeout)
+        meta, tensors = await fetch_state(
+            self.client, donors, timeout=self.config.timeouts.sync_timeout, expect_run_hash=self.run_hash
+        )
         self._install_state(meta, tensors)
         self.counters.resyncs += 1
         self.events.write(
@@ -416,21 +422,35 @@ class Agent:
         log.info("synced state of round %d from %s (%s)", self.round_id, donors, why)
 
     # ---- membership --------------------------------------------------------------------------------------------
-    def _record(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id,
-            "address": self.grpc_address,
-            "state": self.status.value,
-            "round_id": self.round_id,
-            "inner_step": self.status_dict()["inner_step"],
-            "slot": self.slot,
-            "outer_hash": self.outer_hash,
-            "loss": 0.0 if math.isnan(self.train_loss) else self.train_loss,
-            "maddrs": self.multiaddrs,
-        }
+    def _record(self) -> Any:
+        from farloco.protocol.membership import MemberRecord
+
+        return MemberRecord(
+            peer_id=self.peer_id,
+            address=self.grpc_address,
+            state=self.status.value,
+            round_id=self.round_id,
+            inner_step=int(self.status_dict()["inner_step"]),
+            slot=self.slot,
+            run_hash=self.run_hash,
+            run_config=run_section(self.config),
+            outer_hash=self.outer_hash,
+            loss=0.0 if math.isnan(self.train_loss) else float(self.train_loss),
+            heartbeat=0.0,
+            maddrs=tuple(self.multiaddrs),
+            version=_version(),
+        )
 
     async def _publish(self) -> None:
-        await self.membership.publish(self._record())
+        """Publish our member record now. Serialised: the DHT keeps only the entry with the latest expiration,
+        so two overlapping stores of ours would refuse one another."""
+        from farloco.protocol.membership import MembershipError
+
+        async with self._publish_lock:
+            try:
+                await self.membership.publish(self._record())
+            except MembershipError as exc:  # survivable: the record lives for several heartbeats
+                log.warning("publishing our member record failed: %s", exc)
 
     async def _refresh_peers(self) -> list[Any]:
         members = await self.membership.members()
@@ -473,6 +493,7 @@ class Agent:
                 f"refusing to join: peer {record.peer_id} trains run {self.config.run.name!r} with another "
                 f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): " + "; ".join(keys)
             )
+        await self._publish()  # the slot claim travels in our record
         self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
         others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0 and m.outer_hash]
         if others:
@@ -503,7 +524,7 @@ class Agent:
         self._trainer_thread.start()
 
     def _supervise_trainers(self, dataset: Path) -> None:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         node = self.config.node
@@ -521,7 +542,7 @@ class Agent:
             monitor_interval=0.2,
             start_method="spawn",
             local_addr="127.0.0.1",
-            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee={r: 3 for r in range(node.num_ranks)}),
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         )
         args = (
             "-m",
@@ -608,7 +629,7 @@ class Agent:
     async def _round(self, seq: int) -> bool:
         """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
         from farloco.protocol.exchange import ExchangeAborted
-        from farloco.protocol.matchmaking import LateForRound, form_group
+        from farloco.protocol.matchmaking import LateForRound
         from farloco.protocol.types import GroupMember
 
         run, timeouts = self.config.run, self.config.timeouts
@@ -627,8 +648,7 @@ class Agent:
         await self._check_hashes()
         me = GroupMember(self.peer_id, self.grpc_address)
         try:
-            group = await form_group(
-                self.membership,
+            group = await self.matchmaker.form_group(
                 self.round_id,
                 me,
                 match_timeout=timeouts.match_timeout,
@@ -642,7 +662,8 @@ class Agent:
         try:
             if len(group.members) == 1:
                 transmitted = self.codec.decode(self.codec.encode(contribution))
-                averaged, contributors, sent, received = transmitted, (self.peer_id,), 0, 0
+                averaged, sent, received = transmitted, 0, 0
+                contributors: tuple[str, ...] = (self.peer_id,)
             else:
                 result = await self.exchange.average(
                     group, contribution, self.codec, timeout=timeouts.exchange_timeout
@@ -736,6 +757,15 @@ class Agent:
         )
         if self.outer_hash != majority_hash:
             await self._sync_from([m.address for m in votes[majority_hash]], "hash mismatch")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("farloco")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def _dht_now() -> float:

@@ -54,7 +54,7 @@ class ControlServer:
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         bound_host, bound_port = self.httpd.server_address[:2]
-        self.url = f"http://{bound_host}:{bound_port}"
+        self.url = f"http://{bound_host!s}:{bound_port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="farloco-control", daemon=True)
 
     def start(self) -> None:

@@ -192,20 +192,20 @@ def loop(
         if held_out and reload:
             loss = evaluate(model, held_out, device)
             handoff.mark_eval(rank, seq, loss)
-        losses = []
+        losses: list[torch.Tensor] = []
         started = time.perf_counter()
         for i in range(inner_steps):
             step = step_base + i
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
             inputs, targets = sampler.batch(step)
-            loss = lm_loss(model(inputs.to(device)), targets.to(device))
-            loss.backward()
+            step_loss = lm_loss(model(inputs.to(device)), targets.to(device))
+            step_loss.backward()  # type: ignore[no-untyped-call]
             if config.run.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.run.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append(step_loss.detach())
             tokens += inputs.numel()
             handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
             if should_stop(handoff, parent, device):
