@@ -142,6 +142,8 @@ class Agent:
         del model
         self.codec: Any = None
         self.strategy: Any = None
+        self._checkpoint_task: asyncio.Task[None] | None = None
+        self.last_checkpoint: str | None = None
 
     # ---- public, thread-safe views ----------------------------------------------------------------------------
     def status_dict(self) -> dict[str, Any]:
@@ -180,6 +182,8 @@ class Agent:
                 "trainer_restarts": self.counters.trainer_restarts,
                 "last_round_seconds": self.counters.last_round_seconds,
                 "error": self.error,
+                "last_checkpoint": self.last_checkpoint,
+                "metrics_url": (self.control.url + "/metrics") if getattr(self, "control", None) else None,
                 "pid": os.getpid(),
                 "uptime_seconds": time.time() - self.started_at,
             }
@@ -349,6 +353,9 @@ class Agent:
             await self.client.close()
             await self.server.stop(grace=1.0)
             self.control.stop()
+            if self._checkpoint_task is not None:
+                with contextlib.suppress(Exception):
+                    await self._checkpoint_task
             if self.status is not Status.FAILED:
                 self.status = Status.STOPPED
             self.events.write("stopped", round_id=self.round_id, error=self.error)
@@ -420,6 +427,57 @@ class Agent:
             "synced", why=why, round_id=self.round_id, donors=donors, seconds=time.monotonic() - started
         )
         log.info("synced state of round %d from %s (%s)", self.round_id, donors, why)
+
+    async def _checkpoint(self) -> None:
+        """Write the committed outer state (the snapshot donors serve) off the event loop, then prune."""
+        from farloco.node.checkpoint import (
+            CheckpointError,
+            checkpoints_dir,
+            prune_checkpoints,
+            save_checkpoint,
+        )
+
+        _, tensors = self._snapshot  # clones taken at commit: later rounds never touch them
+        round_id = self.round_id
+        meta = {
+            "run_hash": self.run_hash,
+            "inner_step": str(round_id * self.config.run.inner_steps),
+            "run_name": self.config.run.name,
+        }
+        root = checkpoints_dir(self.run_dir)
+        started = time.monotonic()
+        try:
+            path = await asyncio.to_thread(save_checkpoint, root, round_id, tensors, meta)
+            removed = await asyncio.to_thread(prune_checkpoints, root, self.config.checkpoint.keep)
+        except (CheckpointError, OSError) as exc:  # a full disk must not stop training
+            log.error("checkpoint of round %d failed: %s", round_id, exc)
+            self.events.write("checkpoint_failed", round_id=round_id, error=str(exc))
+            return
+        self.last_checkpoint = str(path)
+        self.events.write(
+            "checkpoint",
+            round_id=round_id,
+            path=str(path),
+            seconds=time.monotonic() - started,
+            pruned=len(removed),
+        )
+
+    def _resume_from_checkpoint(self) -> None:
+        """No peer is ahead: continue from this run directory's newest loadable checkpoint, if any."""
+        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        if path is None:
+            return
+        meta, tensors = load_checkpoint(path)
+        if meta["run_hash"] != self.run_hash:
+            raise AgentError(
+                f"{path} was written by run_hash {meta['run_hash'][:12]}, this config has "
+                f"{self.run_hash[:12]}: use a new --run-dir for a new run"
+            )
+        self._install_state({"round_id": meta["round_id"], "run_hash": meta["run_hash"]}, tensors)
+        self.last_checkpoint = str(path)
+        self.events.write("resumed", round_id=self.round_id, checkpoint=str(path))
 
     # ---- membership --------------------------------------------------------------------------------------------
     def _record(self) -> Any:
@@ -501,6 +559,7 @@ class Agent:
             donors = [m.address for m in others if m.round_id == newest]
             await self._sync_from(donors, "join")
         else:
+            self._resume_from_checkpoint()
             self.outer_hash = theta_hash(self.theta)
         self.status = Status.TRAINING
         await self._publish()
@@ -684,6 +743,11 @@ class Agent:
         self.round_id += 1
         self.outer_hash = theta_hash(self.theta)
         self._snapshot = self._make_snapshot()
+        every = self.config.checkpoint.every_rounds
+        if every and self.round_id % every == 0:
+            if self._checkpoint_task is not None:
+                await self._checkpoint_task  # one at a time, in round order
+            self._checkpoint_task = asyncio.create_task(self._checkpoint())
         ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
         self.counters.ddp_bytes += ddp
         # What a dense fp32 all-reduce of the same round would have sent: the baseline of compression_ratio.

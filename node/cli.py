@@ -338,9 +338,57 @@ def data_prepare(inputs: tuple[Path, ...], out_dir: Path, tokenizer: str, val_fr
         raise click.UsageError("no .txt or .jsonl files found in the inputs")
     try:
         info = prepare_dataset(files, out_dir, tokenizer, val_fraction=val_fraction, progress=True)
-    except ValueError as exc:
+    except (ValueError, ImportError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {out_dir}: {info}")
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Folder for model.safetensors, config.json and generation_config.json.",
+)
+def export(run_dir: Path, out_dir: Path) -> None:
+    """Write a run's newest checkpoint as a Hugging Face Llama model folder."""
+    from farloco.node.export import ExportError, export_run
+
+    try:
+        path = export_run(run_dir, out_dir, progress=True)
+    except ExportError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"exported to {path}")
+
+
+@main.command()
+@click.option(
+    "--run-dir",
+    "run_dirs",
+    type=click.Path(file_okay=False, path_type=Path),
+    multiple=True,
+    required=True,
+    help="A node's run directory; repeat it to overlay several nodes.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the PNGs go (default: <first run dir>/report).",
+)
+def report(run_dirs: tuple[Path, ...], out_dir: Path | None) -> None:
+    """Plot loss, bytes sent vs. data-parallel, round time and peers per round from the nodes' event logs."""
+    from farloco.node.report import ReportError, make_report
+
+    try:
+        paths = make_report(list(run_dirs), out_dir or run_dirs[0] / "report")
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for path in paths:
+        click.echo(str(path))
 
 
 # ---- demo -------------------------------------------------------------------------------------------------------
