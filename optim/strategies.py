@@ -130,8 +130,12 @@ class OuterStrategy(abc.ABC):
             )
         state = self._buffers()
         for key, tensor in self._staged.items():
-            state[key].copy_(tensor)
+            self._install(state[key], tensor)
         self._staged = None
+
+    def _install(self, buffer: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy one staged tensor into its state buffer (fragment-wise strategies stage only a slice)."""
+        buffer.copy_(staged)
 
     def rollback(self) -> None:
         """The round aborted: drop the staged state, so the residual is carried into the next round untouched."""
@@ -377,6 +381,7 @@ class StreamingDiLoCo(OuterStrategy):
         self.momentum_buffer = torch.zeros(self.num_params)
         self.residual = torch.zeros(self.num_params) if self.hparams["error_feedback"] else None
         self._merge_fragment: slice | None = None
+        self._staged_fragment = self.fragments[0]
 
     def fragment(self, round_index: int) -> slice:
         """The flat range synced in the round after `round_index` applied outer steps."""
@@ -399,11 +404,12 @@ class StreamingDiLoCo(OuterStrategy):
         return contribution
 
     def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.residual is None:
-            return {}
-        residual = self.residual.clone()
-        residual[self.current_fragment()] = contribution - transmitted
-        return {"residual": residual}
+        # Remember the fragment now: `apply` advances the schedule before the node calls `commit`.
+        self._staged_fragment = self.current_fragment()
+        return {} if self.residual is None else {"residual": contribution - transmitted}
+
+    def _install(self, buffer: torch.Tensor, staged: torch.Tensor) -> None:
+        buffer[self._staged_fragment].copy_(staged)
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         part = self.current_fragment()

@@ -371,3 +371,24 @@ def test_error_feedback_recovers_what_a_coarse_codec_loses() -> None:
     with_feedback = toy_swarm_distance("diloco", codec, 40)  # about 0.075 on this seed
     without = toy_swarm_distance("diloco", codec, 40, error_feedback=False)  # about 0.094
     assert with_feedback < 0.85 * without
+
+
+def test_streaming_diloco_residual_lands_on_the_proposed_fragment_whatever_the_call_order() -> None:
+    codec = get_codec("int4", block_size=4)
+    generator = torch.Generator().manual_seed(4)
+    theta = torch.randn(12, generator=generator)
+    local = theta - torch.randn(12, generator=generator)
+    for apply_first in (True, False):
+        strategy = make_strategy("streaming-diloco", 12, codec, num_fragments=3)
+        contribution = strategy.make_contribution(theta, local)
+        transmitted = round_trip(codec, contribution)
+        strategy.propose(contribution, transmitted)
+        if apply_first:  # the node's order: the schedule advances in apply, before commit
+            strategy.apply(theta.clone(), transmitted)
+            strategy.commit()
+        else:
+            strategy.commit()
+            strategy.apply(theta.clone(), transmitted)
+        residual = strategy.state_dict()["residual"]
+        assert torch.equal(residual[:4], contribution - transmitted)
+        assert torch.equal(residual[4:], torch.zeros(8))
