@@ -38,8 +38,15 @@ def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x.double() - y.double()).norm() / x.double().norm())
 
 
-def row(name: str, x: torch.Tensor, wire_bytes: int, encode_s: float, decode_s: float | None,
-        error: float | None, note: str = "") -> dict[str, Any]:  # fmt: skip
+def row(
+    name: str,
+    x: torch.Tensor,
+    wire_bytes: int,
+    encode_s: float,
+    decode_s: float | None,
+    error: float | None,
+    note: str = "",
+) -> dict[str, Any]:
     input_mib = x.numel() * 4 / MIB
     return {
         "codec": name,
@@ -90,8 +97,10 @@ def hivemind_rows(x: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
 
     rows = []
     info = CompressionInfo.from_tensor(x)
-    for label, compression in (("Float16Compression", Float16Compression()),
-                               ("Uniform8BitQuantization", Uniform8BitQuantization())):  # fmt: skip
+    for label, compression in (
+        ("Float16Compression", Float16Compression()),
+        ("Uniform8BitQuantization", Uniform8BitQuantization()),
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.quantize_per_tensor deprecation inside hivemind
             encode_s, message = best_time(lambda c=compression: c.compress(x, info), repeats)
@@ -131,7 +140,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {name} | {r['bits_per_value']} | {r['ratio']} | {r['encode_ms']} | {fmt(r['decode_ms'])} | "
             f"{r['encode_mib_s']} | {fmt(r['decode_mib_s'])} | {fmt(r['rel_l2_error'])} |"
         )
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def main() -> None:
@@ -146,8 +155,10 @@ def main() -> None:
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed))
     rows = [memcpy_row(x, args.repeats), *farloco_rows(x, args.repeats), *hivemind_rows(x, args.repeats)]
     if args.markdown:
-        print(f"{args.numel} float32 values ({args.numel * 4 / MIB:.0f} MiB), N(0,1), "
-              f"best of {args.repeats}, torch threads {torch.get_num_threads()}\n")  # fmt: skip
+        print(
+            f"{args.numel} float32 values ({args.numel * 4 / MIB:.0f} MiB), N(0,1), "
+            f"best of {args.repeats}, torch threads {torch.get_num_threads()}\n"
+        )
         print(markdown(rows))
     else:
         for r in rows:
