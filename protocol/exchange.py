@@ -260,6 +260,8 @@ class Exchange:
                 raise RuntimeError(f"an exchange for group {key[:12]} is already running on {self.peer_id}")
             attempt = self._attempts.get(key) or _Attempt(key)
             self._attempts[key] = attempt
+            # The same group may average again (e.g. several tensors in one round): a new exchange.
+            self._decided.pop(key, None)
             self._start(attempt, group.round_id, attempt_no, members, flat, codec, weight)
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE

@@ -335,6 +335,26 @@ def test_wrong_group_id_refused() -> None:
     run(body())
 
 
+def test_same_group_averages_twice() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            for seed in (1, 2):
+                inputs = [make_input(seed * 10 + i, 3000) for i in range(2)]
+                results = await asyncio.gather(
+                    *(
+                        node.exchange.average(group, inputs[i], Fp32Codec(), timeout=20)
+                        for i, node in enumerate(nodes)
+                    )
+                )
+                assert torch.allclose(results[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
 def test_bad_arguments() -> None:
     async def body() -> None:
         nodes, group = await start_nodes(1)
