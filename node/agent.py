@@ -53,6 +53,9 @@ class Status(enum.Enum):
     FAILED = "failed"
 
 
+DAEMON_STRATEGIES = ("diloco", "sparseloco")
+
+
 class AgentError(RuntimeError):
     """The node cannot go on; the message says why."""
 
@@ -301,6 +304,11 @@ class Agent:
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]
         self.grpc_address = f"{net.announce_host or net.host}:{port}"
+        if run.strategy not in DAEMON_STRATEGIES:
+            raise AgentError(
+                f"run.strategy: the daemon runs {list(DAEMON_STRATEGIES)}, got {run.strategy!r} "
+                "(streaming-diloco and demo exist in farloco.optim but are not wired into the round loop yet)"
+            )
         self.codec = get_codec(run.codec, **run.codec_options)
         self.strategy = make_strategy(run.strategy, self.num_params, self.codec, **self._strategy_hparams())
         self._snapshot = self._make_snapshot()
@@ -553,11 +561,14 @@ class Agent:
             )
         await self._publish()  # the slot claim travels in our record
         self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
-        others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0 and m.outer_hash]
+        others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0]
         if others:
-            newest = max(m.round_id for m in others)
-            donors = [m.address for m in others if m.round_id == newest]
-            await self._sync_from(donors, "join")
+            # The swarm is mid-round: enter at its next round boundary with the state committed there,
+            # instead of training a round whose group will have formed before we finish.
+            target = max(m.round_id for m in others) + 1
+            self.events.write("waiting_for_boundary", round_id=target)
+            if not await self._catch_up(target, "join", wait=self.config.timeouts.sync_timeout):
+                raise AgentError(f"joining: no member reached round {target} within timeouts.sync_timeout")
         else:
             self._resume_from_checkpoint()
             self.outer_hash = theta_hash(self.theta)
@@ -715,9 +726,16 @@ class Agent:
             )
         except LateForRound as exc:
             self.counters.rounds_late += 1
-            self.events.write("late", round_id=self.round_id, reason=str(exc))
-            await self._catch_up(self.round_id + 1, "late for round")
-            return True
+            self.events.write(
+                "late", round_id=self.round_id, reason=exc.reason, group_formed=exc.group_formed
+            )
+            self.strategy.rollback()
+            if exc.group_formed:
+                # The group moves to round r+1 without us: take its state at that boundary.
+                return await self._catch_up(self.round_id + 1, "late for round")
+            # Nobody formed a group, so nobody's theta changed: everyone moves on with the same theta, and our
+            # local work stays in the ranks to be sent next round.
+            return self._advance_without_update("no group formed")
         try:
             if len(group.members) == 1:
                 transmitted = self.codec.decode(self.codec.encode(contribution))
@@ -772,28 +790,38 @@ class Agent:
         return True
 
     def _abort(self, reason: str, num_peers: int) -> bool:
-        self.strategy.rollback()
         self.counters.rounds_aborted += 1
         self.events.write("aborted", round_id=self.round_id, reason=reason, num_peers=num_peers)
         log.warning("round %d aborted: %s", self.round_id, reason)
-        return False  # keep local weights: the missed work rolls into the next delta
+        self.strategy.rollback()  # the residual is not eaten
+        return self._advance_without_update(reason)
 
-    async def _catch_up(self, target_round: int, why: str) -> None:
-        """Fetch the swarm's state once some member has reached `target_round` (bounded wait)."""
-        deadline = (
-            time.monotonic() + self.config.timeouts.exchange_timeout + self.config.timeouts.match_timeout
-        )
-        while time.monotonic() < deadline:
+    def _advance_without_update(self, reason: str) -> bool:
+        """Close round r without an outer step: theta_outer stays as it is (so every peer that closes r this way
+        still agrees), and the ranks keep their weights so the missed work rolls into the next delta. Round ids
+        only ever move forward, so no round's matchmaking records are ever reused."""
+        self.round_id += 1
+        self._snapshot = self._make_snapshot()
+        log.info("round %d closed without an update (%s)", self.round_id - 1, reason)
+        return False
+
+    async def _catch_up(self, target_round: int, why: str, *, wait: float | None = None) -> bool:
+        """Fetch the swarm's state once some member has reached `target_round` (bounded wait).
+
+        Returns whether the ranks must reload theta (False when nobody got there and we move on alone)."""
+        timeouts = self.config.timeouts
+        wait = wait if wait is not None else timeouts.exchange_timeout + timeouts.match_timeout
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.leave_mode is None:
             members = await self._refresh_peers()
             ahead = [m for m in members if m.peer_id != self.peer_id and m.round_id >= target_round]
             if ahead:
                 newest = max(m.round_id for m in ahead)
                 await self._sync_from([m.address for m in ahead if m.round_id == newest], why)
-                return
+                return True
             await asyncio.sleep(0.2)
-        log.warning(
-            "no peer reached round %d in time; continuing alone from round %d", target_round, self.round_id
-        )
+        log.warning("no peer reached round %d in time; moving on from round %d", target_round, self.round_id)
+        return self._advance_without_update("nobody reached the next round")
 
     async def _check_hashes(self) -> None:
         """Compare theta hashes with the members at our round; the minority resyncs from the majority."""

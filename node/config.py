@@ -35,7 +35,7 @@ class RunConfig:
     dataset: str = "builtin"
     """'builtin' (the bundled corpus, no download) or the path of a directory made by `farloco data prepare`."""
     strategy: str = "diloco"
-    """Outer strategy: diloco, sparseloco (see `farloco.optim.available_strategies()`)."""
+    """Outer strategy: diloco or sparseloco (see `farloco.optim.available_strategies()`)."""
     codec: str = "fp32"
     """Codec of the outer update on the wire: fp32, fp16, bf16, int8, int4, topk, dct-topk."""
     strategy_options: dict[str, SCALAR] = field(default_factory=dict)
@@ -136,8 +136,9 @@ class TimeoutConfig:
     """How often the member record is refreshed on the DHT."""
     member_ttl: float = 8.0
     """A member whose record is older than this is considered gone."""
-    match_timeout: float = 5.0
-    """How long the round leader waits for stragglers before freezing the group."""
+    match_timeout: float = 30.0
+    """How long the round leader waits for live members still training the round before freezing the group
+    without them (dead members drop out sooner, when their record expires after `member_ttl`)."""
     leader_timeout: float = 5.0
     """How long followers wait for a group beyond `match_timeout` before the next peer leads."""
     exchange_timeout: float = 60.0

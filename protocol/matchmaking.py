@@ -47,11 +47,14 @@ logger = logging.getLogger(__name__)
 class LateForRound(Exception):
     """This peer is not in the group of `round_id` (frozen without it, or no group formed): go to round_id + 1."""
 
-    def __init__(self, round_id: int, peer_id: str, reason: str) -> None:
+    def __init__(self, round_id: int, peer_id: str, reason: str, *, group_formed: bool) -> None:
         super().__init__(f"peer {peer_id} is late for round {round_id}: {reason}")
         self.round_id = round_id
         self.peer_id = peer_id
         self.reason = reason
+        # True: a group of round_id exists without us (its members move on; fetch their state).
+        # False: no group formed at all, so nobody's theta changed in round_id.
+        self.group_formed = group_formed
 
 
 class MatchmakingError(Exception):
@@ -460,7 +463,7 @@ class DHTMatchmaker:
                 need_ready = need_members = True
                 continue
             if isinstance(decision, Late):
-                raise LateForRound(round_id, me.peer_id, decision.reason)
+                raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
             if isinstance(decision, Publish):
                 if await self._store(group_key, decision.record.to_wire(), expiration):
                     return decision.record.group
