@@ -121,7 +121,9 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
         auth = Authenticator("bench", b"bench-secret", peer_id)
         server = RpcServer(auth)
         client = RpcClient(auth)
-        exchange = Exchange(server, client, peer_id)
+        exchange = Exchange(
+            server, client, peer_id, chunk_bytes=int(os.environ.get("BENCH_CHUNK_BYTES", 1 << 20))
+        )
         send({"address": await server.start()})
         spec = await asyncio.get_running_loop().run_in_executor(None, receive)
         members = [GroupMember(p, a) for p, a in spec["members"]]
@@ -246,11 +248,13 @@ def free_port() -> int:
         return port
 
 
-def run_config(impl: str, peers: int, mib: int, codec: str, malloc_tuning: bool) -> dict[str, Any]:
+def run_config(
+    impl: str, peers: int, mib: int, codec: str, malloc_tuning: bool, chunk_bytes: int = 1 << 20
+) -> dict[str, Any]:
     numel = mib * (1 << 20) // 4
     reps = reps_for(mib, impl)
     port = free_port()
-    env = {**os.environ, **(MALLOC_ENV if malloc_tuning else {})}
+    env = {**os.environ, **(MALLOC_ENV if malloc_tuning else {}), "BENCH_CHUNK_BYTES": str(chunk_bytes)}
     procs = [
         subprocess.Popen(
             [
@@ -360,24 +364,26 @@ def main() -> None:
     parser.add_argument(
         "--no-malloc-tuning", action="store_true", help="run peers with glibc's default malloc"
     )
+    parser.add_argument(
+        "--chunk-mib", type=float, default=1.0, help="farloco chunk size (fp32 MiB), default 1"
+    )
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = parser.parse_args()
+    configs = [(impl, codec) for impl, codec in DEFAULT_CONFIGS if not args.impl or impl in args.impl]
+    if args.codec:
+        configs = [c for c in configs if c[0] != "farloco"]
+        if not args.impl or "farloco" in args.impl:
+            configs = [("farloco", codec) for codec in args.codec] + configs
     rows = []
-    for impl, codec in DEFAULT_CONFIGS:
-        if args.impl and impl not in args.impl:
-            continue
-        if impl == "farloco" and args.codec:
-            if codec != args.codec[0]:
-                continue
-            codecs = args.codec
-        else:
-            codecs = [codec]
-        for codec_name in codecs:
-            for peers in args.peers or [2, 4]:
-                for mib in args.mib or [4, 64, 256]:
-                    row = run_config(impl, peers, mib, codec_name, not args.no_malloc_tuning)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+    # Implementations take turns at each size, so they see the same background load (this is a shared box).
+    for peers in args.peers or [2, 4]:
+        for mib in args.mib or [4, 64, 256]:
+            for impl, codec in configs:
+                row = run_config(
+                    impl, peers, mib, codec, not args.no_malloc_tuning, int(args.chunk_mib * (1 << 20))
+                )
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     if args.markdown:
         print(markdown(rows))
 
