@@ -554,10 +554,12 @@ class Agent:
         members = await self._refresh_peers()
         mismatched = self.membership.mismatched()
         if mismatched:
-            record, keys = mismatched[0]
+            record, _keys = mismatched[0]
+            differences = diff_run(run_section(self.config), dict(record.run_config))
             raise AgentError(
                 f"refusing to join: peer {record.peer_id} trains run {self.config.run.name!r} with another "
-                f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): " + "; ".join(keys)
+                f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): "
+                + "; ".join(differences)
             )
         await self._publish()  # the slot claim travels in our record
         self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)

@@ -52,12 +52,13 @@ def demo_config(rounds: int, overrides: list[str]) -> str:
     base = {section: dict(values) for section, values in PRESETS["tiny"].items()}
     base["run"]["name"] = "farloco-demo"
     base["run"]["max_rounds"] = rounds
-    # Small timeouts: every peer is on this machine, so a silent peer is a dead one.
+    # Every peer is on this machine: a dead one drops out fast (member_ttl); a live straggler is waited for
+    # up to match_timeout, which must cover how unevenly the peers share the cores.
     base["timeouts"] = {
         "heartbeat_interval": 0.5,
         "member_ttl": 5.0,
-        "match_timeout": 3.0,
-        "leader_timeout": 3.0,
+        "match_timeout": 20.0,
+        "leader_timeout": 2.0,
     }
     config = build_config(base, overrides)
     return to_toml(config)

@@ -465,6 +465,15 @@ class DHTMatchmaker:
             if isinstance(decision, Late):
                 raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
             if isinstance(decision, Publish):
+                logger.info(
+                    "round %d: publishing a group of %d (ready %s, expected %s, ahead %s, live %s)",
+                    round_id,
+                    len(decision.record.group.members),
+                    sorted(p[:8] for p in view.ready),
+                    sorted(p[:8] for p in view.expected),
+                    sorted(p[:8] for p in view.ahead),
+                    [(r.peer_id[:8], r.round_id, r.state, round(now - r.heartbeat, 2)) for r in live],
+                )
                 if await self._store(group_key, decision.record.to_wire(), expiration):
                     return decision.record.group
                 logger.warning("the DHT refused our group record for round %d; retrying", round_id)
