@@ -1,0 +1,572 @@
+"""Convergence of farloco's outer strategies against DDP (upper bound) and lone workers (lower bound).
+
+This file owns the convergence benchmark: k = 4 workers simulated in one process, each a copy of the `tiny`
+built-in model with its own AdamW and its own disjoint `BatchSampler` slot of the bundled pydoc corpus (batch 8,
+seq_len 128). Outer rounds use the real `farloco.optim` objects the way the agent does: every worker has its own
+strategy (its own error-feedback state) and its own copy of theta_outer; per round each worker makes its
+contribution and encodes it, everyone decodes every payload, `mean_of` averages in worker order, and each worker
+proposes/applies/commits and merges. Dense codecs go through the codec twice like in `protocol/exchange.py` (the
+part owner re-encodes the mean); sparse ones are all-gathered.
+
+Bytes sent per worker are the real payload sizes in the daemon's exchange pattern: dense codecs reduce-scatter +
+all-gather (2(k-1)/k of the payload), sparse codecs all-gather (the payload to each of the k-1 peers). DDP sends a
+ring all-reduce of fp32 gradients every step (2(k-1)/k * 4 bytes * num_params), like `ddp_bytes_per_round`.
+
+References, in the same run: DDP (one model, the 4 workers' batches together = gradient all-reduce every step)
+and lone workers (the 4 workers with no communication; reported as the mean over slots, with the range).
+
+    .venv/bin/python benchmarks/convergence.py                 # default configs, 600 steps per worker
+    .venv/bin/python benchmarks/convergence.py --long          # 2400 steps, figures at 600 and at 2400
+    .venv/bin/python benchmarks/convergence.py --quick         # a few steps of every code path (smoke run)
+    .venv/bin/python benchmarks/convergence.py --only diloco-h10-int8 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import copy
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from farloco.node.data import BatchSampler, TokenDataset, builtin_dataset, eval_batches, open_dataset
+from farloco.node.model import Transformer, build_model, lm_loss, model_config, num_parameters
+from farloco.optim import Codec, OuterStrategy, get_codec, make_strategy, mean_of
+
+NUM_WORKERS = 4
+BATCH_SIZE = 8
+SEQ_LEN = 128
+EVAL_BATCH_SIZE = 16
+DEFAULT_STEPS = 600
+LONG_FACTOR = 4
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every config of one run shares: the inner optimizer, the data and the evaluation."""
+
+    steps: int = DEFAULT_STEPS
+    """Inner steps per worker (DDP: optimizer steps, each on all workers' batches)."""
+    report_steps: tuple[int, ...] = (DEFAULT_STEPS,)
+    """Steps at which the table's figures are taken (the last one is `steps`)."""
+    inner_lr: float = 3e-3
+    """AdamW learning rate of every worker, of DDP and of the lone workers (constant after warm-up, so the
+    figures at 600 steps of a --long run are the ones a 600-step run gives)."""
+    warmup_steps: int = 20
+    """Linear warm-up of the inner lr, as the trainer does."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (betas 0.9/0.95 as in farloco.node.trainer)."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip of every AdamW step (the trainer's default)."""
+    num_eval_batches: int = 4
+    """Fixed held-out batches of 16 x 128 tokens evaluated at the report steps."""
+    seed: int = 0
+    """Model init and sampler seed."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not self.report_steps or self.report_steps[-1] != self.steps:
+            raise ValueError(
+                f"Setup: expected steps >= 1 ending report_steps, got {self.steps} {self.report_steps}"
+            )
+
+    def learning_rate(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.inner_lr * (step + 1) / self.warmup_steps
+        return self.inner_lr
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One line of the table: a reference or a strategy with its codec and hyper-parameters."""
+
+    name: str
+    kind: Literal["ddp", "lone", "outer"]
+    strategy: str = ""
+    codec: str = ""
+    codec_options: dict[str, int] = field(default_factory=dict)
+    hparams: dict[str, float | int | bool] = field(default_factory=dict)
+    sync_every: int = 1
+    """Inner steps per outer round (H; for streaming-diloco H/P, since one round syncs one of P fragments)."""
+    note: str = ""
+
+    def make_codec(self) -> Codec:
+        return get_codec(self.codec, **self.codec_options)
+
+
+def default_configs() -> list[RunConfig]:
+    """The default set: both references, then every strategy with the codecs it is meant for."""
+    int8 = {"lr": 0.5, "momentum": 0.9}
+    return [
+        RunConfig("ddp", "ddp", note="fp32 ring all-reduce of grads every step"),
+        RunConfig("lone", "lone", note="4 workers, no communication (mean over slots)"),
+        RunConfig("diloco-h10-int8", "outer", "diloco", "int8", hparams=int8, sync_every=10),
+        RunConfig("diloco-h10-fp32", "outer", "diloco", "fp32", hparams=int8, sync_every=10),
+        RunConfig("diloco-h10-int4", "outer", "diloco", "int4", hparams=int8, sync_every=10),
+        RunConfig("diloco-h50-int8", "outer", "diloco", "int8", hparams=int8, sync_every=50),
+        RunConfig(
+            "streaming-diloco-h10-p5-int8",
+            "outer",
+            "streaming-diloco",
+            "int8",
+            hparams={**int8, "num_fragments": 5, "alpha": 0.0},
+            sync_every=2,
+            note="5 fragments, one synced every 2 steps: each every 10",
+        ),
+        RunConfig(
+            "sparseloco-h10-top64of4096-2bit",
+            "outer",
+            "sparseloco",
+            "topk",
+            codec_options={"k": 64, "chunk": 4096, "value_bits": 2},
+            hparams={"lr": 1.0, "beta": 0.95},
+            sync_every=10,
+        ),
+        RunConfig(
+            "demo-top12of1024",
+            "outer",
+            "demo",
+            "dct-topk",
+            codec_options={"k": 12, "chunk": 1024},
+            hparams={"lr": 3e-3, "beta": 0.999},
+            sync_every=1,
+            note="sign-SGD outer step every step",
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------------------- model helpers
+
+
+def flat_parameters(model: Transformer) -> torch.Tensor:
+    """A copy of the parameters in the canonical flat order (named_parameters), as the agent's theta."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load_flat(model: Transformer, flat: torch.Tensor) -> None:
+    # Copy rather than alias (vector_to_parameters aliases): the strategy keeps writing into its flat vectors.
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def flat_gradient(model: Transformer) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: Sequence[Batch]) -> float:
+    model.eval()
+    total = sum(float(lm_loss(model(x), y)) for x, y in batches)
+    model.train()
+    return total / len(batches)
+
+
+class Learner:
+    """One model with its AdamW, stepping on whatever batch it is given."""
+
+    def __init__(self, model: Transformer, setup: Setup) -> None:
+        self.model = model
+        self.setup = setup
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=setup.inner_lr, betas=(0.9, 0.95), weight_decay=setup.weight_decay
+        )
+
+    def step(self, step: int, batch: Batch) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.setup.learning_rate(step)
+        loss = lm_loss(self.model(batch[0]), batch[1])
+        loss.backward()  # type: ignore[no-untyped-call]
+        if self.setup.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.setup.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    eval_loss: dict[int, float]
+    """Eval loss at each report step (lone: mean over the workers)."""
+    bytes_per_worker: dict[int, int]
+    """Bytes one worker had sent by each report step."""
+    worker_losses: dict[int, list[float]] = field(default_factory=dict)
+    """Lone workers: each slot's eval loss at each report step."""
+    peak_bytes_per_sync: int = 0
+    """Largest number of bytes one worker sends in one sync (the burst the link must carry)."""
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    """DDP: (step, eval loss) on a log grid, to read off DDP's loss at a given number of bytes."""
+    seconds: float = 0.0
+
+
+def ddp_bytes_per_step(num_params: int) -> int:
+    return int(2 * (NUM_WORKERS - 1) / NUM_WORKERS * 4 * num_params)
+
+
+def exchange_bytes(codec: Codec, payload_bytes: int) -> int:
+    """Bytes one worker sends for one payload in the daemon's exchange pattern."""
+    if codec.dense:
+        return round(2 * (NUM_WORKERS - 1) / NUM_WORKERS * payload_bytes)
+    return (NUM_WORKERS - 1) * payload_bytes
+
+
+def ddp_curve_steps(steps: int) -> list[int]:
+    """A log grid (DDP's loss at a few bytes is read early) plus every 25 steps."""
+    grid = {0, steps}
+    value = 1.0
+    while value < steps:
+        grid.add(int(value))
+        value *= 1.25
+    grid.update(range(25, steps, 25))
+    return sorted(grid)
+
+
+class Bench:
+    """The shared pieces of one run: dataset, samplers, eval batches, the initial model."""
+
+    def __init__(self, setup: Setup, dataset: TokenDataset, log: Callable[[str], None]) -> None:
+        self.setup = setup
+        self.log = log
+        self.samplers = [
+            BatchSampler(
+                dataset,
+                "train",
+                SEQ_LEN,
+                BATCH_SIZE,
+                slot=w,
+                num_slots=NUM_WORKERS,
+                rank=0,
+                world_size=1,
+                seed=setup.seed,
+            )
+            for w in range(NUM_WORKERS)
+        ]
+        self.held_out = eval_batches(dataset, SEQ_LEN, EVAL_BATCH_SIZE, setup.num_eval_batches)
+        self.initial = build_model(model_config("tiny", max_seq_len=SEQ_LEN), seed=setup.seed)
+        self.num_params = num_parameters(self.initial)
+        self._started = time.perf_counter()
+
+    def fresh_model(self) -> Transformer:
+        return copy.deepcopy(self.initial)
+
+    def run(self, config: RunConfig) -> RunResult:
+        started = self._started = time.perf_counter()
+        if config.kind == "ddp":
+            result = self._run_ddp(config)
+        elif config.kind == "lone":
+            result = self._run_lone(config)
+        else:
+            result = self._run_outer(config)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _tick(self, config: RunConfig, step: int) -> None:
+        if step % 100 == 0 and step:
+            self.log(
+                f"  {config.name} step {step}/{self.setup.steps} ({time.perf_counter() - self._started:.0f} s)"
+            )
+
+    def _progress(self, config: RunConfig, step: int, loss: float) -> None:
+        self.log(f"  {config.name} step {step}/{self.setup.steps} eval {loss:.4f}")
+
+    def _run_ddp(self, config: RunConfig) -> RunResult:
+        learner = Learner(self.fresh_model(), self.setup)
+        per_step = ddp_bytes_per_step(self.num_params)
+        wanted = set(ddp_curve_steps(self.setup.steps)) | set(self.setup.report_steps)
+        curve, losses, sent = [], {}, {}
+        for step in range(self.setup.steps + 1):
+            if step in wanted:
+                loss = evaluate(learner.model, self.held_out)
+                curve.append((step, loss))
+                if step in self.setup.report_steps:
+                    losses[step], sent[step] = loss, step * per_step
+                    self._progress(config, step, loss)
+            if step == self.setup.steps:
+                break
+            # DDP's mean gradient over 4 equal batches is the gradient of the mean loss over their union.
+            batches = [sampler.batch(step) for sampler in self.samplers]
+            union = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            learner.step(step, union)
+            self._tick(config, step + 1)
+        return RunResult(config, losses, sent, peak_bytes_per_sync=per_step, curve=curve)
+
+    def _run_lone(self, config: RunConfig) -> RunResult:
+        learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
+        losses, per_worker = {}, {}
+        for step in range(1, self.setup.steps + 1):
+            for learner, sampler in zip(learners, self.samplers, strict=True):
+                learner.step(step - 1, sampler.batch(step - 1))
+            self._tick(config, step)
+            if step in self.setup.report_steps:
+                per_worker[step] = [evaluate(learner.model, self.held_out) for learner in learners]
+                losses[step] = sum(per_worker[step]) / NUM_WORKERS
+                self._progress(config, step, losses[step])
+        return RunResult(config, losses, dict.fromkeys(losses, 0), worker_losses=per_worker)
+
+    def _run_outer(self, config: RunConfig) -> RunResult:
+        strategies: list[OuterStrategy] = [
+            make_strategy(config.strategy, self.num_params, config.make_codec(), **config.hparams)
+            for _ in range(NUM_WORKERS)
+        ]
+        theta0 = flat_parameters(self.initial)
+        # Every worker keeps its own theta_outer, as every node does; they must stay bit-identical.
+        thetas = [theta0.clone() for _ in range(NUM_WORKERS)]
+        sign_sgd = config.strategy == "demo"
+        learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
+        sent, peak = 0, 0
+        losses, sent_at = {}, {}
+        for step in range(1, self.setup.steps + 1):
+            locals_: list[torch.Tensor | None] = [None] * NUM_WORKERS
+            for w, (learner, sampler) in enumerate(zip(learners, self.samplers, strict=True)):
+                if sign_sgd:
+                    # DeMo as optim.strategies models it: one plain SGD step with lr 1 on the loss gradient,
+                    # so theta_outer - theta_local is that gradient (no AdamW, no clipping).
+                    inputs, targets = sampler.batch(step - 1)
+                    lm_loss(learner.model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+                    locals_[w] = thetas[w] - flat_gradient(learner.model)
+                    learner.model.zero_grad(set_to_none=True)
+                else:
+                    learner.step(step - 1, sampler.batch(step - 1))
+            if step % config.sync_every == 0 or step == self.setup.steps:
+                round_bytes = self._outer_round(strategies, thetas, learners, locals_)
+                sent += round_bytes
+                peak = max(peak, round_bytes)
+            self._tick(config, step)
+            if step in self.setup.report_steps:
+                if any(not torch.equal(thetas[0], theta) for theta in thetas[1:]):
+                    raise RuntimeError(f"{config.name}: the workers' theta_outer diverged at step {step}")
+                model = self.fresh_model()
+                load_flat(model, thetas[0])
+                losses[step], sent_at[step] = evaluate(model, self.held_out), sent
+                self._progress(config, step, losses[step])
+        return RunResult(config, losses, sent_at, peak_bytes_per_sync=peak)
+
+    def _outer_round(
+        self,
+        strategies: list[OuterStrategy],
+        thetas: list[torch.Tensor],
+        learners: list[Learner],
+        locals_: list[torch.Tensor | None],
+    ) -> int:
+        """One committed round for all workers; returns the bytes one worker sent."""
+        theta_locals = [
+            flat_parameters(learner.model) if given is None else given
+            for learner, given in zip(learners, locals_, strict=True)
+        ]
+        contributions = [
+            s.make_contribution(theta, local)
+            for s, theta, local in zip(strategies, thetas, theta_locals, strict=True)
+        ]
+        codec = strategies[0].codec
+        payloads = [s.codec.encode(c) for s, c in zip(strategies, contributions, strict=True)]
+        transmitted = [codec.decode(p) for p in payloads]
+        averaged = mean_of(transmitted)
+        if codec.dense and not codec.lossless:
+            # The part owner re-encodes the mean for the all-gather phase; everyone uses the decoded bytes.
+            averaged = codec.decode(codec.encode(averaged))
+        for s, theta, local, contribution, sent, learner in zip(
+            strategies, thetas, theta_locals, contributions, transmitted, learners, strict=True
+        ):
+            s.propose(contribution, sent)
+            s.apply(theta, averaged)
+            s.commit()
+            s.merge_into_local(theta, local)
+            load_flat(learner.model, local)
+        return max(exchange_bytes(codec, len(p)) for p in payloads)
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def ddp_loss_at_bytes(ddp: RunResult, num_bytes: int, per_step: int) -> tuple[float, float]:
+    """(DDP steps, DDP eval loss) when DDP had sent `num_bytes`: linear in steps between grid points."""
+    step = num_bytes / per_step
+    steps = [s for s, _ in ddp.curve]
+    i = bisect.bisect_right(steps, step)
+    if i >= len(steps):
+        return step, ddp.curve[-1][1]
+    (s0, l0), (s1, l1) = ddp.curve[i - 1], ddp.curve[i]
+    return step, l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+
+
+def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
+    """The markdown table of the figures at `step`."""
+    by_name = {r.config.name: r for r in results}
+    ddp, lone = by_name.get("ddp"), by_name.get("lone")
+    per_step = ddp_bytes_per_step(num_params)
+    ddp_bytes = step * per_step
+    lines = [
+        f"| config (at {step} steps/worker) | eval loss | gap closed | MB sent/worker | DDP bytes / these "
+        "| peak KB/sync | DDP loss at equal bytes | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if step not in r.eval_loss:
+            continue
+        loss = r.eval_loss[step]
+        closed = "n/a"
+        if ddp is not None and lone is not None and step in ddp.eval_loss and step in lone.eval_loss:
+            gap = lone.eval_loss[step] - ddp.eval_loss[step]
+            closed = f"{100 * (lone.eval_loss[step] - loss) / gap:.0f}%"
+        sent = r.bytes_per_worker[step]
+        ratio = "-" if sent == 0 else f"{ddp_bytes / sent:.0f}x"
+        at_bytes = "-"
+        if ddp is not None and r.config.kind == "outer":
+            ddp_step, ddp_loss = ddp_loss_at_bytes(ddp, sent, per_step)
+            at_bytes = f"{ddp_loss:.3f} (step {ddp_step:.1f})"
+        note = r.config.note
+        if r.config.kind == "lone":
+            note = f"slots {', '.join(f'{x:.3f}' for x in r.worker_losses[step])}"
+        peak = "-" if r.peak_bytes_per_sync == 0 else f"{r.peak_bytes_per_sync / 1e3:.1f}"
+        lines.append(
+            f"| {r.config.name} | {loss:.3f} | {closed} | {sent / 1e6:.2f} | {ratio} | {peak} | {at_bytes} "
+            f"| {note} |"
+        )
+    return "\n".join(lines)
+
+
+def describe(config: RunConfig) -> dict[str, Any]:
+    return {
+        "name": config.name,
+        "kind": config.kind,
+        "note": config.note,
+        "strategy": config.strategy,
+        "codec": config.codec,
+        "codec_options": config.codec_options,
+        "hparams": config.hparams,
+        "sync_every": config.sync_every,
+    }
+
+
+def write_json(path: Path, command: str, results: Sequence[RunResult]) -> None:
+    rows = [
+        {
+            "config": describe(r.config),
+            "eval_loss": r.eval_loss,
+            "bytes_per_worker": r.bytes_per_worker,
+            "worker_losses": r.worker_losses,
+            "peak_bytes_per_sync": r.peak_bytes_per_sync,
+            "seconds": r.seconds,
+            "curve": r.curve,
+        }
+        for r in results
+    ]
+    path.write_text(json.dumps({"command": command, "results": rows}, indent=1))
+
+
+def read_json(path: Path) -> list[RunResult]:
+    """Results written by --json (e.g. by runs of different --only sets), to print one table from."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "results" not in data:
+        raise ValueError(f"{path}: expected a --json output of this script, got {type(data).__name__}")
+
+    def by_step(values: dict[str, Any]) -> dict[int, Any]:
+        return {int(step): value for step, value in values.items()}
+
+    results = []
+    for row in data["results"]:
+        config = RunConfig(**row["config"])
+        results.append(
+            RunResult(
+                config,
+                by_step(row["eval_loss"]),
+                by_step(row["bytes_per_worker"]),
+                by_step(row["worker_losses"]),
+                row["peak_bytes_per_sync"],
+                [(int(step), loss) for step, loss in row["curve"]],
+                row["seconds"],
+            )
+        )
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"inner steps per worker (default {DEFAULT_STEPS})"
+    )
+    parser.add_argument(
+        "--long", action="store_true", help=f"{LONG_FACTOR}x the steps; figures at 1x and {LONG_FACTOR}x"
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: 20 steps, 1 eval batch")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="NAME", help="run only these configs (repeatable)"
+    )
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", default=None, metavar="JSON", help="print the tables of --json files"
+    )
+    parser.add_argument("--inner-lr", type=float, default=Setup.inner_lr)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "farloco-bench-data")
+    # One thread: on a shared 2-core machine two OpenMP threads per process were 4x slower under load.
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    base = args.steps if args.steps is not None else (20 if args.quick else DEFAULT_STEPS)
+    if base < 1:
+        parser.error(f"--steps: expected >= 1, got {base}")
+    steps = base * LONG_FACTOR if args.long else base
+    report_steps = (base, steps) if args.long else (steps,)
+    setup = Setup(
+        steps=steps,
+        report_steps=report_steps,
+        inner_lr=args.inner_lr,
+        num_eval_batches=1 if args.quick else Setup.num_eval_batches,
+    )
+    configs = default_configs()
+    known = [c.name for c in configs]
+    unknown = sorted(set(args.only) - set(known))
+    if unknown:
+        parser.error(f"--only: expected some of {known}, got {unknown}")
+    if args.only:
+        configs = [c for c in configs if c.name in args.only]
+
+    if args.merge:
+        merged = [r for path in args.merge for r in read_json(path)]
+        num_params = num_parameters(build_model(model_config("tiny", max_seq_len=SEQ_LEN), seed=0))
+        for step in sorted({step for r in merged for step in r.eval_loss}):
+            print(table(merged, step, num_params) + "\n")
+        return 0
+    torch.set_num_threads(args.threads)
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join([".venv/bin/python", "benchmarks/convergence.py", *given])
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    bench = Bench(setup, open_dataset(builtin_dataset(args.cache_dir)), log)
+    log(f"tiny model: {bench.num_params} parameters; {NUM_WORKERS} workers x batch {BATCH_SIZE} x {SEQ_LEN}")
+    results = []
+    for config in configs:
+        log(f"{config.name} ...")
+        results.append(bench.run(config))
+        log(f"  {config.name} took {results[-1].seconds:.0f} s")
+        if args.json is not None:  # after every config, so a long run interrupted keeps what it measured
+            write_json(args.json, command, results)
+
+    print(f"Command: `{command}`\n")
+    for step in report_steps:
+        print(table(results, step, bench.num_params))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
