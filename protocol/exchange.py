@@ -625,7 +625,12 @@ class Exchange:
         except StopAsyncIteration:
             raise _invalid("TRUNCATED", f"stream from {ctx.sender} ended before its first frame") from None
         attempt = await self._find_attempt(ctx, hello.header.get("g"), hello.header.get("a"))
-        sender, weight = self._check_hello(attempt, ctx, hello.header)
+        try:
+            sender, weight = self._check_hello(attempt, ctx, hello.header)
+        except Reject as exc:
+            # A member whose stream we refuse cannot contribute: fail now rather than wait for the deadline.
+            attempt.fail(f"refused stream from {ctx.sender}: {exc.reason}", _blame(exc, ctx.sender))
+            raise
         attempt.streams_from.add(sender)
         attempt.weights[sender] = weight
         outbox = attempt.outboxes[sender]
