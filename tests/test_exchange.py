@@ -314,7 +314,9 @@ def test_wrong_group_id_refused() -> None:
             stray = asyncio.create_task(
                 intruder.exchange.average(wrong, make_input(5, 5000), Fp32Codec(), timeout=20)
             )
-            await asyncio.sleep(0.3)  # its stream reaches peer-0 before peer-0 starts the round
+            # Wait until its stream is parked at peer-0, waiting for peer-0 to start that (wrong) group.
+            while not any(not a.started.is_set() for a in nodes[0].exchange._attempts.values()):
+                await asyncio.sleep(0.01)
             inputs = [make_input(i, 5000) for i in range(2)]
             results = await asyncio.gather(
                 *(
