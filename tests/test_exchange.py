@@ -115,7 +115,8 @@ class TopKCodec:
 
 
 class SuicidalCodec:
-    """Wraps a codec and SIGKILLs its own process on the `die_at`-th encode: a crash at an exact point."""
+    """Wraps a codec and SIGKILLs its own process on the `die_at`-th encode: a crash at an exact point.
+    A negative `die_at` SIGSTOPs it instead: a hung peer whose sockets stay open."""
 
     def __init__(self, inner: Fp32Codec | Int8Codec, die_at: int) -> None:
         self.inner = inner
@@ -126,8 +127,8 @@ class SuicidalCodec:
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         self.calls += 1
-        if self.calls == self.die_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.calls == abs(self.die_at):
+            os.kill(os.getpid(), signal.SIGKILL if self.die_at > 0 else signal.SIGSTOP)
         return self.inner.encode(tensor)
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor:
@@ -529,6 +530,37 @@ def test_parent_sigkill_mid_exchange_keeps_survivors_consistent(tmp_path: Path) 
     assert torch.allclose(load_result(tmp_path, 0), exact, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_hung_member_is_dropped_after_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGSTOPped member keeps its sockets open: only the deadlines can drop it."""
+    numel = 300_000
+    # Data phase 7.2 s, votes 1.8 s, then a retry among the others.
+    monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "12")
+    procs = spawn_workers(3, numel, "fp32", {1: -3}, tmp_path)
+    try:
+        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
+        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(group + "\n")
+            proc.stdin.flush()
+        reports = []
+        for proc in (procs[0], procs[2]):
+            out, _ = proc.communicate(timeout=60)
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(r.get("ok") for r in reports), reports
+    assert reports[0]["contributors"] == reports[1]["contributors"] == ["peer-0", "peer-2"]
+    assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
+    exact = (make_input(0, numel) + make_input(2, numel)) / 2
+    assert torch.allclose(load_result(tmp_path, 0), exact, atol=1e-6)
+
+
 class SlowCodec(Fp32Codec):
     def encode(self, tensor: torch.Tensor) -> bytes:
         time.sleep(0.1)
@@ -550,7 +582,8 @@ async def worker(
         codec = SuicidalCodec(codec, die_at)
     print("averaging", flush=True)
     try:
-        result = await node.exchange.average(group, make_input(index, numel), codec, timeout=40)
+        timeout = float(os.environ.get("EXCHANGE_TEST_TIMEOUT", "40"))
+        result = await node.exchange.average(group, make_input(index, numel), codec, timeout=timeout)
     except ExchangeAborted as exc:
         return {"aborted": exc.reason, "detail": exc.detail}
     finally:
