@@ -187,10 +187,16 @@ class ControlClient:
         self._call("POST", "/leave", {"mode": mode})
 
     def alive(self) -> bool:
+        """Whether the agent process still runs (a zombie its parent has not reaped yet counts as gone)."""
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
-        return True
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return True  # no procfs: trust kill(0)
+        # Field 3, after the parenthesised command name, is the state; Z = exited, waiting to be reaped.
+        return stat.rsplit(")", 1)[-1].split()[0] != "Z"

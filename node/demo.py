@@ -7,9 +7,12 @@ sent against what plain data-parallel training would have sent, and whether ever
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,6 +84,7 @@ def start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 60
     while not maddr_file.exists():
@@ -107,11 +111,13 @@ def start_peer(
         "--set", f"node.num_ranks={ranks}",
         *extra,
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    # Own session: stop_process can then reach the node's DHT child and trainer ranks too.
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return PeerProcess(name, run_dir, process, log_path)
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM (a graceful leave for a node), then SIGKILL, for the process and its whole session."""
     if process.poll() is None:
         process.terminate()
         try:
@@ -119,6 +125,9 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> Non
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    # Children that outlived their parent (the DHT process, trainer ranks) share its session id.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def run_demo(
