@@ -724,7 +724,6 @@ class Agent:
         contribution = self.strategy.make_contribution(self.theta, theta_local)
         self.status = Status.EXCHANGING
         await self._publish()
-        await self._check_hashes()
         me = GroupMember(self.peer_id, self.grpc_address)
         try:
             group = await self.matchmaker.form_group(
@@ -745,6 +744,9 @@ class Agent:
             # Nobody formed a group, so nobody's theta changed: everyone moves on with the same theta, and our
             # local work stays in the ranks to be sent next round.
             return self._advance_without_update("no group formed")
+        if await self._check_hashes(group):
+            # We held a theta the group disagrees with and took the majority's: redo our pseudo-gradient.
+            contribution = self.strategy.make_contribution(self.theta, theta_local)
         try:
             if len(group.members) == 1:
                 transmitted = self.codec.decode(self.codec.encode(contribution))
@@ -770,6 +772,7 @@ class Agent:
         self.round_id += 1
         self.outer_hash = theta_hash(self.theta)
         self._snapshot = self._make_snapshot()
+        self._inject_faults()
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:
             if self._checkpoint_task is not None:
@@ -832,32 +835,44 @@ class Agent:
         log.warning("no peer reached round %d in time; moving on from round %d", target_round, self.round_id)
         return self._advance_without_update("nobody reached the next round")
 
-    async def _check_hashes(self) -> None:
-        """Compare theta hashes with the members at our round; the minority resyncs from the majority."""
-        if self.round_id == 0:
-            return
+    async def _check_hashes(self, group: Any) -> bool:
+        """Compare theta hashes with the other members of this round's group (their records were published
+        before they declared themselves ready). A strict minority resyncs from the majority; returns whether we
+        did. A tie only logs: nobody can tell which side is right, and the next round looks again."""
+        if self.round_id == 0 or len(group.members) < 2:
+            return False
+        in_group = {m.peer_id for m in group.members}
         members = await self._refresh_peers()
-        same_round = [m for m in members if m.round_id == self.round_id and m.outer_hash]
+        same_round = [
+            m for m in members if m.peer_id in in_group and m.round_id == self.round_id and m.outer_hash
+        ]
         votes: dict[str, list[Any]] = {}
         for m in same_round:
             votes.setdefault(m.outer_hash, []).append(m)
+        votes.setdefault(self.outer_hash, [])
         if len(votes) <= 1:
-            return
+            return False
         self.counters.hash_mismatches += 1
-        majority_hash = max(votes, key=lambda h: (len(votes[h]), h))
-        self.events.write(
-            "hash_mismatch",
-            round_id=self.round_id,
-            ours=self.outer_hash,
-            votes={h: [m.peer_id for m in ms] for h, ms in votes.items()},
-        )
-        log.error(
-            "round %d: theta_outer hashes disagree: %s",
-            self.round_id,
-            {h[:12]: len(v) for h, v in votes.items()},
-        )
-        if self.outer_hash != majority_hash:
-            await self._sync_from([m.address for m in votes[majority_hash]], "hash mismatch")
+        majority_hash = max(votes, key=lambda h: len(votes[h]))
+        summary = {h[:12]: sorted(m.peer_id for m in ms) for h, ms in votes.items()}
+        self.events.write("hash_mismatch", round_id=self.round_id, ours=self.outer_hash, votes=summary)
+        log.error("round %d: theta_outer hashes disagree within the group: %s", self.round_id, summary)
+        mine = len(votes[self.outer_hash])
+        if majority_hash == self.outer_hash or len(votes[majority_hash]) <= mine:
+            return False
+        await self._sync_from([m.address for m in votes[majority_hash]], "hash mismatch")
+        return True
+
+    def _inject_faults(self) -> None:
+        """Test-only fault injection, from FARLOCO_FAULTS (e.g. 'corrupt-theta@2'): after committing the named
+        round, nudge theta_outer so this node silently diverges and the hash check has to repair it."""
+        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
+            kind, _, at = fault.partition("@")
+            if kind == "corrupt-theta" and at.isdigit() and int(at) == self.round_id:
+                self.theta[0] += 1e-3
+                self.outer_hash = theta_hash(self.theta)
+                self._snapshot = self._make_snapshot()
+                log.warning("fault injected: theta_outer corrupted after round %d", self.round_id)
 
 
 def _version() -> str:

@@ -95,7 +95,13 @@ def start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def start_peer(
-    name: str, work_dir: Path, config_path: Path, maddr: str, ranks: int, extra: Sequence[str] = ()
+    name: str,
+    work_dir: Path,
+    config_path: Path,
+    maddr: str,
+    ranks: int,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> PeerProcess:
     """Start one `farloco join` process with its own run directory under `work_dir`."""
     run_dir = work_dir / name
@@ -112,7 +118,13 @@ def start_peer(
         *extra,
     ]  # fmt: skip
     # Own session: stop_process can then reach the node's DHT child and trainer ranks too.
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **env} if env else None,
+    )
     return PeerProcess(name, run_dir, process, log_path)
 
 

@@ -55,8 +55,10 @@ class Swarm:
         self.bootstrap, self.maddr = start_bootstrap(root)
         self.peers: list[PeerProcess] = []
 
-    def add(self, name: str, ranks: int = 1, extra: tuple[str, ...] = ()) -> PeerProcess:
-        peer = start_peer(name, self.root, self.config_path, self.maddr, ranks, extra)
+    def add(
+        self, name: str, ranks: int = 1, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> PeerProcess:
+        peer = start_peer(name, self.root, self.config_path, self.maddr, ranks, extra, env)
         self.peers.append(peer)
         return peer
 
@@ -136,3 +138,21 @@ def test_mismatched_run_hash_is_refused(swarm: Swarm) -> None:
     assert "refusing to join" in output
     assert "run.inner_steps: 7 here, 20 there" in output
     assert a.process.poll() is None, "the first peer must keep running"
+
+
+def test_diverged_peer_is_detected_and_repaired(swarm: Swarm) -> None:
+    """A peer whose theta silently diverges (fault injected after round 1) is outvoted by the group's hashes,
+    logs the mismatch, resyncs from the majority, and from then on publishes the same hash as the others."""
+    a, b = swarm.add("a"), swarm.add("b")
+    c = swarm.add("c", env={"FARLOCO_FAULTS": "corrupt-theta@1"})
+    peers = [a, b, c]
+    wait_for(lambda: all(len(rounds_of(p)) >= 4 for p in peers), 300, "3 peers to commit 4 rounds", peers)
+    events_c = read_events(c.run_dir)
+    mismatches = [e for e in events_c if e["event"] == "hash_mismatch"]
+    assert mismatches, "the corrupted peer never noticed"
+    assert any(e["event"] == "synced" and e["why"] == "hash mismatch" for e in events_c)
+    # the majority noticed too, and did not resync from the corrupted peer
+    assert not any(e["event"] == "synced" for p in (a, b) for e in read_events(p.run_dir))
+    last = min(max(e["round_id"] for e in rounds_of(p)) for p in peers)
+    hashes = {p.name: next(e["outer_hash"] for e in rounds_of(p) if e["round_id"] == last) for p in peers}
+    assert len(set(hashes.values())) == 1, hashes
