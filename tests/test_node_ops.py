@@ -1,0 +1,103 @@
+"""A single real node end to end: status/metrics/health endpoints while it trains, SIGTERM leaves gracefully,
+checkpoints are written, and `farloco report` / `farloco export` work on what the run left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from farloco.node.control import ControlClient, ControlError
+from farloco.node.demo import read_events, stop_process
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300)]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "farloco.node.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_solo_node_lifecycle(tmp_path: Path) -> None:
+    run_dir = tmp_path / "node"
+    log = open(tmp_path / "node.log", "wb")  # noqa: SIM115 - closed below
+    node = subprocess.Popen(
+        [
+            sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
+            "--set", "run.inner_steps=4", "--set", "checkpoint.every_rounds=2", "--set", "checkpoint.keep=2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        status: dict = {}
+        while time.monotonic() < deadline:
+            assert node.poll() is None, (tmp_path / "node.log").read_text()[-3000:]
+            try:
+                status = ControlClient(run_dir).status()
+            except ControlError:
+                status = {}
+            if status.get("round_id", 0) >= 5:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"node did not reach round 5: {status}")
+
+        for key in ("peer_id", "state", "round_id", "inner_step", "loss", "num_peers", "outer_hash",
+                    "bytes_sent", "bytes_received", "multiaddrs", "metrics_url", "last_checkpoint"):  # fmt: skip
+            assert key in status, key
+        assert status["state"] in ("training", "exchanging")
+        assert status["num_peers"] == 1 and status["multiaddrs"]
+
+        shown = cli("status", "--run-dir", str(run_dir), "--json")
+        assert shown.returncode == 0 and json.loads(shown.stdout)["peer_id"] == status["peer_id"]
+        table = cli("peers", "--run-dir", str(run_dir))
+        assert table.returncode == 0 and "1 peers" in table.stdout
+        listed = json.loads(cli("peers", "--run-dir", str(run_dir), "--json").stdout)
+        assert [m["peer_id"] for m in listed] == [status["peer_id"]] and listed[0]["self"]
+
+        with urllib.request.urlopen(status["metrics_url"], timeout=10) as response:
+            metrics = response.read().decode()
+        assert "farloco_round_id" in metrics and "farloco_rounds_committed_total" in metrics
+        base = status["metrics_url"].removesuffix("/metrics")
+        with urllib.request.urlopen(base + "/healthz", timeout=10) as response:
+            assert response.status == 200
+        # control calls need the token from the run directory
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "/status", timeout=10)
+        assert refused.value.code == 401
+
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=60) == 0, (tmp_path / "node.log").read_text()[-3000:]
+    finally:
+        stop_process(node)
+        log.close()
+
+    events = [e["event"] for e in read_events(run_dir)]
+    assert events[-1] == "stopped" and "failed" not in events
+    checkpoints = sorted((run_dir / "checkpoints").glob("round-*"))
+    assert 1 <= len(checkpoints) <= 2
+
+    report = cli("report", "--run-dir", str(run_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    pngs = sorted((tmp_path / "report").glob("*.png"))
+    assert pngs and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+    export = cli("export", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf"))
+    assert export.returncode == 0, export.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "model.embed_tokens.weight" in tensors
+    assert sum(t.numel() for t in tensors.values()) == status["num_params"]
