@@ -197,6 +197,16 @@ def _leave(run_dir: Path, mode: str, timeout: float) -> None:
     click.echo(f"node in {run_dir} left")
 
 
+def _ask(run_dir: Path, what: str) -> Any:
+    """GET `status` or `peers` from the node of `run_dir`; a node that does not answer is a clean CLI error."""
+    from farloco.node.control import ControlError
+
+    try:
+        return getattr(_client(run_dir), what)()
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:.4g}"
@@ -213,12 +223,7 @@ def status(run_dir: Path, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from farloco.node.control import ControlError
-
-    try:
-        data = _client(run_dir).status()
-    except ControlError as exc:
-        raise click.ClickException(str(exc)) from exc
+    data = _ask(run_dir, "status")
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -255,12 +260,7 @@ def peers(run_dir: Path, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from farloco.node.control import ControlError
-
-    try:
-        members = _client(run_dir).peers()
-    except ControlError as exc:
-        raise click.ClickException(str(exc)) from exc
+    members = _ask(run_dir, "peers")
     if as_json:
         click.echo(json.dumps(members, indent=2))
         return
