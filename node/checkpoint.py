@@ -21,7 +21,6 @@ Nothing here unpickles: tensors are read and written with safetensors only.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -34,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from farloco.node.fsutil import fsync_dir, fsync_file
 
 log = logging.getLogger("farloco.checkpoint")
 
@@ -103,9 +104,9 @@ def save_checkpoint(
         # save_file streams from the tensors' memory; `save` to bytes would first build a second in-RAM copy of
         # the whole state (8 GB for a 1B model with momentum).
         save_file(_owned(tensors), str(state_path), metadata=metadata)
-        _fsync_file(state_path)
+        fsync_file(state_path)
         _write_durably(tmp / COMMITTED_FILE, outer_hash.encode() + b"\n")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             # Same round written again (e.g. after a restart resumed from it): move the old one aside under a
             # .tmp- name. A crash between the two renames loses this round's checkpoint (older ones stay
@@ -116,7 +117,7 @@ def save_checkpoint(
             shutil.rmtree(aside, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -319,24 +320,5 @@ def _write_durably(path: Path, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view) :]
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        # Some file systems (e.g. certain network mounts) refuse fsync on directories; the rename is still
-        # atomic there, only its durability across a power cut is weaker.
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
     finally:
         os.close(fd)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from farloco.node.fsutil import fsync_dir
 from farloco.node.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 MANIFEST_NAME = "dataset.json"
@@ -150,15 +151,6 @@ def token_dtype(vocab_size: int) -> str:
 # --------------------------------------------------------------------------------------------- writing
 
 
-def _fsync_dir(path: Path) -> None:
-    # The rename is only durable once the directory entry is on disk too.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(temp, "wb") as handle:
@@ -166,7 +158,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class _SplitWriter:

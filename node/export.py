@@ -30,6 +30,7 @@ from farloco.node.checkpoint import (
     load_checkpoint,
 )
 from farloco.node.config import ConfigError, load_config, run_hash
+from farloco.node.fsutil import fsync_dir
 from farloco.node.handoff import layout_of, unflatten
 from farloco.node.model import ModelConfig, Transformer, export_hf_config, hf_state_dict_names, model_config
 
@@ -114,7 +115,7 @@ def export_theta(
     generation = {"_from_model_config": True, "max_length": config.max_seq_len}
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation)
     _write_json(out_dir / CONFIG_FILE, hf_config)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     return out_dir
 
 
@@ -144,13 +145,3 @@ def _atomic_path(path: Path) -> Iterator[Path]:
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     with _atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some network file systems refuse directory fsync; the renames are still atomic
-        pass
-    finally:
-        os.close(fd)

@@ -9,6 +9,7 @@ real `farloco bootstrap` on 127.0.0.1.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -389,7 +390,8 @@ def test_k8s_statefulset() -> None:
 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["control"] == config.network.control_port
-    assert config.network.control_host == "0.0.0.0", "the kubelet probes the pod IP, not loopback"
+    # the kubelet probes the pod IP, not loopback: the control endpoint must listen on every interface
+    assert ipaddress.ip_address(config.network.control_host).is_unspecified
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "control"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "control"}
 
