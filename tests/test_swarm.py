@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,7 +72,8 @@ class Swarm:
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    made = Swarm(tmp_path, ["run.max_rounds=0"])
+    # Short rounds: these tests are about membership, not about training quality.
+    made = Swarm(tmp_path, ["run.max_rounds=0", "run.inner_steps=8"])
     try:
         yield made
     finally:
@@ -136,7 +139,7 @@ def test_mismatched_run_hash_is_refused(swarm: Swarm) -> None:
     assert b.process.wait(timeout=120) != 0
     output = b.log_path.read_text()
     assert "refusing to join" in output
-    assert "run.inner_steps: 7 here, 20 there" in output
+    assert "run.inner_steps: 7 here, 8 there" in output
     assert a.process.poll() is None, "the first peer must keep running"
 
 
@@ -156,3 +159,44 @@ def test_diverged_peer_is_detected_and_repaired(swarm: Swarm) -> None:
     last = min(max(e["round_id"] for e in rounds_of(p)) for p in peers)
     hashes = {p.name: next(e["outer_hash"] for e in rounds_of(p) if e["round_id"] == last) for p in peers}
     assert len(set(hashes.values())) == 1, hashes
+
+
+@pytest.mark.slow
+def test_joiner_enters_at_a_round_boundary_and_agrees(swarm: Swarm) -> None:
+    """A peer that joins a running swarm waits for the next round boundary, fetches the state committed there,
+    and after its first round publishes the same theta hash as the others."""
+    a, b = swarm.add("a"), swarm.add("b")
+    wait_for(lambda: all(len(rounds_of(p)) >= 2 for p in (a, b)), 240, "2 peers to commit 2 rounds", [a, b])
+    d = swarm.add("d")
+    wait_for(lambda: len(rounds_of(d)) >= 2, 240, "the joiner to commit 2 rounds", [a, b, d])
+    synced = [e for e in read_events(d.run_dir) if e["event"] == "synced"]
+    assert synced and synced[0]["why"] == "join" and synced[0]["round_id"] >= 3
+    hashes_a = {e["round_id"]: e["outer_hash"] for e in rounds_of(a)}
+    for event in rounds_of(d):
+        assert hashes_a.get(event["round_id"], event["outer_hash"]) == event["outer_hash"]
+        assert d.name and len(event["contributors"]) == 3
+
+
+@pytest.mark.slow
+def test_survivors_go_on_after_a_member_is_sigkilled(swarm: Swarm) -> None:
+    """SIGKILL one member (agent, DHT child and trainer ranks at once): the other two keep committing rounds
+    together, with equal hashes, once its record has expired."""
+    a, b, c = swarm.add("a"), swarm.add("b"), swarm.add("c")
+    wait_for(
+        lambda: all(len(rounds_of(p)) >= 2 for p in (a, b, c)), 240, "3 peers to commit 2 rounds", [a, b, c]
+    )
+    os.killpg(c.process.pid, signal.SIGKILL)
+    c.process.wait(timeout=30)
+    start = max(e["round_id"] for e in rounds_of(a))
+    wait_for(
+        lambda: all(any(e["round_id"] >= start + 3 for e in rounds_of(p)) for p in (a, b)),
+        240,
+        "the survivors to commit 3 more rounds",
+        [a, b],
+    )
+    late = [e for e in rounds_of(a) if e["round_id"] >= start + 2]
+    assert late and all(
+        sorted(e["contributors"]) == sorted(e["group"]) and len(e["group"]) == 2 for e in late
+    )
+    hashes_b = {e["round_id"]: e["outer_hash"] for e in rounds_of(b)}
+    assert all(hashes_b.get(e["round_id"], e["outer_hash"]) == e["outer_hash"] for e in late)
