@@ -100,7 +100,6 @@ class Counters:
     rounds_late: int = 0
     hash_mismatches: int = 0
     resyncs: int = 0
-    trainer_restarts: int = 0
     last_round_seconds: float = math.nan
     rejected: dict[str, int] = field(default_factory=dict)
 
@@ -187,7 +186,7 @@ class Agent:
                 "rounds_aborted": self.counters.rounds_aborted,
                 "rounds_late": self.counters.rounds_late,
                 "hash_mismatches": self.counters.hash_mismatches,
-                "trainer_restarts": self.counters.trainer_restarts,
+                "trainer_pids": [r.pid for r in reports],
                 "last_round_seconds": self.counters.last_round_seconds,
                 "error": self.error,
                 "last_checkpoint": self.last_checkpoint,

@@ -4,6 +4,7 @@ checkpoints are written, and `farloco report` / `farloco export` work on what th
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -101,3 +102,58 @@ def test_solo_node_lifecycle(tmp_path: Path) -> None:
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert "model.embed_tokens.weight" in tensors
     assert sum(t.numel() for t in tensors.values()) == status["num_params"]
+
+
+def _start(run_dir: Path, log_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
+         "--set", "run.inner_steps=4", *extra],
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _wait_status(run_dir: Path, node: subprocess.Popen[bytes], predicate, timeout: float = 180) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.poll() is not None:
+            pytest.fail(f"node exited with {node.returncode}")
+        try:
+            status = ControlClient(run_dir).status()
+        except ControlError:
+            status = {}
+        if status and predicate(status):
+            return status
+        time.sleep(0.3)
+    pytest.fail(f"timed out waiting on {run_dir}")
+
+
+def test_crashed_trainer_rank_is_restarted_without_leaving(tmp_path: Path) -> None:
+    run_dir = tmp_path / "node"
+    node = _start(run_dir, tmp_path / "node.log", "--set", "node.max_restarts=2")
+    try:
+        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 2 and all(s["trainer_pids"]))
+        crashed = status["trainer_pids"][0]
+        os.kill(crashed, signal.SIGKILL)
+        later = _wait_status(run_dir, node, lambda s: s["round_id"] >= status["round_id"] + 2)
+        assert later["trainer_pids"][0] not in (0, crashed)
+        assert later["state"] in ("training", "exchanging") and later["error"] is None
+    finally:
+        stop_process(node)
+
+
+def test_repeated_trainer_crashes_make_the_node_leave_with_a_reason(tmp_path: Path) -> None:
+    run_dir = tmp_path / "node"
+    node = _start(run_dir, tmp_path / "node.log", "--set", "node.max_restarts=0")
+    try:
+        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 1 and all(s["trainer_pids"]))
+        os.kill(status["trainer_pids"][0], signal.SIGKILL)
+        assert node.wait(timeout=120) != 0
+    finally:
+        stop_process(node)
+    output = (tmp_path / "node.log").read_text()
+    assert "trainer ranks exited" in output
+    events = read_events(run_dir)
+    assert events[-1]["event"] in ("failed", "stopped")
+    assert any(e["event"] == "failed" and "trainer ranks exited" in e["error"] for e in events)
