@@ -35,6 +35,7 @@ import torch
 
 from farloco.node.config import Config, diff_run, run_hash, run_section, to_toml
 from farloco.node.control import ControlServer
+from farloco.node.dhtnode import make_dht
 from farloco.node.handoff import Handoff, flatten, layout_of
 from farloco.node.model import build_model, model_config, num_parameters
 
@@ -262,7 +263,6 @@ class Agent:
 
     async def _main(self) -> None:
         # Imported here: protocol pulls in grpc, which must not start threads before the DHT forks.
-        import hivemind
 
         from farloco.protocol.membership import DHTMembership, make_record_validators
 
@@ -274,7 +274,7 @@ class Agent:
 
         net = self.config.network
         identity = self.run_dir / "identity.key"
-        self.dht = hivemind.DHT(
+        self.dht = make_dht(
             host_maddrs=[f"/ip4/{net.host}/tcp/{net.dht_port}"],
             announce_maddrs=[f"/ip4/{net.announce_host}/tcp/{net.dht_port}"] if net.announce_host else None,
             initial_peers=list(net.initial_peers),

@@ -129,12 +129,16 @@ def bootstrap(
     import signal
     import threading
 
-    import hivemind
+    from farloco.node.dhtnode import make_dht
 
+    # Handlers first: a SIGTERM that lands while the DHT starts must still shut it down cleanly.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     kwargs: dict[str, Any] = {}
     if identity is not None:
         kwargs["identity_path"] = str(identity)
-    dht = hivemind.DHT(
+    dht = make_dht(
         host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=list(initial_peers), start=True, **kwargs
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -145,9 +149,6 @@ def bootstrap(
         tmp = maddr_file.with_suffix(".tmp")
         tmp.write_text("\n".join(maddrs) + "\n")
         tmp.replace(maddr_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     dht.shutdown()
 
