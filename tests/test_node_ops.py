@@ -157,3 +157,28 @@ def test_repeated_trainer_crashes_make_the_node_leave_with_a_reason(tmp_path: Pa
     events = read_events(run_dir)
     assert events[-1]["event"] in ("failed", "stopped")
     assert any(e["event"] == "failed" and "trainer ranks exited" in e["error"] for e in events)
+
+
+def test_solo_node_resumes_from_its_newest_checkpoint_after_sigkill(tmp_path: Path) -> None:
+    run_dir = tmp_path / "node"
+    extra = ("--set", "checkpoint.every_rounds=2")
+    node = _start(run_dir, tmp_path / "first.log", *extra)
+    try:
+        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 5 and s["last_checkpoint"])
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=30)
+    finally:
+        stop_process(node)
+    checkpoints = sorted((run_dir / "checkpoints").glob("round-????????"))
+    newest = int(checkpoints[-1].name.removeprefix("round-"))
+    assert newest >= 4 and newest <= status["round_id"] + 1
+    node = _start(run_dir, tmp_path / "second.log", *extra)
+    try:
+        again = _wait_status(run_dir, node, lambda s: s["round_id"] >= newest + 2)
+        assert again["peer_id"] == status["peer_id"], (
+            "the identity key in the run directory keeps the peer id"
+        )
+    finally:
+        stop_process(node)
+    resumed = [e for e in read_events(run_dir) if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["round_id"] == newest

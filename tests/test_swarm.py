@@ -200,3 +200,24 @@ def test_survivors_go_on_after_a_member_is_sigkilled(swarm: Swarm) -> None:
     )
     hashes_b = {e["round_id"]: e["outer_hash"] for e in rounds_of(b)}
     assert all(hashes_b.get(e["round_id"], e["outer_hash"]) == e["outer_hash"] for e in late)
+
+
+@pytest.mark.slow
+def test_sigkilled_node_comes_back_at_the_swarms_round(swarm: Swarm) -> None:
+    """SIGKILL a node, restart it on the same run directory: it does not train on its stale checkpoint but
+    fast-forwards by state sync at the swarm's next round boundary, and its hashes agree again."""
+    a, b = swarm.add("a"), swarm.add("b", extra=("--set", "checkpoint.every_rounds=1"))
+    wait_for(lambda: all(len(rounds_of(p)) >= 3 for p in (a, b)), 240, "2 peers to commit 3 rounds", [a, b])
+    os.killpg(b.process.pid, signal.SIGKILL)
+    b.process.wait(timeout=30)
+    wait_for(lambda: len(rounds_of(a)) >= 5, 240, "the survivor to go on alone", [a])
+    again = swarm.add("b", extra=("--set", "checkpoint.every_rounds=1"))
+    before = len(rounds_of(again))
+    wait_for(
+        lambda: len(rounds_of(again)) >= before + 2, 240, "the restarted node to commit 2 rounds", [a, again]
+    )
+    synced = [e for e in read_events(again.run_dir) if e["event"] == "synced" and e["why"] == "join"]
+    assert synced and synced[-1]["round_id"] > 5
+    hashes_a = {e["round_id"]: e["outer_hash"] for e in rounds_of(a)}
+    for event in rounds_of(again)[before:]:
+        assert hashes_a.get(event["round_id"], event["outer_hash"]) == event["outer_hash"]
