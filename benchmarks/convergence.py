@@ -15,6 +15,13 @@ ring all-reduce of fp32 gradients every step (2(k-1)/k * 4 bytes * num_params), 
 References, in the same run: DDP (one model, the 4 workers' batches together = gradient all-reduce every step)
 and lone workers (the 4 workers with no communication; reported as the mean over slots, with the range).
 
+Hyper-parameters are not tuned here (one 600-step config costs ~30 CPU-minutes on this machine): the inner AdamW
+is the trainer's default for everyone (lr 3e-3 constant after 20 warm-up steps, betas 0.9/0.95, wd 0.1, clip 1);
+DiLoCo outer lr 0.5 / momentum 0.9 as the reference; SparseLoCo top-64 of 4096 with 2-bit values, beta 0.95,
+lr 1 (paper); DeMo beta 0.999 (paper), k 12 of 1024-value DCT chunks (about the paper's density while >= 30x
+under DDP), sign-SGD lr 3e-3 (= the inner lr). DeMo runs as optim.strategies models it: every step each worker
+takes the loss gradient at theta_outer as its pseudo-gradient (one SGD step with lr 1), no AdamW.
+
     .venv/bin/python benchmarks/convergence.py                 # default configs, 600 steps per worker
     .venv/bin/python benchmarks/convergence.py --long          # 2400 steps, figures at 600 and at 2400
     .venv/bin/python benchmarks/convergence.py --quick         # a few steps of every code path (smoke run)
