@@ -81,6 +81,9 @@ class Fp32Codec(_CastCodec):
 
     name = "fp32"
     lossless = True
+    # Tells farloco.protocol's exchange that the payload carries nothing but finite float32 values, so it may
+    # send raw chunks without encode/decode (and their CRC and copies); see protocol.exchange.TensorCodec.
+    raw_float32 = True
     wire_dtype = torch.float32
 
 

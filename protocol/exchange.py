@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -61,6 +63,13 @@ class TensorCodec(Protocol):
 
     A codec may also carry `lossless = True` (decode(encode(x)) is x, bit for bit, e.g. plain fp32); the
     exchange then skips the decode(encode(.)) round trips that would only copy.
+
+    A dense codec may further carry `raw_float32 = True`: its payload says nothing but the finite float32
+    values themselves (farloco.optim's fp32). The exchange then never calls encode/decode: it sends each chunk
+    as raw little-endian float32 bytes straight from the tensor, sums straight from the received buffers and
+    checks finiteness itself (one pass over each reduced chunk and each received mean). There is no per-chunk
+    CRC on that path: gRPC over TCP (and TLS, when configured) already guards the bytes in flight, and the
+    codec's own CRC stays on every payload that is stored or crosses other paths.
     """
 
     name: str
@@ -76,7 +85,9 @@ class AverageResult:
     """The outcome of one successful exchange."""
 
     averaged: torch.Tensor  # fp32 mean over `contributors`, bit-identical on every member that returns
-    transmitted: torch.Tensor  # what this node's own contribution became on the wire (for error feedback)
+    # What this node's own contribution became on the wire (for error feedback). For a lossless codec it is
+    # the (flattened) input tensor itself, not a copy.
+    transmitted: torch.Tensor
     contributors: tuple[str, ...]  # peer ids whose contribution is in the mean (sorted)
     bytes_sent: int
     bytes_received: int
@@ -94,6 +105,14 @@ class ExchangeAborted(Exception):
 
 def _invalid(reason: str, detail: str) -> Reject:
     return Reject(grpc.StatusCode.INVALID_ARGUMENT, reason, detail)
+
+
+class _Blamed(Reject):
+    """Bad data found while reducing a chunk, when the member at fault need not be the one whose chunk came last."""
+
+    def __init__(self, peer: str | None, reason: str, detail: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, reason, detail)
+        self.peer = peer
 
 
 def _precondition(reason: str, detail: str) -> Reject:
@@ -143,6 +162,7 @@ class _Attempt:
     dense: bool = True
     codec: Any = None
     lossless: bool = False
+    raw: bool = False  # raw float32 chunks, no codec calls (see TensorCodec.raw_float32)
     weight: float = 1.0
     flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     plan: _Plan = field(default_factory=lambda: _Plan(0, 1, 1))
@@ -246,7 +266,8 @@ class Exchange:
         loop = asyncio.get_running_loop()
         started_at = loop.time()
         deadline = started_at + timeout
-        flat = tensor.detach().reshape(-1)
+        # Contiguous, so chunks can be sent as views of the tensor's own memory.
+        flat = tensor.detach().reshape(-1).contiguous()
         members = group.members
         bytes_sent = bytes_received = 0
         attempt_no = 0
@@ -318,15 +339,17 @@ class Exchange:
         attempt.me = [m.peer_id for m in members].index(self.peer_id)
         attempt.dense = bool(codec.dense)
         attempt.codec = codec
-        attempt.lossless = getattr(codec, "lossless", False) is True
+        attempt.raw = (
+            attempt.dense and getattr(codec, "raw_float32", False) is True and sys.byteorder == "little"
+        )
+        attempt.lossless = attempt.raw or getattr(codec, "lossless", False) is True
         attempt.weight = weight
         attempt.flat = flat
         attempt.plan = _Plan(flat.numel(), len(members), self.chunk_elems)
         attempt.result = torch.empty(flat.numel(), dtype=torch.float32)
-        # Lossless: what goes on the wire is our tensor itself (copied, so the caller may reuse its input).
-        attempt.transmitted = (
-            flat.clone() if attempt.lossless else torch.empty(flat.numel(), dtype=torch.float32)
-        )
+        # Lossless: what goes on the wire is our tensor itself. Not a copy (a 64 MiB clone per round cost ~10%
+        # of an exchange): `transmitted` then shares the caller's input memory, which AverageResult says.
+        attempt.transmitted = flat if attempt.lossless else torch.empty(flat.numel(), dtype=torch.float32)
         attempt.weights = {attempt.me: weight}
         attempt.status = asyncio.get_running_loop().create_future()
         # Dense: every other member's part, plus our own part once it is reduced. Sparse: every other payload.
@@ -346,6 +369,8 @@ class Exchange:
     async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         try:
+            if attempt.raw:
+                _check_own_finite(attempt.codec, attempt.flat)
             if not attempt.dense:
                 self._encode_sparse(attempt)
             elif len(attempt.members) == 1:
@@ -409,6 +434,7 @@ class Exchange:
                 "c": codec.name,
                 "d": attempt.dense,
                 "w": attempt.weight,
+                "r": attempt.raw,
             }
         )
         chunks = attempt.plan.chunks(j)
@@ -416,6 +442,12 @@ class Exchange:
         async def dense_frames() -> AsyncIterator[Frame]:
             yield hello
             for k, (a, b) in enumerate(chunks):
+                if attempt.raw:
+                    # The tensor's own bytes; encode_frame makes the one copy into the gRPC message.
+                    view = _raw_bytes(attempt.flat[a:b])
+                    attempt.bytes_sent += len(view)
+                    yield Frame({"k": k}, view)
+                    continue
                 try:
                     data = codec.encode(attempt.flat[a:b])
                     if not attempt.lossless:
@@ -462,9 +494,14 @@ class Exchange:
                         "SIZE_MISMATCH", f"mean chunk of {len(frame.payload)} bytes for {b - a} elements"
                     )
                 attempt.bytes_received += len(frame.payload)
-                attempt.result[a:b].copy_(
-                    _decode(codec, frame.payload, b - a, f"mean of part {j} chunk {received}")
-                )
+                what = f"mean of part {j} chunk {received}"
+                if attempt.raw:
+                    target = attempt.result[a:b]
+                    target.copy_(_raw_view(frame.payload, b - a, what))
+                    if not _all_finite(target):
+                        raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
+                else:
+                    attempt.result[a:b].copy_(_decode(codec, frame.payload, b - a, what))
                 received += 1
             if attempt.dense and received != len(chunks):
                 raise _invalid("TRUNCATED", f"part {j}: expected {len(chunks)} mean chunks, got {received}")
@@ -601,7 +638,11 @@ class Exchange:
             raise _invalid(
                 "SHAPE_MISMATCH", f"{where}: expected numel={attempt.plan.numel}, got {header.get('n')!r}"
             )
-        if header.get("c") != attempt.codec.name or header.get("d") is not attempt.dense:
+        if (
+            header.get("c") != attempt.codec.name
+            or header.get("d") is not attempt.dense
+            or header.get("r", False) is not attempt.raw
+        ):
             raise _invalid(
                 "CODEC_MISMATCH",
                 f"{where}: expected codec {attempt.codec.name!r}, got {header.get('c')!r:.40}",
@@ -674,7 +715,12 @@ class Exchange:
                         f"{peer}: chunk {k} of {b - a} elements came as {len(frame.payload)} bytes",
                     )
                 attempt.bytes_received += len(frame.payload)
-                contribution = _decode(attempt.codec, frame.payload, b - a, f"chunk {k} from {peer}")
+                what = f"chunk {k} from {peer}"
+                if attempt.raw:
+                    # A view of the received message: summed from in place, checked after the sum.
+                    contribution = _raw_view(frame.payload, b - a, what)
+                else:
+                    contribution = _decode(attempt.codec, frame.payload, b - a, what)
                 slot = attempt.pending.setdefault(k, {})
                 slot[sender] = contribution
                 if len(slot) == len(attempt.members) - 1:
@@ -683,7 +729,8 @@ class Exchange:
             # The sender's own stream carries the specific reason (the server logs and counts it there);
             # the other streams get ABORTED from fail().
             attempt.outboxes[sender].put_nowait(exc)
-            attempt.fail(f"refused data from {peer}: {exc.reason}", _blame(exc, peer))
+            blamed = exc.peer if isinstance(exc, _Blamed) else _blame(exc, peer)
+            attempt.fail(f"refused data from {blamed or peer}: {exc.reason}", blamed)
 
     def _reduce_chunk(self, attempt: _Attempt, k: int) -> None:
         codec = attempt.codec
@@ -706,16 +753,34 @@ class Exchange:
         for term in terms[2:]:
             total.add_(term)
         total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+        if attempt.raw:
+            # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
+            if not _all_finite(total):
+                self._blame_nonfinite(attempt, contributions)
+            frame = Frame({"k": k}, _raw_bytes(total))
+            self._send_mean(attempt, frame)
+            return
         mean = codec.encode(total)
         if not attempt.lossless:
             attempt.result[a:b].copy_(codec.decode(mean))
-        frame = Frame({"k": k}, mean)
+        self._send_mean(attempt, Frame({"k": k}, mean))
+
+    def _send_mean(self, attempt: _Attempt, frame: Frame) -> None:
         for outbox in attempt.outboxes.values():
             outbox.put_nowait(frame)
-            attempt.bytes_sent += len(mean)
+            attempt.bytes_sent += len(frame.payload)
         attempt.chunks_reduced += 1
         if attempt.chunks_reduced == len(attempt.plan.chunks(attempt.me)):
             attempt.part_done()
+
+    def _blame_nonfinite(self, attempt: _Attempt, contributions: dict[int, torch.Tensor]) -> None:
+        """A reduced raw chunk is not finite: reject the first member whose contribution carries NaN/Inf."""
+        for index in sorted(contributions):
+            if not _all_finite(contributions[index]):
+                culprit = attempt.member_ids[index]
+                raise _Blamed(culprit, "BAD_PAYLOAD", f"contribution of {culprit}: expected finite float32")
+        # Every input finite but the weighted sum overflowed float32: nobody lied.
+        raise _Blamed(None, "OVERFLOW", "the weighted mean of finite contributions overflowed float32")
 
     async def _receive_sparse(
         self, attempt: _Attempt, sender: int, hello: Frame, incoming: AsyncIterator[Frame]
@@ -795,6 +860,44 @@ def _decode(codec: TensorCodec, data: bytes | memoryview, numel: int, what: str)
             "SIZE_MISMATCH", f"{what}: expected {numel} float32 values, got {tensor.numel()} {tensor.dtype}"
         )
     return tensor.reshape(-1)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous float32 CPU tensor, without a copy (little-endian host: checked in _start)."""
+    return tensor.numpy().data.cast("B")
+
+
+def _raw_view(data: bytes | memoryview, numel: int, what: str) -> torch.Tensor:
+    """A float32 tensor viewing a raw chunk in place; refuses a chunk of the wrong size."""
+    if len(data) != 4 * numel:
+        raise _invalid("SIZE_MISMATCH", f"{what}: expected {4 * numel} bytes of float32, got {len(data)}")
+    if numel == 0:
+        return torch.empty(0, dtype=torch.float32)
+    # The message bytes are immutable and only ever read here; torch warns that it cannot mark the tensor
+    # read-only, so the warning is silenced rather than paying a copy.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.float32, count=numel)
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # min and max are finite iff every value is (NaN propagates through both): one pass, no bool temporary.
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def _check_own_finite(codec: TensorCodec, flat: torch.Tensor) -> None:
+    """Refuse our own NaN/Inf up front on the raw path, with the codec's own error when it has one."""
+    if _all_finite(flat):
+        return
+    codec.encode(flat)  # a raw_float32 codec refuses non-finite values; its error names what and where
+    bad = ~torch.isfinite(flat)
+    raise ValueError(
+        f"tensor to average: expected only finite values, got {int(bad.sum())} NaN/Inf "
+        f"(first at index {int(bad.nonzero()[0, 0])})"
+    )
 
 
 def _blame(rejection: Reject, peer: str) -> str | None:

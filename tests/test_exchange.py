@@ -44,6 +44,18 @@ class Fp32Codec:
         return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
 
 
+class RawFp32Codec(Fp32Codec):
+    """fp32 that also says `raw_float32` (like farloco.optim's): the exchange sends raw float32 chunks and
+    never calls encode/decode except to let the codec refuse our own NaN/Inf."""
+
+    raw_float32 = True
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError("fp32 encode input: expected only finite values")
+        return super().encode(tensor)
+
+
 class Int8Codec:
     """Blockwise absmax int8: u32 numel | fp32 scale per block | int8 values. Error <= scale/2 per value."""
 
@@ -135,7 +147,12 @@ class SuicidalCodec:
         return self.inner.decode(data)
 
 
-CODECS: dict[str, Callable[[], Any]] = {"fp32": Fp32Codec, "int8": Int8Codec, "topk": TopKCodec}
+CODECS: dict[str, Callable[[], Any]] = {
+    "fp32": Fp32Codec,
+    "raw": RawFp32Codec,
+    "int8": Int8Codec,
+    "topk": TopKCodec,
+}
 RUN = "run-exchange-test"
 SECRET = b"exchange-secret"
 CHUNK = 64 << 10  # small chunks so modest tensors still take many chunks
@@ -180,7 +197,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout=120))
 
 
-@pytest.mark.parametrize("codec_name", ["fp32", "int8"])
+@pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
 @pytest.mark.parametrize("count", [2, 3, 4])
 def test_dense_mean_in_one_process(count: int, codec_name: str) -> None:
     numel = 100_003  # not a multiple of anything: uneven parts and a short last chunk
@@ -206,6 +223,121 @@ def test_dense_mean_in_one_process(count: int, codec_name: str) -> None:
                     result.transmitted,
                     torch.cat([codec.decode(codec.encode(c)) for c in chunks_of(group, i, inputs[i])]),
                 )
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_raw_path_with_optim_fp32_is_exact_and_never_calls_the_codec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from farloco.optim import get_codec
+
+    codec = get_codec("fp32")
+    assert getattr(codec, "raw_float32", False) is True
+
+    def forbidden(*_: Any) -> Any:
+        raise AssertionError("the raw float32 path must not encode or decode")
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 70_001) for i in range(3)]
+            weights = [1.0, 2.0, 0.5]
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], codec, timeout=30, weight=weights[i])
+                    for i, node in enumerate(nodes)
+                )
+            )
+            assert all(torch.equal(r.averaged, results[0].averaged) for r in results)
+            assert all(torch.equal(r.transmitted, inputs[i]) for i, r in enumerate(results))
+            # The owner's arithmetic, spelled out: sum in member order, then divide by the weight total.
+            exact = (inputs[0] * 1.0 + inputs[1] * 2.0 + inputs[2] * 0.5) / 3.5
+            assert float((results[0].averaged - exact).abs().max()) <= 1e-6
+            sizes = [r.bytes_sent for r in results]
+            # Raw chunks: no codec header or CRC, exactly 4 bytes per value sent (contributions + means).
+            assert sum(sizes) == 2 * 2 * 4 * 70_001
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    monkeypatch.setattr(type(codec), "encode", forbidden)
+    monkeypatch.setattr(type(codec), "decode", forbidden)
+    run(body())
+
+
+def test_raw_path_own_nonfinite_input_excludes_itself() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 50_000) for i in range(3)]
+            inputs[1][100] = float("nan")
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            good = [outcomes[0], outcomes[2]]
+            assert all(isinstance(r, AverageResult) for r in good), outcomes
+            assert good[0].contributors == good[1].contributors == ("peer-0", "peer-2")
+            assert torch.equal(good[0].averaged, good[1].averaged)
+            assert torch.allclose(good[0].averaged, (inputs[0] + inputs[2]) / 2, atol=1e-6)
+            # The codec's own error reaches the caller whose input was bad.
+            assert isinstance(outcomes[1], ValueError) and "finite" in str(outcomes[1]), outcomes[1]
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peer-1 skips its own check (as a buggy or hostile peer would) and sends NaN into peer-0's part: the
+    owner refuses the chunk, blames peer-1, and the retry goes on without it."""
+    import farloco.protocol.exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "_check_own_finite", lambda codec, flat: None)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            inputs = [make_input(i, 50_000) for i in range(2)]
+            inputs[1][100] = float("nan")  # in peer-0's part
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            assert isinstance(outcomes[0], AverageResult), outcomes
+            assert outcomes[0].contributors == ("peer-0",)
+            assert torch.equal(outcomes[0].averaged, inputs[0])
+            assert isinstance(outcomes[1], ExchangeAborted) and outcomes[1].reason == "EXCLUDED", outcomes
+            assert nodes[0].server.rejections["BAD_PAYLOAD"] == 1
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_raw_and_codec_fp32_members_refuse_each_other() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(group, make_input(0, 1000), RawFp32Codec(), timeout=20),
+                nodes[1].exchange.average(group, make_input(1, 1000), Fp32Codec(), timeout=20),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, ExchangeAborted) for o in outcomes), outcomes
+            assert sum(n.server.rejections["CODEC_MISMATCH"] for n in nodes) >= 1
         finally:
             for node in nodes:
                 await node.stop()
