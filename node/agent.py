@@ -707,7 +707,7 @@ class Agent:
     async def _round(self, seq: int) -> bool:
         """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
         from farloco.protocol.exchange import ExchangeAborted
-        from farloco.protocol.matchmaking import LateForRound
+        from farloco.protocol.matchmaking import LateForRound, MatchmakingError
         from farloco.protocol.types import GroupMember
 
         run, timeouts = self.config.run, self.config.timeouts
@@ -731,6 +731,11 @@ class Agent:
                 match_timeout=timeouts.match_timeout,
                 leader_timeout=timeouts.leader_timeout,
             )
+        except MatchmakingError as exc:
+            # We could not even declare ourselves ready: whatever the others did, take it from them.
+            self.events.write("matchmaking_failed", round_id=self.round_id, error=str(exc))
+            self.strategy.rollback()
+            return await self._catch_up(self.round_id + 1, "matchmaking failed")
         except LateForRound as exc:
             self.counters.rounds_late += 1
             self.events.write(

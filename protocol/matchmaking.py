@@ -44,6 +44,9 @@ from farloco.protocol.types import Group, GroupMember
 logger = logging.getLogger(__name__)
 
 
+STORE_ATTEMPTS = 4
+
+
 class LateForRound(Exception):
     """This peer is not in the group of `round_id` (frozen without it, or no group formed): go to round_id + 1."""
 
@@ -420,7 +423,16 @@ class DHTMatchmaker:
         mine = ReadyRecord(me.peer_id, me.address, round_id, float(now))
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
-        if not await self._store(key, mine.to_wire(), expiration):
+        for attempt in range(STORE_ATTEMPTS):
+            if await self._store(key, mine.to_wire(), expiration):
+                break
+            # A store fails when no replica answers in time (a node that just restarted under the same peer id
+            # is still being re-learnt by the others): a short retry usually gets through.
+            logger.warning(
+                "the DHT refused our ready record for round %d (attempt %d)", round_id, attempt + 1
+            )
+            await self.clock.sleep(0.25 * 2**attempt)
+        else:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
 
         interval = self.min_poll_interval
