@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from farloco.optim import Codec, CodecError, available_codecs, get_codec, mean_of
 from farloco.optim.sparse import _dct_integer_table, _inverse_dct_rows, dct_matrix
-from farloco.optim.wire import HEADER_BYTES
+from farloco.optim.wire import HEADER_BYTES, all_finite
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -454,3 +454,16 @@ def test_decode_refuses_non_buffers() -> None:
     strided = memoryview(bytearray(get_codec("fp32").encode(torch.ones(100))))[::2]
     with pytest.raises(CodecError, match="contiguous"):
         get_codec("fp32").decode(strided)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_sees_nan_and_inf_but_not_an_overflowing_sum(dtype: torch.dtype) -> None:
+    big = float(torch.finfo(dtype).max)
+    # Finite values whose sum overflows: the cheap sum says "not finite", the exact fallback says finite.
+    assert all_finite(torch.full((1000,), big, dtype=dtype))
+    assert all_finite(torch.tensor([big, -big, big], dtype=dtype))
+    assert all_finite(torch.empty(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.randn(70_001).to(dtype)
+        values[12_345] = bad
+        assert not all_finite(values)
