@@ -546,7 +546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [c for c in configs if c.name in args.only]
 
     if args.merge:
-        merged = [r for path in args.merge for r in read_json(path)]
+        order = {c.name: i for i, c in enumerate(configs)}
+        merged = sorted(
+            (r for path in args.merge for r in read_json(path)),
+            key=lambda r: order.get(r.config.name, len(order)),
+        )
         num_params = num_parameters(build_model(model_config("tiny", max_seq_len=SEQ_LEN), seed=0))
         for step in sorted({step for r in merged for step in r.eval_loss}):
             print(table(merged, step, num_params) + "\n")
