@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from farloco.node.config import Config, diff_run, run_hash, run_section, to_toml
+from farloco.node.config import Config, ConfigError, diff_run, run_hash, run_section, to_toml
 from farloco.node.control import ControlServer
 from farloco.node.dhtnode import make_dht
 from farloco.node.handoff import Handoff, flatten, layout_of
@@ -59,6 +59,31 @@ DAEMON_STRATEGIES = ("diloco", "sparseloco")
 
 class AgentError(RuntimeError):
     """The node cannot go on; the message says why."""
+
+
+def build_outer(config: Config, num_params: int) -> tuple[Any, Any]:
+    """The run's codec and outer strategy; ConfigError naming the key for a name or option optim refuses."""
+    from farloco.optim import CodecError, StrategyError, get_codec, make_strategy
+
+    run = config.run
+    if run.strategy not in DAEMON_STRATEGIES:
+        raise ConfigError(
+            f"run.strategy: the daemon runs {list(DAEMON_STRATEGIES)}, got {run.strategy!r} "
+            "(streaming-diloco and demo exist in farloco.optim but are not wired into the round loop yet)"
+        )
+    try:
+        codec = get_codec(run.codec, **run.codec_options)
+    except (CodecError, TypeError) as exc:
+        raise ConfigError(f"run.codec / run.codec_options: {exc}") from exc
+    hparams: dict[str, Any] = dict(run.strategy_options)
+    if run.strategy == "diloco":
+        hparams.setdefault("lr", run.outer_lr)
+        hparams.setdefault("momentum", run.outer_momentum)
+    try:
+        strategy = make_strategy(run.strategy, num_params, codec, **hparams)
+    except (StrategyError, TypeError) as exc:
+        raise ConfigError(f"run.strategy / run.strategy_options: {exc}") from exc
+    return codec, strategy
 
 
 def theta_hash(theta: torch.Tensor) -> str:
@@ -148,8 +173,8 @@ class Agent:
         if self.theta.numel() != self.num_params:
             raise AgentError(f"flat layout has {self.theta.numel()} values, the model {self.num_params}")
         del model
-        self.codec: Any = None
-        self.strategy: Any = None
+        # Built before anything listens, so a bad strategy or codec is a config error, not a half-started node.
+        self.codec, self.strategy = build_outer(config, self.num_params)
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None
 
@@ -290,7 +315,6 @@ class Agent:
             log.info("DHT node stopped")
 
     async def _serve(self, membership_cls: Any) -> None:
-        from farloco.optim import get_codec, make_strategy
         from farloco.protocol.auth import Authenticator
         from farloco.protocol.exchange import Exchange
         from farloco.protocol.matchmaking import DHTMatchmaker
@@ -310,13 +334,6 @@ class Agent:
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]
         self.grpc_address = f"{net.announce_host or net.host}:{port}"
-        if run.strategy not in DAEMON_STRATEGIES:
-            raise AgentError(
-                f"run.strategy: the daemon runs {list(DAEMON_STRATEGIES)}, got {run.strategy!r} "
-                "(streaming-diloco and demo exist in farloco.optim but are not wired into the round loop yet)"
-            )
-        self.codec = get_codec(run.codec, **run.codec_options)
-        self.strategy = make_strategy(run.strategy, self.num_params, self.codec, **self._strategy_hparams())
         self._snapshot = self._make_snapshot()
         self.membership = membership_cls(
             self.dht,
@@ -384,14 +401,6 @@ class Agent:
         if env:
             return env.encode()
         return hashlib.sha256(b"farloco-run-secret:" + self.run_hash.encode()).digest()
-
-    def _strategy_hparams(self) -> dict[str, Any]:
-        run = self.config.run
-        hparams: dict[str, Any] = dict(run.strategy_options)
-        if run.strategy == "diloco":
-            hparams.setdefault("lr", run.outer_lr)
-            hparams.setdefault("momentum", run.outer_momentum)
-        return hparams
 
     # ---- state: snapshot for donors, install from a donor -------------------------------------------------------
     def _make_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -99,7 +99,10 @@ def join(
         config = dataclasses.replace(config, network=network)
     from farloco.node.agent import Agent
 
-    agent = Agent(config, run_dir, verbose=verbose)
+    try:
+        agent = Agent(config, run_dir, verbose=verbose)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     code = agent.run()
     if agent.error:
         click.echo(f"error: {agent.error}", err=True)
@@ -301,11 +304,14 @@ def config_example(preset: str) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     """Validate a config file; prints its run_hash."""
+    from farloco.node.agent import build_outer
     from farloco.node.config import run_hash
+    from farloco.node.model import build_model, model_config, num_parameters
 
     try:
         cfg = load_config(path, overrides)
-    except ConfigError as exc:
+        build_outer(cfg, num_parameters(build_model(model_config(cfg.run.model), seed=cfg.run.seed)))
+    except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"ok: run {cfg.run.name!r}, run_hash {run_hash(cfg)}")
 

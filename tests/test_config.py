@@ -91,3 +91,21 @@ def test_examples_are_documented_and_valid(preset: str) -> None:
             assert lines[index - 1].startswith("# "), f"undocumented key: {line}"
     with pytest.raises(ConfigError, match="unknown preset"):
         example_config("huge")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.codec=int9", "run.codec / run.codec_options: codec name: expected one of"),
+        ("run.codec_options={bogus = 1}", "expected a subset of ['block_size'], got ['bogus']"),
+        ("run.strategy=demo", "run.strategy: the daemon runs ['diloco', 'sparseloco'], got 'demo'"),
+        ("run.strategy_options={nonsense = 2}", "run.strategy / run.strategy_options"),
+    ],
+)
+def test_outer_names_and_options_are_config_errors(override: str, message: str) -> None:
+    from farloco.node.agent import build_outer
+
+    config = load_config(None, ["run.codec=int8", override] if "codec_options" in override else [override])
+    with pytest.raises(ConfigError) as info:
+        build_outer(config, num_params=4096)
+    assert message in str(info.value)
