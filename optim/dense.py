@@ -67,6 +67,11 @@ class _CastCodec(Codec):
             )
         return [out]
 
+    def _decoded_from_sections(self, sections: list[torch.Tensor], numel: int) -> torch.Tensor:
+        # The wire values were checked finite by _encode_sections; this is _decode_body's conversion.
+        out = sections[0]
+        return out.clone() if self.wire_dtype == torch.float32 else out.to(torch.float32)
+
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         values, _ = section(body, 0, header.numel, self.wire_dtype)
         # fp32: clone, since the bytes are immutable and shared and the caller gets its own tensor.
@@ -210,6 +215,11 @@ class Int8Codec(_BlockQuantCodec):
     def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         scales = self._scales(tensor, self.block_size)
         return [scales, self._quantize(tensor, scales, self.block_size).to(torch.int8)]
+
+    def _decoded_from_sections(self, sections: list[torch.Tensor], numel: int) -> torch.Tensor:
+        # The codes are in [-127, 127] and the scales finite by construction: _decode_body's dequantization.
+        scales, codes = sections
+        return self._dequantize(codes, scales, self.block_size)
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         scales, offset = section(body, 0, ceil_div(header.numel, header.block), torch.float32)

@@ -85,10 +85,29 @@ class Codec(abc.ABC):
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         """Encode a 1-D float32 CPU tensor (any length >= 0). Raises CodecError on NaN/Inf or bad dtype/ndim."""
+        return self._encode_parts(tensor)[0]
+
+    def encode_decoded(self, tensor: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """`(encode(tensor), decode(encode(tensor)))`, bit for bit, in one go.
+
+        Codecs that can rebuild the decoded values from what encoding just computed (casts, int8) skip parsing
+        and checking their own fresh bytes again; the exchange uses this for every value it both sends and
+        keeps (its own contribution, the means it owns). Raises what `encode` raises.
+        """
+        data, sections, numel = self._encode_parts(tensor)
+        decoded = self._decoded_from_sections(sections, numel) if numel else None
+        return data, (self.decode(data) if decoded is None else decoded)
+
+    def _decoded_from_sections(self, sections: list[torch.Tensor], numel: int) -> torch.Tensor | None:
+        """What `decode` returns for a payload of these freshly encoded sections, or None to decode the bytes."""
+        return None
+
+    def _encode_parts(self, tensor: torch.Tensor) -> tuple[bytes, list[torch.Tensor], int]:
         check_input(tensor)
         tensor = tensor.detach().contiguous()  # a Parameter is encoded by value; autograd has no say here
         value_bits, block, k = self._header_params()
-        sections = [s.contiguous().view(torch.uint8) for s in self._encode_sections(tensor) if s.numel()]
+        raw = self._encode_sections(tensor)
+        sections = [s.contiguous().view(torch.uint8) for s in raw if s.numel()]
         expected = self._body_bytes(tensor.numel(), value_bits, block, k)
         if sum(s.numel() for s in sections) != expected:  # pragma: no cover - a codec bug, not bad input
             raise AssertionError(
@@ -105,7 +124,7 @@ class Codec(abc.ABC):
             crc = zlib.crc32(view, crc)
         struct.pack_into("<I", header, _CRC_OFFSET, crc)
         # One copy from the section tensors into the immutable result: no zero-filled staging buffer.
-        return b"".join([header, *views])
+        return b"".join([header, *views]), raw, tensor.numel()
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor:
         """Decode bytes from `encode` into a new 1-D float32 tensor; same bytes -> bit-identical tensor.

@@ -269,6 +269,34 @@ def test_raw_path_with_optim_fp32_is_exact_and_never_calls_the_codec(
     run(body())
 
 
+@pytest.mark.parametrize("name", ["int8", "fp16"])
+def test_optim_lossy_codec_through_the_exchange(name: str) -> None:
+    """farloco.optim's lossy codecs take the encode_decoded path: still bit-identical everywhere, and
+    `transmitted` is exactly decode(encode(.)) of each chunk."""
+    from farloco.optim import get_codec
+
+    codec = get_codec(name)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 90_001) for i in range(3)]
+            results = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], codec, timeout=30) for i, node in enumerate(nodes))
+            )
+            assert all(torch.equal(r.averaged, results[0].averaged) for r in results)
+            for i, result in enumerate(results):
+                sent = torch.cat([codec.decode(codec.encode(c)) for c in chunks_of(group, i, inputs[i])])
+                assert torch.equal(result.transmitted, sent)
+            err = float((results[0].averaged - torch.stack(inputs).mean(0)).abs().max())
+            assert err <= tolerance("int8", inputs), err
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
 def test_raw_path_own_nonfinite_input_excludes_itself() -> None:
     async def body() -> None:
         nodes, group = await start_nodes(3)

@@ -467,3 +467,27 @@ def test_all_finite_sees_nan_and_inf_but_not_an_overflowing_sum(dtype: torch.dty
         values = torch.randn(70_001).to(dtype)
         values[12_345] = bad
         assert not all_finite(values)
+
+
+@pytest.mark.parametrize("name", available_codecs())
+@pytest.mark.parametrize("numel", [0, 1, 127, 1000, 70_001])
+def test_encode_decoded_is_encode_then_decode_bit_for_bit(name: str, numel: int) -> None:
+    codec = get_codec(name)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    if numel > 10:
+        tensor[:128] = 0.0  # an all-zero block (scale 0) and a tiny one
+        tensor[5] = 1e-30
+    data, decoded = codec.encode_decoded(tensor)
+    assert data == codec.encode(tensor)
+    expected = codec.decode(data)
+    assert decoded.dtype == torch.float32 and decoded.shape == expected.shape
+    assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))  # bits, not just values
+    # A fresh tensor, never a view of the input the caller may change.
+    if numel:
+        assert decoded.data_ptr() != tensor.data_ptr()
+
+
+def test_encode_decoded_refuses_what_encode_refuses() -> None:
+    for name in available_codecs():
+        with pytest.raises(CodecError, match="finite"):
+            get_codec(name).encode_decoded(torch.tensor([1.0, float("nan")]))
