@@ -53,6 +53,9 @@ MAX_CONFIG_KEYS = 256
 MAX_MADDRS = 16
 
 
+STORE_ATTEMPTS = 3
+
+
 class MembershipError(Exception):
     """A membership operation failed: the DHT refused a store, or the caller used the API out of order."""
 
@@ -480,7 +483,14 @@ class DHTMembership:
         return self._record
 
     async def _store(self, value: dict[str, Any], expiration: float) -> None:
-        ok = await self.dht.store(self.key, value, expiration, subkey=self.public_key, return_future=True)
+        ok = False
+        for attempt in range(STORE_ATTEMPTS):
+            ok = await self.dht.store(self.key, value, expiration, subkey=self.public_key, return_future=True)
+            if ok or self.clock.now() + 0.25 * 2**attempt >= expiration:
+                break
+            # No replica answered in time (a busy machine, a DHT still bootstrapping): a short retry usually
+            # gets through, and the entry is still valid when it does.
+            await self.clock.sleep(0.25 * 2**attempt)
         if not ok:
             raise MembershipError(
                 f"the DHT refused our entry under {self.key} (expiration {expiration:.3f}, now "
