@@ -270,7 +270,7 @@ def peers(run_dir: Path, as_json: bool) -> None:
         return
     table = Table(title=f"{len(members)} peers")
     for column in ("peer", "state", "round", "step", "slot", "loss", "hash", "heartbeat", "address"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in ("peer", "address"))
     for m in members:
         table.add_row(
             m["peer_id"][:16] + ("*" if m.get("self") else ""),
