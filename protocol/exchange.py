@@ -6,7 +6,9 @@ member order) and each part into chunks of `chunk_bytes // 4` elements. Every me
 the response side j sends back the encoded *mean* of each chunk of part j as soon as j has every member's
 contribution to that chunk — so the reduce-scatter and the all-gather overlap chunk by chunk. The owner sums
 contributions in fp32 in member (= sorted peer id) order, weighted, divides, re-encodes with the same codec, and
-everyone (the owner too) uses decode(those bytes): the result is bit-identical on every member.
+everyone (the owner too) uses decode(those bytes): the result is bit-identical on every member. Codecs that
+say `raw_float32` (farloco.optim's fp32) skip the codec altogether: chunks travel as raw float32 bytes, the
+owner sums straight from the received buffers and sends the mean's own bytes, which everyone copies as is.
 
 Sparse codecs (`dense=False`) use an all-gather: each member streams its whole payload to every other member;
 each member decodes every payload and sums in sorted peer-id order.
@@ -81,7 +83,6 @@ class TensorCodec(Protocol):
     def encode(self, tensor: torch.Tensor) -> bytes: ...
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor: ...
-
 
 
 @dataclass
