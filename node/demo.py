@@ -241,6 +241,7 @@ def _watch(peers: list[PeerProcess], rounds: int, console: Console) -> bool:
 def _report(peers: list[PeerProcess], rounds: int, elapsed: float, console: Console) -> int:
     per_peer = {p.name: [e for e in read_events(p.run_dir) if e["event"] == "round"] for p in peers}
     problems: list[str] = []
+    notes: list[str] = []
     table = Table(title="loss per round (eval loss of theta_outer at the start of the round)")
     table.add_column("round", justify="right")
     table.add_column("eval loss", justify="right")
@@ -286,8 +287,14 @@ def _report(peers: list[PeerProcess], rounds: int, elapsed: float, console: Cons
             events[-1]["outer_hash"][:16] if events else "-",
         )
         if len(events) < rounds:
-            problems.append(f"{name} committed {len(events)} of {rounds} rounds")
+            # Not a failure by itself: a peer that missed a round (late, or the DHT refused a record) takes the
+            # swarm's state at the next boundary. What must hold is that it ends on the same model.
+            notes.append(f"{name} committed {len(events)} of {rounds} rounds and caught up by state sync")
     console.print(bytes_table)
+    if any(not events for events in per_peer.values()):
+        problems.append("a peer committed no round at all")
+    for note in notes:
+        console.print(f"[yellow]note: {note}")
     finite = [x for x in eval_losses if not math.isnan(x)]
     if len(finite) >= 2 and not finite[-1] < finite[0]:
         problems.append(f"eval loss did not fall: {finite[0]:.4f} -> {finite[-1]:.4f}")
