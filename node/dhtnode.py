@@ -29,4 +29,7 @@ def make_dht(**kwargs: Any) -> Any:
             _set_parent_death_signal(signal.SIGKILL)
             super().run()
 
+    # hivemind waits 3 s for a peer's answer; on a loaded machine a store then fails for want of replies, so
+    # give DHT requests more room (a dead peer still costs at most this long per request).
+    kwargs.setdefault("wait_timeout", 8.0)
     return _DHT(**kwargs)
