@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +127,12 @@ class Counters:
     hash_mismatches: int = 0
     resyncs: int = 0
     last_round_seconds: float = math.nan
-    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class Agent:
     """One node of the swarm. `run()` blocks until the node has left; its return value is the exit code."""
 
-    def __init__(self, config: Config, run_dir: Path, *, verbose: bool = False) -> None:
+    def __init__(self, config: Config, run_dir: Path) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -258,8 +257,9 @@ class Agent:
         metric("round_seconds", status["last_round_seconds"], "Duration of the last outer round.")
         metric("rounds_committed_total", status["rounds_committed"], "Committed rounds.", "counter")
         metric("rounds_aborted_total", status["rounds_aborted"], "Aborted rounds.", "counter")
-        with self._lock:
-            rejected = dict(self.counters.rejected)
+        # Refused RPCs are counted by the transport itself, by stable reason.
+        server = getattr(self, "server", None)
+        rejected = dict(server.rejections) if server is not None else {}
         if rejected:
             lines.append("# HELP farloco_rejected_messages_total Messages refused, by reason.")
             lines.append("# TYPE farloco_rejected_messages_total counter")

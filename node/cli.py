@@ -100,7 +100,7 @@ def join(
     from farloco.node.agent import Agent
 
     try:
-        agent = Agent(config, run_dir, verbose=verbose)
+        agent = Agent(config, run_dir)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     code = agent.run()
