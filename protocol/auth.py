@@ -7,6 +7,11 @@ timestamp would still pass the skew check (after that the timestamp check alone 
 
 Refusals raise `Reject(UNAUTHENTICATED, reason, detail)` with one of the stable reasons:
 MISSING_TOKEN, MALFORMED_TOKEN, RUN_MISMATCH, BAD_SIGNATURE, EXPIRED, REPLAYED_NONCE.
+
+The same secret also binds DHT identities: `member_proof(peer_id, owner)` is an HMAC over the run, the peer id
+and the RSA public key that signs the member's DHT records (its sub-key). hivemind's signature validator proves
+who wrote a sub-key; this proof says that writer holds the run secret and speaks for that peer id, so records of
+keys without a valid proof are ignored (see farloco.protocol.membership).
 """
 
 from __future__ import annotations
@@ -72,6 +77,17 @@ class Authenticator:
     def _mac(self, run_id: str, sender: str, method: str, round_id: int, ts_us: int, nonce: str) -> str:
         message = "\0".join(("farloco-auth-v1", run_id, sender, method, str(round_id), str(ts_us), nonce))
         return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
+
+    def member_proof(self, peer_id: str, owner: bytes) -> str:
+        """Proof that the holder of the run secret speaks for `peer_id` under the DHT signing key `owner`."""
+        message = b"\0".join((b"farloco-member-v1", self.run_id.encode(), peer_id.encode(), owner))
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def check_member_proof(self, peer_id: str, owner: bytes, proof: str) -> bool:
+        """Whether `proof` is `member_proof(peer_id, owner)` (constant-time comparison)."""
+        if not isinstance(proof, str) or not proof.isascii() or not isinstance(owner, bytes):
+            return False
+        return hmac.compare_digest(self.member_proof(peer_id, owner), proof)
 
     def metadata(self, method: str, round_id: int) -> tuple[tuple[str, str], ...]:
         """gRPC metadata authenticating one call of `method` for `round_id` from this peer."""

@@ -26,6 +26,12 @@ propagation, store latency and clock skew together), at the freeze every peer se
 most one candidate publishes. The early freeze is safe if a member's record moves to round r at least
 twice that bound before it declares itself ready for r, which holds because the record moves when the local
 work of round r starts. The lowest-leader tie-break only matters when those bounds are broken.
+
+Who may write. Ready and group records are read only from signing keys that own a live, proven member record of
+our run (`Membership.owners()`), and a ready record must speak for the peer id of that member record; anything
+else (a foreign DHT node's records, a member's key claiming another peer id) is ignored, logged and counted in
+`Membership.ignored` (NOT_A_MEMBER, PEER_ID_MISMATCH). A ready record from a key we do not know yet triggers one
+re-read of the member table first, so a member whose record we have not seen yet is not dropped by mistake.
 """
 
 from __future__ import annotations
@@ -409,6 +415,27 @@ class DHTMatchmaker:
     async def _get(self, key: str) -> dict[bytes, Any]:
         return _entries(await self.dht.get(key, latest=True, return_future=True))
 
+    def _from_members(self, raw: Mapping[bytes, Any], key: str, now: float) -> dict[bytes, Any]:
+        """The entries of `raw` signed by a current member's key and speaking for that member's peer id."""
+        core = self.membership.core
+        owners = core.owners(now)
+        owners[self.membership.public_key] = owners.get(self.membership.public_key, "")
+        kept = {}
+        for owner, value in raw.items():
+            claimed = value.get("peer_id", value.get("leader")) if isinstance(value, dict) else None
+            peer_id = owners.get(owner)
+            if peer_id is None:
+                core.ignore(
+                    "NOT_A_MEMBER", owner, key, f"its key owns no live member record (claims {claimed!r:.80})"
+                )
+            elif peer_id and claimed != peer_id:
+                core.ignore(
+                    "PEER_ID_MISMATCH", owner, key, f"the key of member {peer_id} wrote for {claimed!r:.80}"
+                )
+            else:
+                kept[owner] = value
+        return kept
+
     async def form_group(
         self, round_id: int, me: GroupMember, *, match_timeout: float, leader_timeout: float
     ) -> Group:
@@ -442,6 +469,7 @@ class DHTMatchmaker:
         # only grow as more ready records appear, so stale ready records never make it act early.
         need_ready = need_members = True
         ready_raw: dict[bytes, Any] = {}
+        rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
         while True:
             reads: list[Awaitable[Any]] = [self._get(group_key)]
             if need_ready:
@@ -452,15 +480,20 @@ class DHTMatchmaker:
             fresh = need_ready
             if need_ready:
                 ready_raw = rest[0]
-            ready, owners = parse_ready(ready_raw, round_id)
+            unknown = set(ready_raw) - self.membership.core.owners(self.clock.now()).keys() - rechecked
+            if unknown and not need_members:
+                # Maybe a member whose record reached us after our last read of the table: look once more.
+                rechecked |= unknown
+                await self.membership.refresh()
+            now = self.clock.now()
+            ready, owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
             ready[me.peer_id] = mine  # our own record counts at once, whatever the read returned
             owners[me.peer_id] = self.membership.public_key
-            now = self.clock.now()
             live = self.membership.core.live(now)
             view = RoundView(
                 now=now,
                 ready=ready,
-                groups=parse_groups(group_raw, round_id, owners),
+                groups=parse_groups(self._from_members(group_raw, group_key, now), round_id, owners),
                 expected=frozenset(
                     r.peer_id for r in live if r.round_id == round_id and r.state != "leaving"
                 ),

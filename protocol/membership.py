@@ -11,6 +11,15 @@ Two layers:
 - `DHTMembership` is the async IO side: it publishes our record (plus a heartbeat task), reads the table
   back with `DHT.get(..., latest=True)` and graceful leave. Every hivemind call uses `return_future=True` and
   awaits the MPFuture, so the caller's event loop never blocks on the DHT process.
+
+Binding signers to members. The signature validator only proves *which key* wrote a sub-key; anyone can run a
+DHT node with a key of their own. So a record of our run must carry `proof`, an HMAC of the run secret over
+(run, peer id, the sub-key it is stored under) (`farloco.protocol.auth.Authenticator.member_proof`). With an
+`auth` given, records of our run_hash and tombstones whose proof does not verify are ignored, logged once and
+counted in `Membership.ignored` by reason; `Membership.owners()` names the keys that own a live, proven member
+record, and every other DHT record the agent reads (ready and group records, see matchmaking) is accepted only
+from those keys. Records of another run_hash are kept unproven (our secret cannot check them): they only feed
+the run-mismatch diagnostics, never the member list.
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
@@ -51,6 +62,8 @@ _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # Caps keep one member record small: the DHT carries it on every heartbeat of every member.
 MAX_CONFIG_KEYS = 256
 MAX_MADDRS = 16
+# Distinct (reason, owner, where) triples remembered so a record re-read every poll is logged and counted once.
+MAX_IGNORED_REMEMBERED = 4096
 
 
 STORE_ATTEMPTS = 3
@@ -112,9 +125,11 @@ class MemberRecord:
     heartbeat: float
     maddrs: tuple[str, ...]
     version: str
+    # HMAC binding peer_id to the key that signs this record (set by DHTMembership.publish; "" without auth).
+    proof: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("peer_id", "address", "state", "run_hash", "outer_hash", "version"):
+        for name in ("peer_id", "address", "state", "run_hash", "outer_hash", "version", "proof"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ValueError(f"MemberRecord.{name} must be a str, got {type(value).__name__}: {value!r}")
@@ -183,22 +198,30 @@ class Departure:
 
     peer_id: str
     heartbeat: float
-    left: bool = True
+    proof: str = ""  # as MemberRecord.proof: a tombstone hides a member only if its writer speaks for it
 
     def to_wire(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "heartbeat": self.heartbeat, "left": True}
+        return {"peer_id": self.peer_id, "heartbeat": self.heartbeat, "left": True, "proof": self.proof}
 
     @classmethod
     def from_wire(cls, data: object) -> Departure:
         if (
             not isinstance(data, dict)
-            or set(data) != {"peer_id", "heartbeat", "left"}
+            or set(data) != {"peer_id", "heartbeat", "left", "proof"}
             or data["left"] is not True
         ):
-            raise ValueError(f"a departure record must be {{peer_id, heartbeat, left: True}}, got {data!r}")
-        if not isinstance(data["peer_id"], str) or not isinstance(data["heartbeat"], float):
-            raise ValueError(f"a departure record needs peer_id: str and heartbeat: float, got {data!r}")
-        return cls(data["peer_id"], data["heartbeat"])
+            raise ValueError(
+                f"a departure record must be {{peer_id, heartbeat, left: True, proof}}, got {data!r:.300}"
+            )
+        if (
+            not isinstance(data["peer_id"], str)
+            or not isinstance(data["heartbeat"], float)
+            or not isinstance(data["proof"], str)
+        ):
+            raise ValueError(
+                f"a departure record needs peer_id: str, heartbeat: float, proof: str, got {data!r:.300}"
+            )
+        return cls(data["peer_id"], data["heartbeat"], data["proof"])
 
 
 def parse_entry(data: object) -> MemberRecord | Departure:
@@ -257,6 +280,7 @@ class _MemberModel(BaseModel):
     heartbeat: _Float
     maddrs: list[_Text]
     version: _Text
+    proof: _Text
 
     class Config:
         extra = Extra.forbid
@@ -268,6 +292,7 @@ class _DepartureModel(BaseModel):
     peer_id: _PeerId
     heartbeat: _Float
     left: StrictBool
+    proof: _Text
 
     class Config:
         extra = Extra.forbid
@@ -304,9 +329,20 @@ def config_differences(expected: Mapping[str, ConfigValue], got: Mapping[str, Co
     return lines
 
 
+class MemberAuth(Protocol):
+    """What binds a peer id to its DHT signing key (`farloco.protocol.auth.Authenticator` is one)."""
+
+    def member_proof(self, peer_id: str, owner: bytes) -> str: ...
+
+    def check_member_proof(self, peer_id: str, owner: bytes, proof: str) -> bool: ...
+
+
 @dataclass
 class Membership:
     """Sans-IO table of member records keyed by owner (the DHT sub-key); every query takes `now`.
+
+    With `auth`, entries of our run whose proof does not bind their peer id to their owner are ignored and
+    counted in `ignored` (module docstring); without it (tests of the table alone) every entry is believed.
 
     Slot rule (documented for the agent): a member claims the lowest slot in [0, num_slots) not held by any
     other live member. Two members that claimed the same slot at the same time both see the collision on
@@ -317,14 +353,52 @@ class Membership:
     run_hash: str
     run_config: Mapping[str, ConfigValue]
     ttl: float = 15.0
+    auth: MemberAuth | None = None
+    ignored: Counter[str] = field(default_factory=Counter, init=False)
     _entries: dict[bytes, MemberRecord | Departure] = field(default_factory=dict, init=False, repr=False)
+    _ignored_seen: set[tuple[str, bytes, str]] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ttl > 0:
             raise ValueError(f"ttl must be > 0 seconds, got {self.ttl}")
 
+    def ignore(self, reason: str, owner: bytes, where: str, detail: str) -> None:
+        """Count and log a DHT record we refuse to believe, once per (reason, owner, where)."""
+        seen = (reason, owner, where)
+        if seen in self._ignored_seen:
+            return
+        if len(self._ignored_seen) >= MAX_IGNORED_REMEMBERED:
+            self._ignored_seen.clear()  # a flood of fake keys: recount rather than grow without bound
+        self._ignored_seen.add(seen)
+        self.ignored[reason] += 1
+        logger.warning(
+            "ignoring a DHT record under %s signed by %s: reason=%s %s",
+            where,
+            _short_key(owner),
+            reason,
+            detail,
+        )
+
     def observe(self, owner: bytes, entry: MemberRecord | Departure) -> None:
-        """Merge one entry; an older heartbeat never replaces a newer one (reads can lag our own writes)."""
+        """Merge one entry; an older heartbeat never replaces a newer one (reads can lag our own writes).
+
+        With `auth`, a tombstone or a record of our run_hash whose proof does not bind its peer id to `owner`
+        is ignored (reason BAD_MEMBER_PROOF).
+        """
+        proven = isinstance(entry, Departure) or entry.run_hash == self.run_hash
+        if (
+            self.auth is not None
+            and proven
+            and not self.auth.check_member_proof(entry.peer_id, owner, entry.proof)
+        ):
+            kind = "tombstone" if isinstance(entry, Departure) else "member record"
+            self.ignore(
+                "BAD_MEMBER_PROOF",
+                owner,
+                "members",
+                f"{kind} claiming peer {entry.peer_id[:64]!r} carries no valid proof of the run secret",
+            )
+            return
         current = self._entries.get(owner)
         if current is None or entry.heartbeat >= current.heartbeat:
             self._entries[owner] = entry
@@ -353,6 +427,18 @@ class Membership:
             if known is None or entry.heartbeat > known.heartbeat:
                 freshest[entry.peer_id] = entry
         return sorted(freshest.values(), key=lambda record: record.peer_id)
+
+    def owners(self, now: float) -> dict[bytes, str]:
+        """Signing key -> peer id, for every key whose live record of our run is a current member.
+
+        The keys other DHT records of the run (ready, group) must be signed by, each speaking for its peer id.
+        """
+        live = {(record.peer_id, record.heartbeat) for record in self.live(now)}
+        return {
+            owner: entry.peer_id
+            for owner, entry in self._entries.items()
+            if isinstance(entry, MemberRecord) and (entry.peer_id, entry.heartbeat) in live
+        }
 
     def live(self, now: float) -> list[MemberRecord]:
         """Live members of our run (same run_hash), sorted by peer id; includes members in state 'leaving'."""
@@ -416,6 +502,11 @@ class Membership:
         )
 
 
+def _short_key(owner: bytes) -> str:
+    """A signing key as a short, log-friendly fingerprint."""
+    return hashlib.sha256(owner).hexdigest()[:16]
+
+
 # --------------------------------------------------------------------------------------------- IO side
 
 
@@ -460,6 +551,7 @@ class DHTMembership:
         clock: Clock | None = None,
         public_key: bytes | None = None,
         claim_settle: float = 0.5,
+        auth: MemberAuth | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < ttl:
             raise ValueError(
@@ -467,7 +559,8 @@ class DHTMembership:
             )
         self.dht = dht
         self.key = members_key(run_name)
-        self.core = Membership(run_hash, dict(run_config), ttl)
+        self.core = Membership(run_hash, dict(run_config), ttl, auth)
+        self.auth = auth
         self.heartbeat_interval = heartbeat_interval
         self.claim_settle = claim_settle
         self.clock: Clock = clock if clock is not None else DHTClock()
@@ -508,7 +601,8 @@ class DHTMembership:
         now = self.clock.now()
         # Heartbeats must be strictly increasing: the DHT keeps the entry with the latest expiration.
         heartbeat = max(now, self._last_expiration - self.core.ttl + self.REMOVE_MARGIN)
-        stamped = dataclasses.replace(record, heartbeat=float(heartbeat))
+        proof = self.auth.member_proof(record.peer_id, self.public_key) if self.auth else record.proof
+        stamped = dataclasses.replace(record, heartbeat=float(heartbeat), proof=proof)
         await self._store(stamped.to_wire(), stamped.heartbeat + self.core.ttl)
         self._record = stamped
         self.core.observe(self.public_key, stamped)
@@ -570,7 +664,9 @@ class DHTMembership:
             return
         now = self.clock.now()
         departure = Departure(
-            self._record.peer_id, float(max(now, self._record.heartbeat + self.REMOVE_MARGIN))
+            self._record.peer_id,
+            float(max(now, self._record.heartbeat + self.REMOVE_MARGIN)),
+            self._record.proof,
         )
         expiration = max(departure.heartbeat + self.core.ttl, self._last_expiration + self.REMOVE_MARGIN)
         await self._store(departure.to_wire(), expiration)

@@ -353,3 +353,60 @@ def test_three_peers_form_groups_on_a_real_dht(dht_swarm: Any) -> None:  # noqa:
     durations = asyncio.run(main())
     print(f"group formation with 3 ready peers: {[f'{d * 1e3:.0f} ms' for d in durations]}")
     assert statistics.median(durations) < 1.0
+
+
+@pytest.mark.dht
+def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -> None:  # noqa: F811
+    """A real DHT node with its own signing key but without the run secret writes a member record of our
+    run_hash, a ready record and a group record naming itself leader: the members never see it, and
+    form their group without it (early, not at the freeze deadline), and count what they ignored."""
+    from hivemind.utils.timed_storage import get_dht_time
+    from test_membership import CONFIG, rec
+
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import DHTMatchmaker, round_key
+    from farloco.protocol.membership import DHTMembership, members_key
+
+    (dht_a, key_a), (dht_b, key_b), (dht_x, key_x) = dht_nodes
+    peers = []
+    for dht, key in ((dht_a, key_a), (dht_b, key_b)):
+        peer_id = str(dht.peer_id)
+        auth = Authenticator("foreign:h1", b"run secret", peer_id)
+        membership = DHTMembership(dht, "foreign", "h1", CONFIG, public_key=key, auth=auth)
+        peers.append((membership, GroupMember(peer_id, f"127.0.0.1:{7100 + len(peers)}")))
+    (mem_a, me_a), (mem_b, me_b) = peers
+    fake_id = str(dht_x.peer_id)
+    wrong = Authenticator("foreign:h1", b"guessed secret", fake_id)
+
+    async def main() -> list[Group]:
+        for membership, me in peers:
+            await membership.publish(rec(me.peer_id, round_id=0, address=me.address))
+        expiration = get_dht_time() + 60
+        writes = [
+            (members_key("foreign"), rec(fake_id, heartbeat=get_dht_time(), proof=wrong.member_proof(fake_id, key_x)).to_wire()),
+            (round_key("foreign", 0), ReadyRecord(fake_id, "127.0.0.1:9", 0, get_dht_time()).to_wire()),
+            (
+                f"{round_key('foreign', 0)}/group",
+                GroupRecord(fake_id, Group.make(0, [GroupMember(fake_id, "127.0.0.1:9"), me_a]), get_dht_time()).to_wire(),
+            ),
+        ]  # fmt: skip
+        for key, value in writes:
+            # the foreign node's own validators sign these: the DHT accepts them, only farloco can refuse them
+            assert await dht_x.store(key, value, expiration, subkey=key_x, return_future=True), key
+        makers = [DHTMatchmaker(m.dht, "foreign", m, poll_interval=0.1) for m, _ in peers]
+        started = time.perf_counter()
+        groups = await asyncio.gather(
+            *(mk.form_group(0, me, match_timeout=20.0, leader_timeout=2.0) for mk, (_, me) in zip(makers, peers, strict=True))
+        )  # fmt: skip
+        # every member was ready and the fake one is not expected: the leader froze early, not after 20 s
+        assert time.perf_counter() - started < 10.0
+        assert sorted(r.peer_id for r in await mem_b.members()) == sorted([me_a.peer_id, me_b.peer_id])
+        return list(groups)
+
+    groups = asyncio.run(main())
+    assert len({g.group_id for g in groups}) == 1
+    assert [m.peer_id for m in groups[0].members] == sorted([me_a.peer_id, me_b.peer_id])
+    for membership in (mem_a, mem_b):
+        assert membership.core.ignored["BAD_MEMBER_PROOF"] == 1, membership.core.ignored
+        # its ready record (and, for whoever read it, its group record) came from a key that owns no member
+        assert membership.core.ignored["NOT_A_MEMBER"] >= 1, membership.core.ignored

@@ -16,6 +16,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from farloco.protocol.auth import Authenticator
 from farloco.protocol.clock import FakeClock
 from farloco.protocol.membership import (
     NO_SLOT,
@@ -127,6 +128,27 @@ def test_member_record_validation_names_the_bad_field() -> None:
         members_key("a/b")
 
 
+def test_records_of_our_run_need_a_proof_binding_peer_id_to_the_signing_key() -> None:
+    auth = Authenticator("run:h1", b"secret", "a")
+    table = Membership("h1", CONFIG, ttl=10.0, auth=auth)
+    table.observe(b"key-a", rec("a", proof=auth.member_proof("a", b"key-a")))
+    table.observe(b"key-x", rec("x", proof="00" * 32))  # a foreign key that does not know the secret
+    table.observe(b"key-y", rec("a", heartbeat=101.0, proof=auth.member_proof("a", b"key-a")))  # copied proof
+    table.observe(b"key-z", Departure("a", 102.0, proof="nope"))  # a forged tombstone must not hide a
+    other = Authenticator("run:h2", b"another secret", "c")
+    table.observe(b"key-c", rec("c", run_hash="h2", proof=other.member_proof("c", b"key-c")))
+    assert [r.peer_id for r in table.live(103.0)] == ["a"]
+    assert table.owners(103.0) == {b"key-a": "a"}
+    assert table.ignored == {"BAD_MEMBER_PROOF": 3}
+    table.observe(b"key-x", rec("x", heartbeat=103.0, proof="00" * 32))  # re-read: counted once per key
+    assert table.ignored == {"BAD_MEMBER_PROOF": 3}
+    # another run's record is kept unproven, for the mismatch diagnostics only
+    assert [r.peer_id for r, _ in table.mismatched(103.0)] == ["c"]
+    table.observe(b"key-a", Departure("a", 104.0, proof=auth.member_proof("a", b"key-a")))
+    assert table.live(104.5) == [] and table.owners(104.5) == {}
+    assert not auth.check_member_proof("a", b"key-a", "\u00e9" * 64)  # non-ASCII never raises
+
+
 # --------------------------------------------------------------------------------------------- real DHT
 
 
@@ -144,7 +166,7 @@ class DhtPeer:
 
 # One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
 # its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
-RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat")
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign")
 
 
 @pytest.fixture(scope="module")
