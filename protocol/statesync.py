@@ -205,9 +205,18 @@ class StateServer:
     computed once per round_id (in a worker thread) and reused for every joiner of that round.
     """
 
-    def __init__(self, provider: StateProvider, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        provider: StateProvider,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        on_served: Callable[[int], None] | None = None,
+    ) -> None:
         self.provider = provider
         self.chunk_bytes = chunk_bytes
+        # Called with `bytes_served` after each chunk went out: the agent's fault injector uses it to make a
+        # donor die mid-transfer; nothing else needs it.
+        self.on_served = on_served
         self.bytes_served = 0
         self._cache: tuple[int, Manifest, dict[str, np.ndarray[Any, np.dtype[np.uint8]]]] | None = None
         self._lock = asyncio.Lock()
@@ -298,6 +307,8 @@ class StateServer:
                 yield Frame(
                     {"kind": "chunk", "name": name, "offset": offset, "crc32": zlib.crc32(payload)}, payload
                 )
+                if self.on_served is not None:
+                    self.on_served(self.bytes_served)
 
 
 # --------------------------------------------------------------------------------------------- joiner
@@ -342,7 +353,7 @@ async def fetch_state(
     donors: list[str],
     *,
     timeout: float,
-    progress: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     expect_run_hash: str | None = None,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
@@ -350,8 +361,10 @@ async def fetch_state(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Download a donor's outer state, from several donors in parallel; returns `(meta, tensors)`.
 
-    meta is the donor's meta plus `sha256` (tensor name -> hex). `progress(done_bytes, total_bytes)` is called
-    after every verified chunk. Raises StateSyncError when no donor can serve a consistent, verified state
+    meta is the donor's meta plus `sha256` (tensor name -> hex). `on_progress(done_bytes, total_bytes)` is
+    called once the manifest is chosen (done_bytes=0) and after every crc-checked chunk, from the event loop
+    (keep it cheap: a progress bar update); bytes a failed donor delivered are kept, so done_bytes never goes
+    back. Raises StateSyncError when no donor can serve a consistent, verified state
     within `timeout` seconds.
     """
     if not donors:
@@ -392,6 +405,8 @@ async def fetch_state(
         for t in manifest.tensors
         for start in range(0, t.nbytes, segment_bytes)
     ]
+    if on_progress is not None:
+        on_progress(0, total)
     in_flight = 0
     changed = asyncio.Event()  # set whenever the queue or in_flight changes, to wake idle donors
 
@@ -439,8 +454,8 @@ async def fetch_state(
             )
             segment.start += size
             done += size
-            if progress is not None:
-                progress(done, total)
+            if on_progress is not None:
+                on_progress(done, total)
         if segment.start != segment.end:
             raise _fail(
                 f"stream from {donor}",

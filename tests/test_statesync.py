@@ -71,7 +71,7 @@ def test_fetch_from_one_donor_returns_identical_state_and_reports_progress() -> 
         seen: list[tuple[int, int]] = []
         try:
             got_meta, got = await fetch_state(
-                client, [address], timeout=20, progress=lambda d, t: seen.append((d, t))
+                client, [address], timeout=20, on_progress=lambda d, t: seen.append((d, t))
             )
         finally:
             await client.close()
@@ -80,7 +80,8 @@ def test_fetch_from_one_donor_returns_identical_state_and_reports_progress() -> 
         assert got_meta["round_id"] == 5 and got_meta["run_config"] == meta["run_config"]
         assert set(got_meta["sha256"]) == set(tensors)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        assert seen[-1] == (total, total) and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
+        assert seen[0] == (0, total) and seen[-1] == (total, total)
+        assert all(a < b for (a, _), (b, _) in itertools.pairwise(seen))
 
     run(body)
 
@@ -280,5 +281,35 @@ def test_unreachable_donors_give_a_clear_error() -> None:
                 await fetch_state(client, ["127.0.0.1:1"], timeout=3)
         finally:
             await client.close()
+
+    run(body)
+
+
+def test_progress_never_goes_back_when_a_donor_dies_and_the_donor_hook_sees_each_chunk() -> None:
+    state = make_state()
+
+    async def body() -> None:
+        served: list[int] = []
+        server, st, address = await donor(state, "d1")
+        st.on_served = served.append
+        dying, dying_address = await faulty_donor(state, lambda i, f: None if i == 2 else f)
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        seen: list[tuple[int, int]] = []
+        try:
+            _, got = await fetch_state(
+                client,
+                [dying_address, address],
+                timeout=20,
+                segment_bytes=1 << 20,
+                on_progress=lambda d, t: seen.append((d, t)),
+            )
+        finally:
+            await client.close()
+            await server.stop(0)
+            await dying.stop(0)
+        assert_same(got, state[1])
+        total = seen[0][1]
+        assert seen[-1] == (total, total) and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
+        assert served and served[-1] == st.bytes_served and served == sorted(served)
 
     run(body)
