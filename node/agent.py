@@ -265,6 +265,13 @@ class Agent:
             lines.append("# TYPE farloco_rejected_messages_total counter")
             for reason, count in sorted(rejected.items()):
                 lines.append(f'farloco_rejected_messages_total{{reason="{reason}"}} {count}')
+        membership = getattr(self, "membership", None)
+        ignored = dict(membership.core.ignored) if membership is not None else {}
+        if ignored:
+            lines.append("# HELP farloco_ignored_dht_records_total DHT records not believed, by reason.")
+            lines.append("# TYPE farloco_ignored_dht_records_total counter")
+            for reason, count in sorted(ignored.items()):
+                lines.append(f'farloco_ignored_dht_records_total{{reason="{reason}"}} {count}')
         return "\n".join(lines) + "\n"
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -326,10 +333,13 @@ class Agent:
         self.multiaddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         secret = self._secret()
         auth = Authenticator(f"{run.name}:{self.run_hash}", secret, self.peer_id)
-        self.server = RpcServer(auth, host=net.host, port=net.grpc_port)
-        self.client = RpcClient(auth)
+        from farloco.node.config import load_tls
+
+        tls = load_tls(net)  # mutual TLS when [network] names a cert, key and CA (checked at config load)
+        self.server = RpcServer(auth, host=net.host, port=net.grpc_port, tls=tls)
+        self.client = RpcClient(auth, tls=tls)
         self.exchange = Exchange(self.server, self.client, self.peer_id)
-        self.state_server = StateServer(self._state_snapshot)
+        self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]
@@ -342,6 +352,7 @@ class Agent:
             run_section(self.config),
             ttl=self.config.timeouts.member_ttl,
             heartbeat_interval=self.config.timeouts.heartbeat_interval,
+            auth=auth,  # binds our peer id to our DHT key; records of keys without the run secret are ignored
         )
         self.matchmaker = DHTMatchmaker(self.dht, run.name, self.membership)
         self.control = ControlServer(
@@ -875,6 +886,21 @@ class Agent:
             return False
         await self._sync_from([m.address for m in votes[majority_hash]], "hash mismatch")
         return True
+
+    def _state_fault(self) -> Any:
+        """Test-only, from FARLOCO_FAULTS 'die-serving-state@N': SIGKILL this node once it has served N bytes
+        of state, i.e. a donor that dies in the middle of a joiner's transfer."""
+        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
+            kind, _, at = fault.partition("@")
+            if kind == "die-serving-state" and at.isdigit():
+
+                def die(served: int, limit: int = int(at)) -> None:
+                    if served >= limit:
+                        log.warning("fault injected: dying after serving %d bytes of state", served)
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                return die
+        return None
 
     def _inject_faults(self) -> None:
         """Test-only fault injection, from FARLOCO_FAULTS (e.g. 'corrupt-theta@2'): after committing the named

@@ -47,9 +47,21 @@ SLOT_ROUND_ID = 6  # outer round the published sequence belongs to
 SLOT_COMMAND = 7  # COMMAND_RUN or COMMAND_STOP
 SLOT_INNER_STEPS = 8  # H for this sequence
 SLOT_STEP_BASE = 9  # global inner step at which this sequence starts (data position)
+SLOT_INNER_OP = 10  # INNER_SAVE or INNER_LOAD: what the pending inner-state request asks
+SLOT_INNER_SEQ = 11  # bumped by the agent after writing the request (op + its directory in the sidecar file)
 
 COMMAND_RUN = 0
 COMMAND_STOP = 1
+
+# Inner-state requests (the ranks' sharded model + optimizer state, torch.distributed.checkpoint). Ranks serve a
+# pending request before they start their next sequence, and before they obey STOP, so every rank reaches the
+# collective save/load at the same point and a leave never drops a checkpoint's inner state half-way.
+INNER_SAVE = 1
+INNER_LOAD = 2
+# R_INNER_RESULT values.
+INNER_OK = 1  # saved, or loaded
+INNER_FRESH = 2  # load refused (missing, or does not match this model/optimizer): fresh optimizer state
+INNER_FAILED = 3  # save failed (e.g. disk full): the checkpoint is written without inner state
 
 RANK_BLOCK = 16  # int64 slots per rank
 RANK_BASE = 32
@@ -65,6 +77,10 @@ R_TOKENS = 5  # tokens processed by this rank since it started
 R_STEP_MICROS = 6  # mean inner-step time over the last sequence, microseconds
 R_PID = 7
 R_HEARTBEAT_NS = 8  # time.time_ns() of the last update
+R_INNER_DONE = 9  # the inner-state request (SLOT_INNER_SEQ) this rank served last
+R_INNER_RESULT = 10  # INNER_OK / INNER_FRESH / INNER_FAILED for that request
+R_OPT_STEP = 11  # optimizer step count after that request (saved or loaded): a fresh optimizer has 0
+R_OPT_FINGERPRINT = 12  # float64 bits: sum of |first moment| over the node's shards after that request
 
 
 def _f2i(value: float) -> int:
@@ -93,6 +109,10 @@ class RankReport:
     tokens: int
     step_seconds: float
     pid: int
+    inner_done: int = 0
+    inner_result: int = 0
+    optimizer_step: int = 0
+    optimizer_fingerprint: float = 0.0
 
 
 class Handoff:
@@ -183,13 +203,39 @@ class Handoff:
             tokens=block[R_TOKENS],
             step_seconds=block[R_STEP_MICROS] / 1e6,
             pid=block[R_PID],
+            inner_done=block[R_INNER_DONE],
+            inner_result=block[R_INNER_RESULT],
+            optimizer_step=block[R_OPT_STEP],
+            optimizer_fingerprint=_i2f(block[R_OPT_FINGERPRINT]),
         )
+
+    @property
+    def inner_path(self) -> Path:
+        """Sidecar file holding the directory of the pending inner-state request (a path fits no int64 slot)."""
+        return self.path.with_name(self.path.name + ".inner")
+
+    def request_inner(self, op: int, directory: Path) -> int:
+        """Ask the ranks to save (INNER_SAVE) or load (INNER_LOAD) their inner state in `directory`; returns
+        the request's sequence number. Ranks serve it before their next sequence (see `inner_all_done`)."""
+        if op not in (INNER_SAVE, INNER_LOAD):
+            raise ValueError(f"hand-off request_inner: expected INNER_SAVE or INNER_LOAD, got {op}")
+        tmp = self.inner_path.with_name(self.inner_path.name + ".tmp")
+        tmp.write_text(str(Path(directory).resolve()))
+        tmp.replace(self.inner_path)
+        self.header[SLOT_INNER_OP] = op
+        seq = int(self.header[SLOT_INNER_SEQ]) + 1
+        self.header[SLOT_INNER_SEQ] = seq  # written last: ranks read the op and the sidecar after seeing it
+        return seq
+
+    def inner_all_done(self, seq: int) -> bool:
+        return all(self.report(rank).inner_done >= seq for rank in range(self.world_size))
 
     def close(self) -> None:
         """Drop the mapping; the owner also removes the file."""
         del self.header, self.theta, self.local, self._buffer
         if self.owner:
             self.path.unlink(missing_ok=True)
+            self.inner_path.unlink(missing_ok=True)
 
     # --- rank side --------------------------------------------------------------------------------------------
     @property
@@ -208,6 +254,22 @@ class Handoff:
             int(self.header[SLOT_STEP_BASE]),
             int(self.header[SLOT_INNER_STEPS]),
         )
+
+    @property
+    def inner_seq(self) -> int:
+        return int(self.header[SLOT_INNER_SEQ])
+
+    def inner_request(self) -> tuple[int, Path]:
+        """(op, directory) of the pending inner-state request; read only after seeing `inner_seq` move."""
+        return int(self.header[SLOT_INNER_OP]), Path(self.inner_path.read_text())
+
+    def mark_inner_done(
+        self, rank: int, seq: int, *, result: int, optimizer_step: int, optimizer_fingerprint: float
+    ) -> None:
+        self._set(rank, R_INNER_RESULT, result)
+        self._set(rank, R_OPT_STEP, optimizer_step)
+        self._set(rank, R_OPT_FINGERPRINT, _f2i(optimizer_fingerprint))
+        self._set(rank, R_INNER_DONE, seq)  # written last: the agent reads the fields above after seeing it
 
     def _set(self, rank: int, slot: int, value: int) -> None:
         self.header[RANK_BASE + rank * RANK_BLOCK + slot] = value
