@@ -120,12 +120,90 @@ class NetworkConfig:
     """Address of the local control/metrics HTTP endpoint (keep it on loopback)."""
     control_port: int = 0
     """Port of the control/metrics endpoint (0: any free port; it is written to the run directory)."""
+    tls_cert: str = ""
+    """PEM certificate (chain) this node presents on gRPC for mutual TLS. Set tls_cert, tls_key and tls_ca
+    together, or none of them (then gRPC is clear text, every call still authenticated by the run secret)."""
+    tls_key: str = ""
+    """PEM private key of `tls_cert` (unencrypted)."""
+    tls_ca: str = ""
+    """PEM certificate(s) of the CA that signs every peer's certificate; peers presenting any other are refused."""
+    tls_server_name: str = ""
+    """Name checked in a peer's server certificate instead of the address dialled (e.g. one DNS name the CA puts
+    in every peer's certificate). Empty: the dialled host must be in the certificate's subjectAltName."""
 
     def __post_init__(self) -> None:
         for key in ("grpc_port", "dht_port", "control_port"):
             value = getattr(self, key)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"network.{key}: expected a port in 0..65535, got {value!r}")
+        _check_tls(self)
+
+
+TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
+
+
+def _check_tls(network: NetworkConfig) -> None:
+    """All three TLS paths or none; each an existing file that parses as what it should be; key matches cert."""
+    given = [key for key in TLS_KEYS if getattr(network, key)]
+    if not given:
+        if network.tls_server_name:
+            raise ConfigError(
+                "network.tls_server_name: only meaningful with tls_cert, tls_key and tls_ca set"
+            )
+        return
+    if len(given) != len(TLS_KEYS):
+        missing = [f"network.{key}" for key in TLS_KEYS if key not in given]
+        raise ConfigError(
+            f"mutual TLS needs network.tls_cert, tls_key and tls_ca together: got {given}, missing {missing}"
+        )
+    # Imported here: only nodes that use TLS pay for it (cryptography comes with hivemind).
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    data = {}
+    for key in TLS_KEYS:
+        path = Path(getattr(network, key))
+        try:
+            data[key] = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(
+                f"network.{key}: expected a readable PEM file, got {str(path)!r}: {exc}"
+            ) from exc
+    try:
+        certs = x509.load_pem_x509_certificates(data["tls_cert"])
+        x509.load_pem_x509_certificates(data["tls_ca"])
+    except ValueError as exc:
+        raise ConfigError(
+            f"network.tls_cert / tls_ca: expected PEM certificates in {network.tls_cert!r} and "
+            f"{network.tls_ca!r}: {exc}"
+        ) from exc
+    try:
+        private_key = serialization.load_pem_private_key(data["tls_key"], password=None)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"network.tls_key: expected an unencrypted PEM private key in {network.tls_key!r}: {exc}"
+        ) from exc
+    raw = serialization.PublicFormat.SubjectPublicKeyInfo
+    der = serialization.Encoding.DER
+    if private_key.public_key().public_bytes(der, raw) != certs[0].public_key().public_bytes(der, raw):
+        raise ConfigError(
+            f"network.tls_key: the key in {network.tls_key!r} does not belong to the first certificate of "
+            f"{network.tls_cert!r}"
+        )
+
+
+def load_tls(network: NetworkConfig) -> Any:
+    """The `farloco.protocol.rpc.TlsConfig` of `network` (checked at config load), or None without TLS."""
+    if not network.tls_cert:
+        return None
+    from farloco.protocol.rpc import TlsConfig
+
+    return TlsConfig(
+        root_certificates=Path(network.tls_ca).read_bytes(),
+        certificate_chain=Path(network.tls_cert).read_bytes(),
+        private_key=Path(network.tls_key).read_bytes(),
+        server_name=network.tls_server_name or None,
+    )
 
 
 @dataclass(frozen=True)
