@@ -1,4 +1,5 @@
-"""Checkpoints of a node's outer state: atomic on disk, verified on load, pruned to the newest K.
+"""Checkpoints of a node: the outer state (atomic on disk, verified on load, pruned to the newest K) and the
+trainer ranks' sharded inner state inside it.
 
 Owns the on-disk format under `<run_dir>/checkpoints/` (the `root` of every function here):
 
@@ -6,22 +7,29 @@ Owns the on-disk format under `<run_dir>/checkpoints/` (the `root` of every func
         outer.safetensors   "theta" (float32, flat, canonical order) and "strategy.<name>" for each tensor of
                             the outer strategy's state; safetensors metadata (str -> str): format_version,
                             round_id, run_hash, outer_hash (sha256 hex of theta's bytes), inner_step (data
-                            position), time (unix seconds)
-        inner/              optional: torch.distributed.checkpoint of the trainer ranks (written by them later)
+                            position), time (unix seconds), and with inner state `inner_sha256` (JSON: file
+                            path under inner/ -> sha256 hex)
+        inner/              optional: the ranks' FSDP2 model and optimizer state (DTensor shards), written by
+                            the ranks themselves with torch.distributed.checkpoint (`save_inner_state`)
         COMMITTED           written last; its content is the outer_hash
 
-How a checkpoint becomes durable: everything is written into `round-<id>.tmp-<pid>-<random>/`, every file is
-fsynced, then the directory itself, then it is renamed to `round-<id>/` and the parent directory is fsynced. A
-crash at any point leaves either the complete new checkpoint or only a `.tmp-` directory, which is never loaded
-and is removed by `prune_checkpoints`. `COMMITTED` and the theta hash still guard against what the rename cannot
-(a file system that lost data, a disk that flipped a bit, a hand-copied directory).
+How a checkpoint becomes durable: everything is written into `round-<id>.tmp-<pid>-<random>/` (the agent
+`stage_checkpoint`s it first when the ranks are to write `inner/` into it), every file is fsynced, then the
+directory itself, then it is renamed to `round-<id>/` and the parent directory is fsynced. A crash at any point
+leaves either the complete new checkpoint or only a `.tmp-` directory, which is never loaded and is removed by
+`prune_checkpoints`. `COMMITTED` and the theta hash still guard against what the rename cannot (a file system
+that lost data, a disk that flipped a bit, a hand-copied directory); `inner_sha256` does the same for inner/.
 
-Nothing here unpickles: tensors are read and written with safetensors only.
+The outer state is read and written with safetensors only. inner/ is torch.distributed.checkpoint's format,
+whose `.metadata` file is a pickle: it is only ever read from the node's own run directory, and only after
+every file of inner/ matched the sha256 recorded in the committed outer metadata (`verify_inner`), so what is
+unpickled is exactly what this node's ranks wrote. Tensors in it are read as raw storage, never unpickled.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -43,6 +51,10 @@ STATE_FILE = "outer.safetensors"
 COMMITTED_FILE = "COMMITTED"
 THETA = "theta"
 STRATEGY_PREFIX = "strategy."
+INNER_DIR = "inner"
+INNER_META = "inner_sha256"
+# Written by torch.distributed.checkpoint once every rank's data file is complete.
+DCP_METADATA = ".metadata"
 # Metadata keys the caller must give (the rest is computed here).
 REQUIRED_META = ("run_hash", "inner_step")
 
@@ -70,17 +82,44 @@ def checkpoint_name(round_id: int) -> str:
     return f"round-{round_id:08d}"
 
 
+def stage_checkpoint(root: Path, round_id: int) -> Path:
+    """Create the temporary directory of `round_id`'s checkpoint, for the ranks to write `inner/` into before
+    `save_checkpoint(..., staged=...)` completes it. Until then it is a `.tmp-` directory: never loaded, and
+    removed by `prune_checkpoints` once this process is gone."""
+    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+        raise CheckpointError(f"stage_checkpoint: expected a round_id int >= 0, got {round_id!r}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{checkpoint_name(round_id)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
 def save_checkpoint(
-    root: Path, round_id: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+    root: Path,
+    round_id: int,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    *,
+    staged: Path | None = None,
 ) -> Path:
     """Write the outer state of `round_id` durably and atomically; returns the final checkpoint directory.
 
     `tensors` holds "theta" (1-D float32) and "strategy.<name>" tensors; `meta` must give `run_hash` and
-    `inner_step` and may add other string fields. `format_version`, `round_id`, `outer_hash` and `time` are
-    filled in here (a given `outer_hash` or `round_id` must match what they really are).
+    `inner_step` and may add other string fields. `format_version`, `round_id`, `outer_hash`, `time` and
+    `inner_sha256` are filled in here (a given `outer_hash` or `round_id` must match what they really are).
+    `staged`: the directory `stage_checkpoint` made for this round, possibly holding `inner/`; it becomes the
+    checkpoint (or is removed if this fails).
     """
     root = Path(root)
-    _check_inputs(round_id, tensors, meta)
+    try:
+        _check_inputs(round_id, tensors, meta)
+        if staged is not None:
+            _check_staged(root, round_id, Path(staged))
+    except CheckpointError:
+        if staged is not None and _TMP_NAME.match(Path(staged).name):
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
     theta = tensors[THETA]
     outer_hash = theta_sha256(theta)
     if "outer_hash" in meta and meta["outer_hash"] != outer_hash:
@@ -95,11 +134,12 @@ def save_checkpoint(
         "outer_hash": outer_hash,
         "time": meta.get("time", f"{time.time():.3f}"),
     }
-    root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(round_id)
-    tmp = root / f"{checkpoint_name(round_id)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = Path(staged) if staged is not None else stage_checkpoint(root, round_id)
     try:
+        if (tmp / INNER_DIR).is_dir():
+            # Hashing reads every file back once more; torch.distributed.checkpoint fsynced them already.
+            metadata[INNER_META] = json.dumps(_durable_manifest(tmp / INNER_DIR), sort_keys=True)
         state_path = tmp / STATE_FILE
         # save_file streams from the tensors' memory; `save` to bytes would first build a second in-RAM copy of
         # the whole state (8 GB for a 1B model with momentum).
@@ -139,6 +179,30 @@ def verify_checkpoint(path: Path) -> dict[str, str]:
     meta = _read_meta(path)
     _check_theta(path, meta, _read_tensors(path, THETA).get(THETA))
     return meta
+
+
+def verify_inner(path: Path) -> Path:
+    """The `inner/` directory of a committed checkpoint, after checking every file against the sha256 its
+    metadata recorded; CheckpointError if the checkpoint has no inner state or any file is missing or differs."""
+    path = Path(path)
+    meta = _read_meta(path)
+    if INNER_META not in meta:
+        raise CheckpointError(f"checkpoint {path}: holds no inner state (no {INNER_META} in its metadata)")
+    try:
+        expected = json.loads(meta[INNER_META])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint {path}: {INNER_META} is not JSON: {exc}") from exc
+    inner = path / INNER_DIR
+    found = _manifest(inner) if inner.is_dir() else {}
+    if found != expected:
+        missing = sorted(set(expected) - set(found))
+        extra = sorted(set(found) - set(expected))
+        differ = sorted(name for name in set(found) & set(expected) if found[name] != expected[name])
+        raise CheckpointError(
+            f"checkpoint {path}: inner state does not match its recorded sha256: missing {missing}, "
+            f"unexpected {extra}, different {differ}"
+        )
+    return inner
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -193,6 +257,79 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     return removed
 
 
+# ---- the ranks' inner state (collective: every rank of the node's process group calls these) --------------------
+def save_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write this node's sharded model and optimizer state (FSDP2 DTensors) to `directory`, each rank its own
+    shards, with torch.distributed.checkpoint (which fsyncs every file it writes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))
+
+
+def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Load the optimizer state saved by `save_inner_state` into `optimizer`; True if every rank did.
+
+    The model weights saved next to it are not loaded: after a checkpoint the ranks always start from theta_outer,
+    which the agent publishes. torch.distributed.checkpoint reshards, so a node restarted with another number of
+    ranks loads too. Anything missing or not matching (another optimizer, other shapes) leaves *every* rank with
+    a fresh optimizer state and returns False: a half-loaded optimizer would be worse than a fresh one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    device = next(model.parameters()).device
+    # Agree on the directory first: one rank entering the collective load alone would wait forever.
+    present = _all_ranks(device, (Path(directory) / DCP_METADATA).is_file())
+    loaded = False
+    if present:
+        try:
+            state = get_optimizer_state_dict(model, optimizer)
+            dcp.load({"optim": state}, checkpoint_id=str(directory))
+            set_optimizer_state_dict(model, optimizer, state)
+            loaded = True
+        # torch.distributed.checkpoint gathers a failure and raises it on every rank, as CheckpointException,
+        # which derives from BaseException.
+        except (Exception, CheckpointException) as exc:
+            log.warning("inner state in %s does not fit this model/optimizer: %s", directory, exc)
+    else:
+        log.warning("no inner state in %s (expected %s)", directory, DCP_METADATA)
+    if not _all_ranks(device, loaded):
+        optimizer.state.clear()  # the optimizer initialises its state afresh at its next step
+        return False
+    return True
+
+
+def optimizer_fingerprint(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[int, float]:
+    """(step count, sum of |first moment| over the whole node) of an optimizer: (0, 0.0) when fresh. Collective:
+    the ranks' shards are disjoint, so the all-reduced sum is the node's, whatever its number of ranks."""
+    import torch.distributed as dist
+
+    step = 0
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for state in optimizer.state.values():
+        if "step" in state:
+            step = max(step, int(state["step"]))
+        moment = state.get("exp_avg", state.get("momentum_buffer"))
+        if isinstance(moment, torch.Tensor):
+            local = moment.to_local() if hasattr(moment, "to_local") else moment
+            total += local.detach().double().abs().sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return step, float(total.item())
+
+
+def _all_ranks(device: torch.device, value: bool) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([1 if value else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 # ---- helpers ----------------------------------------------------------------------------------------------------
 def _check_inputs(round_id: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
@@ -214,6 +351,40 @@ def _check_inputs(round_id: int, tensors: dict[str, torch.Tensor], meta: dict[st
         raise CheckpointError(f"save_checkpoint: meta values must be str, not for {not_str}")
     if "round_id" in meta and meta["round_id"] != str(round_id):
         raise CheckpointError(f"save_checkpoint: meta round_id {meta['round_id']!r} but round_id={round_id}")
+
+
+def _check_staged(root: Path, round_id: int, staged: Path) -> None:
+    match = _TMP_NAME.match(staged.name)
+    if staged.parent.resolve() != root.resolve() or match is None or int(match.group(1)) != round_id:
+        raise CheckpointError(
+            f"save_checkpoint: expected staged to be {root}/{checkpoint_name(round_id)}.tmp-<pid>-<hex> "
+            f"(from stage_checkpoint), got {staged}"
+        )
+    if not staged.is_dir():
+        raise CheckpointError(f"save_checkpoint: staged directory {staged} does not exist")
+
+
+def _manifest(directory: Path) -> dict[str, str]:
+    """sha256 hex of every file under `directory`, by path relative to it."""
+    found = {}
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        found[file.relative_to(directory).as_posix()] = digest.hexdigest()
+    return found
+
+
+def _durable_manifest(directory: Path) -> dict[str, str]:
+    """`_manifest`, after fsyncing every file and directory under `directory` (their entries must survive too)."""
+    for entry in sorted(directory.rglob("*"), reverse=True):
+        if entry.is_file():
+            fsync_file(entry)
+        elif entry.is_dir():
+            fsync_dir(entry)
+    fsync_dir(directory)
+    return _manifest(directory)
 
 
 def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -265,3 +265,126 @@ def test_a_real_outer_strategy_state_round_trips(tmp_path: Path, strategy: str, 
     restored.load_state_dict({k.removeprefix("strategy."): v for k, v in tensors.items() if k != "theta"})
     for name, tensor in original.state_dict().items():
         assert torch.equal(restored.state_dict()[name], tensor), name
+
+
+# ---- the ranks' inner state (torch.distributed.checkpoint), in a one-rank gloo group of this process ----------
+@pytest.fixture
+def one_rank_group(tmp_path: Path):  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(model_overrides: dict[str, int] | None = None, steps: int = 0, lr: float = 1e-3):  # type: ignore[no-untyped-def]
+    """The tiny model sharded with FSDP2 like a trainer rank does, and an AdamW that ran `steps` steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from farloco.node.model import build_model, lm_loss, model_config
+
+    model = build_model(model_config("tiny", **(model_overrides or {})), seed=0)
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (2, 17), generator=generator)
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def test_inner_state_round_trips_inside_an_atomic_checkpoint(tmp_path: Path, one_rank_group: None) -> None:
+    from farloco.node.checkpoint import (
+        INNER_DIR,
+        load_inner_state,
+        optimizer_fingerprint,
+        save_inner_state,
+        stage_checkpoint,
+        verify_inner,
+    )
+
+    model, optimizer = _sharded(steps=3)
+    saved = optimizer_fingerprint(optimizer, torch.device("cpu"))
+    assert saved[0] == 3 and saved[1] > 0
+    root = tmp_path / "ckpt"
+    staged = stage_checkpoint(root, 4)
+    save_inner_state(staged / INNER_DIR, model, optimizer)
+    # Until save_checkpoint renames it, the staged directory is no checkpoint at all.
+    assert latest_checkpoint(root) is None
+    path = save_checkpoint(root, 4, _state(4), {"run_hash": RUN_HASH, "inner_step": "12"}, staged=staged)
+    assert path == root / checkpoint_name(4) and not staged.exists()
+    inner = verify_inner(path)
+    assert (inner / ".metadata").is_file() and list(inner.glob("*.distcp"))
+
+    fresh_model, fresh_optimizer = _sharded()
+    assert optimizer_fingerprint(fresh_optimizer, torch.device("cpu")) == (0, 0.0)
+    assert load_inner_state(inner, fresh_model, fresh_optimizer)
+    assert optimizer_fingerprint(fresh_optimizer, torch.device("cpu")) == saved
+    for (name, param), fresh_param in zip(model.named_parameters(), fresh_model.parameters(), strict=True):
+        state, loaded = optimizer.state[param], fresh_optimizer.state[fresh_param]
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(loaded[key]), _full(state[key])), (name, key)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def test_inner_state_that_is_missing_or_does_not_fit_leaves_a_fresh_optimizer(
+    tmp_path: Path, one_rank_group: None
+) -> None:
+    from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
+
+    model, optimizer = _sharded(steps=2)
+    save_inner_state(tmp_path / "inner", model, optimizer)
+    nothing_model, nothing_optimizer = _sharded()
+    assert not load_inner_state(tmp_path / "absent", nothing_model, nothing_optimizer)
+    assert optimizer_fingerprint(nothing_optimizer, torch.device("cpu")) == (0, 0.0)
+    # Another model shape: torch.distributed.checkpoint refuses it, and nothing half-loaded remains.
+    other_model, other_optimizer = _sharded({"dim": 32})
+    assert not load_inner_state(tmp_path / "inner", other_model, other_optimizer)
+    assert not other_optimizer.state
+    tokens = torch.randint(0, 256, (2, 17))
+    from farloco.node.model import lm_loss
+
+    lm_loss(other_model(tokens[:, :-1]), tokens[:, 1:]).backward()  # type: ignore[no-untyped-call]
+    other_optimizer.step()  # and it trains on from a fresh state
+    assert optimizer_fingerprint(other_optimizer, torch.device("cpu"))[0] == 1
+
+
+def test_corrupt_or_missing_inner_files_are_refused(tmp_path: Path) -> None:
+    from farloco.node.checkpoint import INNER_DIR, stage_checkpoint, verify_inner
+
+    without = _save(tmp_path, 1)
+    with pytest.raises(CheckpointError, match="holds no inner state"):
+        verify_inner(without)
+    staged = stage_checkpoint(tmp_path, 2)
+    (staged / INNER_DIR).mkdir()
+    (staged / INNER_DIR / ".metadata").write_bytes(b"meta")
+    (staged / INNER_DIR / "__0_0.distcp").write_bytes(b"shard" * 100)
+    path = save_checkpoint(tmp_path, 2, _state(2), {"run_hash": RUN_HASH, "inner_step": "8"}, staged=staged)
+    assert verify_inner(path) == path / INNER_DIR
+    (path / INNER_DIR / "__0_0.distcp").write_bytes(b"shard" * 99 + b"shaRd")
+    with pytest.raises(CheckpointError, match=r"different \['__0_0.distcp'\]"):
+        verify_inner(path)
+    (path / INNER_DIR / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"missing \['__0_0.distcp'\]"):
+        verify_inner(path)
+    assert latest_checkpoint(tmp_path) == path  # the outer state is still good: only inner/ falls back
+
+
+def test_a_staged_directory_of_another_round_is_refused(tmp_path: Path) -> None:
+    from farloco.node.checkpoint import stage_checkpoint
+
+    staged = stage_checkpoint(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="from stage_checkpoint"):
+        save_checkpoint(tmp_path, 4, _state(4), {"run_hash": RUN_HASH, "inner_step": "8"}, staged=staged)
+    assert not staged.exists()
