@@ -104,10 +104,55 @@ class RunConfig:
     hparams: dict[str, float | int | bool] = field(default_factory=dict)
     sync_every: int = 1
     """Inner steps per outer round (H; for streaming-diloco H/P, since one round syncs one of P fragments)."""
+    tau: int = 0
+    """Overlap: a round's exchange starts at its sync point and its result lands `tau` inner steps later, on
+    the then-current local weights (streaming-diloco; 0 = the round blocks)."""
     note: str = ""
+
+    def __post_init__(self) -> None:
+        # The strategy object holds one round in flight (its fragment schedule keys on applied rounds), so the
+        # next round may not start before the previous one landed.
+        if self.sync_every < 1 or not 0 <= self.tau < self.sync_every:
+            raise ValueError(
+                f"RunConfig {self.name}: expected sync_every >= 1 and 0 <= tau < sync_every, "
+                f"got sync_every={self.sync_every}, tau={self.tau}"
+            )
 
     def make_codec(self) -> Codec:
         return get_codec(self.codec, **self.codec_options)
+
+
+def demo_config(
+    k: int, chunk: int, lr: float, beta: float, weight_decay: float = 0.0, name: str = ""
+) -> RunConfig:
+    """A DeMo line: dct-topk k of `chunk` values, sign-SGD lr, momentum beta, decoupled weight decay."""
+    name = name or f"demo-top{k}of{chunk}-lr{lr:g}-b{beta:g}-wd{weight_decay:g}"
+    return RunConfig(
+        name,
+        "outer",
+        "demo",
+        "dct-topk",
+        codec_options={"k": k, "chunk": chunk},
+        hparams={"lr": lr, "beta": beta, "weight_decay": weight_decay},
+        sync_every=1,
+        note="sign-SGD outer step every step",
+    )
+
+
+def streaming_config(num_fragments: int, tau: int, alpha: float, h: int = 10) -> RunConfig:
+    """A Streaming DiLoCo line at H = h: one of P fragments synced every h/P steps, each every h steps."""
+    if h % num_fragments:
+        raise ValueError(f"streaming_config: expected H divisible by P, got H={h}, P={num_fragments}")
+    return RunConfig(
+        f"streaming-diloco-h{h}-p{num_fragments}-tau{tau}-a{alpha:g}-int8",
+        "outer",
+        "streaming-diloco",
+        "int8",
+        hparams={"lr": 0.5, "momentum": 0.9, "num_fragments": num_fragments, "alpha": alpha},
+        sync_every=h // num_fragments,
+        tau=tau,
+        note=f"{num_fragments} fragments, one every {h // num_fragments} steps, lands {tau} steps later",
+    )
 
 
 def default_configs() -> list[RunConfig]:
@@ -120,15 +165,8 @@ def default_configs() -> list[RunConfig]:
         RunConfig("diloco-h10-fp32", "outer", "diloco", "fp32", hparams=int8, sync_every=10),
         RunConfig("diloco-h10-int4", "outer", "diloco", "int4", hparams=int8, sync_every=10),
         RunConfig("diloco-h50-int8", "outer", "diloco", "int8", hparams=int8, sync_every=50),
-        RunConfig(
-            "streaming-diloco-h10-p5-int8",
-            "outer",
-            "streaming-diloco",
-            "int8",
-            hparams={**int8, "num_fragments": 5, "alpha": 0.0},
-            sync_every=2,
-            note="5 fragments, one synced every 2 steps: each every 10",
-        ),
+        streaming_config(num_fragments=5, tau=1, alpha=0.5),
+        streaming_config(num_fragments=2, tau=4, alpha=0.5),
         RunConfig(
             "sparseloco-h10-top64of4096-2bit",
             "outer",
@@ -138,16 +176,22 @@ def default_configs() -> list[RunConfig]:
             hparams={"lr": 1.0, "beta": 0.95},
             sync_every=10,
         ),
-        RunConfig(
-            "demo-top12of1024",
-            "outer",
-            "demo",
-            "dct-topk",
-            codec_options={"k": 12, "chunk": 1024},
-            hparams={"lr": 3e-3, "beta": 0.999},
-            sync_every=1,
-            note="sign-SGD outer step every step",
-        ),
+        demo_config(k=12, chunk=1024, lr=3e-3, beta=0.999, name="demo-top12of1024"),
+    ]
+
+
+def sweep_configs() -> list[RunConfig]:
+    """DeMo's tuning sweep (600 steps, run with --sweep; the table in BENCHMARKS.md says what each gave).
+
+    Bytes cap the codec: >= 30x under DDP means a payload of <= 67.8 KB per step, i.e. k <= 16 of 1024
+    (4 bytes per kept coefficient + 4 per chunk), k <= 7 of 512 or k <= 4 of 256 (1-byte indices)."""
+    return [
+        demo_config(k=12, chunk=1024, lr=1e-3, beta=0.999),
+        demo_config(k=12, chunk=1024, lr=3e-3, beta=0.99),
+        demo_config(k=12, chunk=1024, lr=3e-3, beta=0.9),
+        demo_config(k=12, chunk=1024, lr=3e-3, beta=0.999, weight_decay=0.1),
+        demo_config(k=16, chunk=1024, lr=3e-3, beta=0.999),
+        demo_config(k=4, chunk=256, lr=3e-3, beta=0.999),
     ]
 
 
@@ -271,15 +315,17 @@ class Bench:
     def fresh_model(self) -> Transformer:
         return copy.deepcopy(self.initial)
 
-    def run(self, config: RunConfig) -> RunResult:
-        started = self._started = time.perf_counter()
+    def run(self, config: RunConfig, on_report: Callable[[RunResult], None] | None = None) -> RunResult:
+        """Run one config; `on_report` sees the result so far after each report step (to save partial runs)."""
+        self._started = time.perf_counter()
+        self._on_report = on_report
+        result = RunResult(config, {}, {})
         if config.kind == "ddp":
-            result = self._run_ddp(config)
+            self._run_ddp(result)
         elif config.kind == "lone":
-            result = self._run_lone(config)
+            self._run_lone(result)
         else:
-            result = self._run_outer(config)
-        result.seconds = time.perf_counter() - started
+            self._run_outer(result)
         return result
 
     def _tick(self, config: RunConfig, step: int) -> None:
@@ -288,44 +334,47 @@ class Bench:
                 f"  {config.name} step {step}/{self.setup.steps} ({time.perf_counter() - self._started:.0f} s)"
             )
 
-    def _progress(self, config: RunConfig, step: int, loss: float) -> None:
-        self.log(f"  {config.name} step {step}/{self.setup.steps} eval {loss:.4f}")
+    def _reported(self, result: RunResult, step: int) -> None:
+        result.seconds = time.perf_counter() - self._started
+        self.log(f"  {result.config.name} step {step}/{self.setup.steps} eval {result.eval_loss[step]:.4f}")
+        if self._on_report is not None:
+            self._on_report(result)
 
-    def _run_ddp(self, config: RunConfig) -> RunResult:
+    def _run_ddp(self, result: RunResult) -> None:
         learner = Learner(self.fresh_model(), self.setup)
         per_step = ddp_bytes_per_step(self.num_params)
+        result.peak_bytes_per_sync = per_step
         wanted = set(ddp_curve_steps(self.setup.steps)) | set(self.setup.report_steps)
-        curve, losses, sent = [], {}, {}
         for step in range(self.setup.steps + 1):
             if step in wanted:
                 loss = evaluate(learner.model, self.held_out)
-                curve.append((step, loss))
+                result.curve.append((step, loss))
                 if step in self.setup.report_steps:
-                    losses[step], sent[step] = loss, step * per_step
-                    self._progress(config, step, loss)
+                    result.eval_loss[step], result.bytes_per_worker[step] = loss, step * per_step
+                    self._reported(result, step)
             if step == self.setup.steps:
                 break
             # DDP's mean gradient over 4 equal batches is the gradient of the mean loss over their union.
             batches = [sampler.batch(step) for sampler in self.samplers]
             union = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
             learner.step(step, union)
-            self._tick(config, step + 1)
-        return RunResult(config, losses, sent, peak_bytes_per_sync=per_step, curve=curve)
+            self._tick(result.config, step + 1)
 
-    def _run_lone(self, config: RunConfig) -> RunResult:
+    def _run_lone(self, result: RunResult) -> None:
         learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
-        losses, per_worker = {}, {}
         for step in range(1, self.setup.steps + 1):
             for learner, sampler in zip(learners, self.samplers, strict=True):
                 learner.step(step - 1, sampler.batch(step - 1))
-            self._tick(config, step)
+            self._tick(result.config, step)
             if step in self.setup.report_steps:
-                per_worker[step] = [evaluate(learner.model, self.held_out) for learner in learners]
-                losses[step] = sum(per_worker[step]) / NUM_WORKERS
-                self._progress(config, step, losses[step])
-        return RunResult(config, losses, dict.fromkeys(losses, 0), worker_losses=per_worker)
+                slots = [evaluate(learner.model, self.held_out) for learner in learners]
+                result.worker_losses[step] = slots
+                result.eval_loss[step] = sum(slots) / NUM_WORKERS
+                result.bytes_per_worker[step] = 0
+                self._reported(result, step)
 
-    def _run_outer(self, config: RunConfig) -> RunResult:
+    def _run_outer(self, result: RunResult) -> None:
+        config = result.config
         strategies: list[OuterStrategy] = [
             make_strategy(config.strategy, self.num_params, config.make_codec(), **config.hparams)
             for _ in range(NUM_WORKERS)
@@ -334,9 +383,12 @@ class Bench:
         # Every worker keeps its own theta_outer, as every node does; they must stay bit-identical.
         thetas = [theta0.clone() for _ in range(NUM_WORKERS)]
         sign_sgd = config.strategy == "demo"
+        # Streaming DiLoCo keeps its staggered schedule to the end (no extra round at the last step, so the
+        # figures at 600 steps of a --long run are those of a 600-step run); the others sync at the last step.
+        streaming = config.strategy == "streaming-diloco"
         learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
-        sent, peak = 0, 0
-        losses, sent_at = {}, {}
+        sent = 0
+        in_flight: tuple[int, Exchanged] | None = None  # (step it lands at, the exchanged round)
         for step in range(1, self.setup.steps + 1):
             locals_: list[torch.Tensor | None] = [None] * NUM_WORKERS
             for w, (learner, sampler) in enumerate(zip(learners, self.samplers, strict=True)):
@@ -349,28 +401,37 @@ class Bench:
                     learner.model.zero_grad(set_to_none=True)
                 else:
                     learner.step(step - 1, sampler.batch(step - 1))
-            if step % config.sync_every == 0 or step == self.setup.steps:
-                round_bytes = self._outer_round(strategies, thetas, learners, locals_)
-                sent += round_bytes
-                peak = max(peak, round_bytes)
+            if in_flight is not None and in_flight[0] == step:
+                # The overlapped exchange lands now: outer step, then merge into the weights the ranks have
+                # trained on for tau more steps since the sync point.
+                self._land(strategies, thetas, learners, in_flight[1], None)
+                in_flight = None
+            if step % config.sync_every == 0 or (step == self.setup.steps and not streaming):
+                exchanged = self._exchange(strategies, thetas, learners, locals_)
+                sent += exchanged.bytes_sent
+                result.peak_bytes_per_sync = max(result.peak_bytes_per_sync, exchanged.bytes_sent)
+                if config.tau == 0:
+                    self._land(strategies, thetas, learners, exchanged, locals_)
+                else:
+                    in_flight = (step + config.tau, exchanged)
             self._tick(config, step)
             if step in self.setup.report_steps:
                 if any(not torch.equal(thetas[0], theta) for theta in thetas[1:]):
                     raise RuntimeError(f"{config.name}: the workers' theta_outer diverged at step {step}")
                 model = self.fresh_model()
                 load_flat(model, thetas[0])
-                losses[step], sent_at[step] = evaluate(model, self.held_out), sent
-                self._progress(config, step, losses[step])
-        return RunResult(config, losses, sent_at, peak_bytes_per_sync=peak)
+                result.eval_loss[step], result.bytes_per_worker[step] = evaluate(model, self.held_out), sent
+                self._reported(result, step)
 
-    def _outer_round(
+    def _exchange(
         self,
         strategies: list[OuterStrategy],
         thetas: list[torch.Tensor],
         learners: list[Learner],
         locals_: list[torch.Tensor | None],
-    ) -> int:
-        """One committed round for all workers; returns the bytes one worker sent."""
+    ) -> Exchanged:
+        """The sync point of one round for all workers: contributions from the current local weights, encoded,
+        decoded by everyone and averaged as the exchange does. No strategy state changes here."""
         theta_locals = [
             flat_parameters(learner.model) if given is None else given
             for learner, given in zip(learners, locals_, strict=True)
@@ -386,15 +447,38 @@ class Bench:
         if codec.dense and not codec.lossless:
             # The part owner re-encodes the mean for the all-gather phase; everyone uses the decoded bytes.
             averaged = codec.decode(codec.encode(averaged))
-        for s, theta, local, contribution, sent, learner in zip(
-            strategies, thetas, theta_locals, contributions, transmitted, learners, strict=True
-        ):
-            s.propose(contribution, sent)
-            s.apply(theta, averaged)
+        sent = max(exchange_bytes(codec, len(p)) for p in payloads)
+        return Exchanged(contributions, transmitted, averaged, sent)
+
+    def _land(
+        self,
+        strategies: list[OuterStrategy],
+        thetas: list[torch.Tensor],
+        learners: list[Learner],
+        exchanged: Exchanged,
+        locals_: list[torch.Tensor | None] | None,
+    ) -> None:
+        """The round commits on every worker: error feedback, outer step, and the merge into the local weights
+        (the ranks' current ones, or DeMo's given theta_outer - gradient, which the merge replaces)."""
+        for w, (s, theta, learner) in enumerate(zip(strategies, thetas, learners, strict=True)):
+            given = None if locals_ is None else locals_[w]
+            local = flat_parameters(learner.model) if given is None else given
+            s.propose(exchanged.contributions[w], exchanged.transmitted[w])
+            s.apply(theta, exchanged.averaged)
             s.commit()
             s.merge_into_local(theta, local)
             load_flat(learner.model, local)
-        return max(exchange_bytes(codec, len(p)) for p in payloads)
+
+
+@dataclass
+class Exchanged:
+    """One round between its sync point and the moment it lands: what every worker sent and the mean."""
+
+    contributions: list[torch.Tensor]
+    transmitted: list[torch.Tensor]
+    averaged: torch.Tensor
+    bytes_sent: int
+    """Bytes one worker sent for it (the largest payload's, in the exchange pattern)."""
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -457,6 +541,7 @@ def describe(config: RunConfig) -> dict[str, Any]:
         "codec_options": config.codec_options,
         "hparams": config.hparams,
         "sync_every": config.sync_every,
+        "tau": config.tau,
     }
 
 
@@ -514,6 +599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 steps, 1 eval batch")
     parser.add_argument(
+        "--sweep", action="store_true", help="run DeMo's tuning sweep instead of the defaults"
+    )
+    parser.add_argument(
         "--only", action="append", default=[], metavar="NAME", help="run only these configs (repeatable)"
     )
     parser.add_argument(
@@ -538,15 +626,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_eval_batches=1 if args.quick else Setup.num_eval_batches,
     )
     configs = default_configs()
-    known = [c.name for c in configs]
+    every = configs + sweep_configs()
+    known = [c.name for c in every]
     unknown = sorted(set(args.only) - set(known))
     if unknown:
         parser.error(f"--only: expected some of {known}, got {unknown}")
+    if args.sweep:
+        configs = sweep_configs()
     if args.only:
-        configs = [c for c in configs if c.name in args.only]
+        configs = [c for c in every if c.name in args.only]
 
     if args.merge:
-        order = {c.name: i for i, c in enumerate(configs)}
+        order = {c.name: i for i, c in enumerate(every)}
         merged = sorted(
             (r for path in args.merge for r in read_json(path)),
             key=lambda r: order.get(r.config.name, len(order)),
@@ -564,13 +655,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bench = Bench(setup, open_dataset(builtin_dataset(args.cache_dir)), log)
     log(f"tiny model: {bench.num_params} parameters; {NUM_WORKERS} workers x batch {BATCH_SIZE} x {SEQ_LEN}")
-    results = []
+    results: list[RunResult] = []
+
+    def save(partial: RunResult) -> None:
+        # After every report step, so a long run interrupted keeps what it measured (its 600-step figures).
+        if args.json is not None:
+            write_json(args.json, command, [*results, partial])
+
     for config in configs:
         log(f"{config.name} ...")
-        results.append(bench.run(config))
+        results.append(bench.run(config, save))
         log(f"  {config.name} took {results[-1].seconds:.0f} s")
-        if args.json is not None:  # after every config, so a long run interrupted keeps what it measured
-            write_json(args.json, command, results)
 
     print(f"Command: `{command}`\n")
     for step in report_steps:

@@ -21,7 +21,7 @@ SMOKE_CONFIGS = [
     "ddp",
     "lone",
     "diloco-h10-int8",
-    "streaming-diloco-h10-p5-int8",
+    "streaming-diloco-h10-p5-tau1-a0.5-int8",
     "sparseloco-h10-top64of4096-2bit",
     "demo-top12of1024",
 ]
@@ -41,12 +41,18 @@ def bench() -> ModuleType:
     return load_script()
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One prepared copy of the bundled corpus for the module's tests (preparing it is most of their time)."""
+    return tmp_path_factory.mktemp("data")
+
+
 def test_smoke_run_counts_real_payload_bytes(
-    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    bench: ModuleType, tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     threads = torch.get_num_threads()
     out = tmp_path / "results.json"
-    argv = ["--quick", "--steps", "2", "--json", str(out), "--cache-dir", str(tmp_path / "data")]
+    argv = ["--quick", "--steps", "2", "--json", str(out), "--cache-dir", str(cache_dir)]
     for name in SMOKE_CONFIGS:
         argv += ["--only", name]
     try:
@@ -78,7 +84,7 @@ def test_smoke_run_counts_real_payload_bytes(
     dct = configs["demo-top12of1024"].make_codec()
     assert results["demo-top12of1024"].bytes_per_worker[2] == 2 * 3 * len(dct.encode(zeros))
     # streaming: one round at step 2 carrying one of 5 fragments, so its peak is ~1/5 of diloco's.
-    streaming = results["streaming-diloco-h10-p5-int8"]
+    streaming = results["streaming-diloco-h10-p5-tau1-a0.5-int8"]
     fragment = zeros[: -(-num_params // 5)]
     assert streaming.peak_bytes_per_sync == round(1.5 * len(int8.encode(fragment)))
     assert streaming.peak_bytes_per_sync < results["diloco-h10-int8"].peak_bytes_per_sync / 4
@@ -100,3 +106,48 @@ def test_unknown_config_is_refused(bench: ModuleType, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         bench.main(["--only", "no-such-config"])
     assert "no-such-config" in capsys.readouterr().err
+
+
+def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleType, cache_dir: Path) -> None:
+    """Streaming DiLoCo with tau: the contribution is taken at the sync point, and the merged result is mixed
+    into the weights the worker has trained on since (alpha of them), on the synced fragment only."""
+    from farloco.node.data import builtin_dataset, open_dataset
+
+    setup = bench.Setup(steps=2, report_steps=(2,), num_eval_batches=1)
+    runner = bench.Bench(setup, open_dataset(builtin_dataset(cache_dir)), lambda _: None)
+    config = bench.streaming_config(num_fragments=2, tau=1, alpha=0.5, h=4)
+    strategies = [
+        bench.make_strategy(config.strategy, runner.num_params, config.make_codec(), **config.hparams)
+        for _ in range(bench.NUM_WORKERS)
+    ]
+    theta0 = bench.flat_parameters(runner.initial)
+    thetas = [theta0.clone() for _ in range(bench.NUM_WORKERS)]
+    learners = [bench.Learner(runner.fresh_model(), setup) for _ in range(bench.NUM_WORKERS)]
+    for learner, sampler in zip(learners, runner.samplers, strict=True):
+        learner.step(0, sampler.batch(0))
+    at_sync = [bench.flat_parameters(learner.model) for learner in learners]
+    exchanged = runner._exchange(strategies, thetas, learners, [None] * bench.NUM_WORKERS)
+    assert all(torch.equal(theta, theta0) for theta in thetas)  # nothing applied at the sync point
+    for learner, sampler in zip(learners, runner.samplers, strict=True):
+        learner.step(1, sampler.batch(1))  # the tau = 1 step the exchange overlaps
+    current = [bench.flat_parameters(learner.model) for learner in learners]
+    runner._land(strategies, thetas, learners, exchanged, None)
+
+    part = strategies[0].fragments[0]
+    other = strategies[0].fragments[1]
+    # The outer step used the contributions of the sync point: -lr * (1 + momentum) * mean(theta0 - at_sync).
+    pseudo = torch.stack([theta0[part] - local[part] for local in at_sync]).mean(0)
+    assert torch.allclose(thetas[0][part], theta0[part] - 0.5 * 1.9 * pseudo, atol=1e-4)
+    assert torch.equal(thetas[0][other], theta0[other])
+    assert all(torch.equal(thetas[0], theta) for theta in thetas[1:])
+    for learner, now in zip(learners, current, strict=True):
+        merged = bench.flat_parameters(learner.model)
+        expected = now[part] * 0.5 + thetas[0][part] * 0.5
+        assert torch.allclose(merged[part], expected, atol=1e-6)
+        assert torch.equal(merged[other], now[other])  # the other fragment keeps its local progress
+    assert exchanged.bytes_sent == round(1.5 * len(config.make_codec().encode(torch.zeros(part.stop))))
+
+
+def test_overlap_longer_than_the_sync_interval_is_refused(bench: ModuleType) -> None:
+    with pytest.raises(ValueError, match="tau < sync_every"):
+        bench.streaming_config(num_fragments=5, tau=2, alpha=0.5)
