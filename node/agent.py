@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from farloco.node.config import Config, ConfigError, diff_run, run_hash, run_sec
 from farloco.node.control import ControlServer
 from farloco.node.dhtnode import make_dht
 from farloco.node.handoff import Handoff, flatten, layout_of
+from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
 
 log = logging.getLogger("farloco.agent")
@@ -176,6 +178,12 @@ class Agent:
         self.codec, self.strategy = build_outer(config, self.num_params)
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None
+        self.launcher_failures = LauncherFailures(
+            config.node.max_restarts, on_failure=self._on_trainer_failure
+        )
+        self.sync_progress: SyncProgress | None = None  # while a state sync runs
+        self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
+        self._inner_load_task: asyncio.Task[None] | None = None
 
     # ---- public, thread-safe views ----------------------------------------------------------------------------
     def status_dict(self) -> dict[str, Any]:
@@ -184,6 +192,7 @@ class Agent:
             if getattr(self, "handoff", None) is not None:
                 reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
             inner_step = max((r.inner_step for r in reports), default=0)
+            step_seconds = max((r.step_seconds for r in reports), default=0.0)
             raw = self.counters.raw_bytes
             return {
                 "peer_id": self.peer_id,
@@ -212,6 +221,17 @@ class Agent:
                 "rounds_late": self.counters.rounds_late,
                 "hash_mismatches": self.counters.hash_mismatches,
                 "trainer_pids": [r.pid for r in reports],
+                "trainer_restarts": self.launcher_failures.restarts,
+                "trainer_last_exit": self.launcher_failures.last_exit,
+                "inner_step_seconds": step_seconds if step_seconds > 0 else None,
+                # The ranks step in lockstep (FSDP collectives): the node's batch per slowest rank's step time.
+                "tokens_per_second": (
+                    self.config.run.batch_size * self.config.run.seq_len / step_seconds
+                    if step_seconds > 0
+                    else None
+                ),
+                "sync": self.sync_progress.snapshot() if self.sync_progress is not None else None,
+                "leave_mode": self.leave_mode,
                 "last_round_seconds": self.counters.last_round_seconds,
                 "error": self.error,
                 "last_checkpoint": self.last_checkpoint,
@@ -230,6 +250,21 @@ class Agent:
             self.leave_mode = mode
         if self._loop is not None and self._leave_event is not None:
             self._loop.call_soon_threadsafe(self._leave_event.set)
+
+    def _on_signal(self) -> None:
+        """SIGTERM / Ctrl+C: leave gracefully (after a drain: leave now-ish, gracefully); a second one while
+        already leaving gracefully: leave at once."""
+        self.request_leave("now" if self.leave_mode in ("graceful", "now") else "graceful")
+
+    def _on_trainer_failure(self, reason: str) -> None:
+        """Called from the launcher's thread for each failed rank group."""
+        restarting = self.launcher_failures.failures <= self.launcher_failures.max_restarts
+        log.warning(
+            "trainer %s; %s", reason, "the launcher restarts the ranks" if restarting else "no restarts left"
+        )
+        self.events.write(
+            "trainer_failed", reason=reason, restarts=self.launcher_failures.restarts, restarting=restarting
+        )
 
     def metrics_text(self) -> str:
         status = self.status_dict()
@@ -255,6 +290,27 @@ class Agent:
             "compression_ratio", status["compression_ratio"], "fp32 bytes per wire byte actually achieved."
         )
         metric("round_seconds", status["last_round_seconds"], "Duration of the last outer round.")
+        metric("inner_step_seconds", status["inner_step_seconds"], "Mean inner step time of the last round.")
+        metric("tokens_per_second", status["tokens_per_second"], "Training tokens per second in inner steps.")
+        metric(
+            "trainer_restarts_total",
+            status["trainer_restarts"],
+            "Trainer rank groups restarted by the elastic launcher.",
+            "counter",
+        )
+        if self.launcher_failures.last_exit_code is not None:
+            reason = str(status["trainer_last_exit"]).replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(
+                "# HELP farloco_trainer_last_exit_code Exit code of the last failed rank (-N: signal N)."
+            )
+            lines.append("# TYPE farloco_trainer_last_exit_code gauge")
+            lines.append(
+                f'farloco_trainer_last_exit_code{{reason="{reason}"}} {self.launcher_failures.last_exit_code}'
+            )
+        sync = status["sync"]
+        if sync is not None:
+            metric("sync_bytes_done", sync["bytes_done"], "Bytes of outer state fetched by the running sync.")
+            metric("sync_bytes_total", sync["bytes_total"], "Bytes of outer state the running sync fetches.")
         metric("rounds_committed_total", status["rounds_committed"], "Committed rounds.", "counter")
         metric("rounds_aborted_total", status["rounds_aborted"], "Aborted rounds.", "counter")
         # Refused RPCs are counted by the transport itself, by stable reason.
@@ -302,7 +358,7 @@ class Agent:
         self._leave_event = asyncio.Event()
         self._publish_lock = asyncio.Lock()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self._loop.add_signal_handler(sig, self.request_leave, "graceful")
+            self._loop.add_signal_handler(sig, self._on_signal)
 
         net = self.config.network
         identity = self.run_dir / "identity.key"
@@ -383,12 +439,15 @@ class Agent:
             await self._join()
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             self._start_trainers()
+            self._request_inner_load()
             await self._round_loop()
             self.status = Status.STOPPED
         finally:
             self.status = Status.LEAVING if self.status is not Status.FAILED else self.status
             if heartbeat is not None:
                 heartbeat.cancel()
+            if self._inner_load_task is not None:
+                self._inner_load_task.cancel()
             with contextlib.suppress(Exception):
                 await self.membership.remove()
             self._stop_trainers()
@@ -452,9 +511,18 @@ class Agent:
 
         self.status = Status.SYNCING
         started = time.monotonic()
-        meta, tensors = await fetch_state(
-            self.client, donors, timeout=self.config.timeouts.sync_timeout, expect_run_hash=self.run_hash
-        )
+        self.sync_progress = SyncProgress(f"state sync ({why})")
+        try:
+            meta, tensors = await fetch_state(
+                self.client,
+                donors,
+                timeout=self.config.timeouts.sync_timeout,
+                expect_run_hash=self.run_hash,
+                on_progress=self.sync_progress.update,
+            )
+        finally:
+            self.sync_progress.close()
+            self.sync_progress = None
         self._install_state(meta, tensors)
         self.counters.resyncs += 1
         self.events.write(
@@ -462,9 +530,59 @@ class Agent:
         )
         log.info("synced state of round %d from %s (%s)", self.round_id, donors, why)
 
-    async def _checkpoint(self) -> None:
-        """Write the committed outer state (the snapshot donors serve) off the event loop, then prune."""
+    def _stage_inner(self) -> tuple[Path | None, int]:
+        """Stage this round's checkpoint directory and ask the ranks to save their inner state into its inner/;
+        they do it at their next sequence boundary. Returns (staged directory, request seq), or (None, 0)."""
+        from farloco.node.checkpoint import INNER_DIR, CheckpointError, checkpoints_dir, stage_checkpoint
+        from farloco.node.handoff import INNER_SAVE
+
+        try:
+            staged = stage_checkpoint(checkpoints_dir(self.run_dir), self.round_id)
+        except (CheckpointError, OSError) as exc:
+            log.error("cannot stage the checkpoint of round %d: %s", self.round_id, exc)
+            return None, 0
+        return staged, self.handoff.request_inner(INNER_SAVE, staged / INNER_DIR)
+
+    async def _wait_inner(self, seq: int) -> dict[str, Any] | None:
+        """Wait for every rank to serve inner-state request `seq`: its outcome, or None if the ranks are gone."""
+        from farloco.node.handoff import INNER_FAILED, INNER_FRESH, INNER_OK
+
+        while not self.handoff.inner_all_done(seq):
+            if self._trainers_exited.is_set():
+                return None
+            await asyncio.sleep(0.05)
+        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
+        names = {INNER_OK: "ok", INNER_FRESH: "fresh", INNER_FAILED: "failed"}
+        return {
+            "result": names.get(max(r.inner_result for r in reports), "?"),
+            "optimizer_step": reports[0].optimizer_step,
+            "optimizer_fingerprint": reports[0].optimizer_fingerprint,
+        }
+
+    def _request_inner_load(self) -> None:
+        """Resumed from a checkpoint with inner state: the ranks load it before their first sequence."""
+        from farloco.node.handoff import INNER_LOAD
+
+        if self._inner_resume is None:
+            return
+        seq = self.handoff.request_inner(INNER_LOAD, self._inner_resume)
+        self._inner_load_task = asyncio.create_task(self._report_inner_load(seq, self._inner_resume))
+
+    async def _report_inner_load(self, seq: int, directory: Path) -> None:
+        outcome = await self._wait_inner(seq)
+        if outcome is None:
+            return
+        if outcome["result"] != "ok":
+            log.warning("the ranks could not load %s: they start with a fresh optimizer state", directory)
+        self.events.write("inner_resumed", path=str(directory), **outcome)
+
+    async def _checkpoint(self, staged: Path | None = None, inner_seq: int = 0) -> None:
+        """Write the committed outer state (the snapshot donors serve) off the event loop, then prune. With
+        `staged`, first wait for the ranks to write their inner state into it (request `inner_seq`)."""
+        import shutil
+
         from farloco.node.checkpoint import (
+            INNER_DIR,
             CheckpointError,
             checkpoints_dir,
             prune_checkpoints,
@@ -473,6 +591,11 @@ class Agent:
 
         _, tensors = self._snapshot  # clones taken at commit: later rounds never touch them
         round_id = self.round_id
+        inner = await self._wait_inner(inner_seq) if staged is not None else None
+        if staged is not None and (inner is None or inner["result"] != "ok"):
+            # Never commit a partial inner/: the checkpoint holds the outer state alone, resuming uses fresh AdamW.
+            log.error("the ranks did not save their inner state for round %d (%s)", round_id, inner)
+            await asyncio.to_thread(shutil.rmtree, staged / INNER_DIR, True)
         meta = {
             "run_hash": self.run_hash,
             "inner_step": str(round_id * self.config.run.inner_steps),
@@ -481,7 +604,7 @@ class Agent:
         root = checkpoints_dir(self.run_dir)
         started = time.monotonic()
         try:
-            path = await asyncio.to_thread(save_checkpoint, root, round_id, tensors, meta)
+            path = await asyncio.to_thread(save_checkpoint, root, round_id, tensors, meta, staged=staged)
             removed = await asyncio.to_thread(prune_checkpoints, root, self.config.checkpoint.keep)
         except (CheckpointError, OSError) as exc:  # a full disk must not stop training
             log.error("checkpoint of round %d failed: %s", round_id, exc)
@@ -494,11 +617,18 @@ class Agent:
             path=str(path),
             seconds=time.monotonic() - started,
             pruned=len(removed),
+            inner=inner,
         )
 
     def _resume_from_checkpoint(self) -> None:
         """No peer is ahead: continue from this run directory's newest loadable checkpoint, if any."""
-        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, load_checkpoint
+        from farloco.node.checkpoint import (
+            CheckpointError,
+            checkpoints_dir,
+            latest_checkpoint,
+            load_checkpoint,
+            verify_inner,
+        )
 
         path = latest_checkpoint(checkpoints_dir(self.run_dir))
         if path is None:
@@ -511,6 +641,10 @@ class Agent:
             )
         self._install_state({"round_id": meta["round_id"], "run_hash": meta["run_hash"]}, tensors)
         self.last_checkpoint = str(path)
+        try:
+            self._inner_resume = verify_inner(path)
+        except CheckpointError as exc:
+            log.warning("%s: the ranks start with a fresh optimizer state", exc)
         self.events.write("resumed", round_id=self.round_id, checkpoint=str(path))
 
     # ---- membership --------------------------------------------------------------------------------------------
@@ -640,7 +774,11 @@ class Agent:
             monitor_interval=0.2,
             start_method="spawn",
             local_addr="127.0.0.1",
-            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+            # The ranks' output always lands in logs/trainer/; echoed on stderr only for text logs (a JSON
+            # stderr must hold JSON lines only).
+            logs_specs=DefaultLogsSpecs(
+                log_dir=str(log_dir), tee=Std.ALL if console_format() == "text" else Std.NONE
+            ),
         )
         args = (
             "-m",
@@ -656,11 +794,13 @@ class Agent:
         )
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(node.threads_per_rank)
+        self.launcher_failures.install()
         try:
             elastic_launch(launch, entrypoint=sys.executable)(*args)
         except BaseException as exc:
             self._trainer_error = exc
         finally:
+            self.launcher_failures.uninstall()
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             self._trainers_exited.set()
@@ -720,9 +860,24 @@ class Agent:
             if not await self._wait_ranks(seq):
                 self.events.write("withdrew", round_id=self.round_id)
                 return
-            reload = await self._round(seq)
+            reload = await self._unless_leaving_now(self._round(seq))
+            if reload is None:
+                self.events.write("withdrew", round_id=self.round_id, mode="now")
+                return
             if self.leave_mode == "drain":
                 return
+
+    async def _unless_leaving_now(self, work: Coroutine[Any, Any, bool]) -> bool | None:
+        """Run one round's exchange; `leave --now` abandons it (None): the others drop us from the exchange."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            if self.leave_mode == "now":
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+            await asyncio.wait({task}, timeout=0.05)
+        return task.result()
 
     async def _round(self, seq: int) -> bool:
         """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
@@ -800,8 +955,9 @@ class Agent:
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:
             if self._checkpoint_task is not None:
-                await self._checkpoint_task  # one at a time, in round order
-            self._checkpoint_task = asyncio.create_task(self._checkpoint())
+                await self._checkpoint_task  # one at a time, in round order (and its prune before staging)
+            staged, inner_seq = self._stage_inner()
+            self._checkpoint_task = asyncio.create_task(self._checkpoint(staged, inner_seq))
         ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
         self.counters.ddp_bytes += ddp
         # What a dense fp32 all-reduce of the same round would have sent: the baseline of compression_ratio.

@@ -258,14 +258,21 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
 
 
 # ---- the ranks' inner state (collective: every rank of the node's process group calls these) --------------------
-def save_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     """Write this node's sharded model and optimizer state (FSDP2 DTensors) to `directory`, each rank its own
-    shards, with torch.distributed.checkpoint (which fsyncs every file it writes)."""
+    shards, with torch.distributed.checkpoint (which fsyncs every file it writes). False if it failed (e.g. a
+    full disk): training goes on, the checkpoint is written without inner state."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))
+    except (Exception, CheckpointException) as exc:  # raised on every rank alike, see load_inner_state
+        log.error("saving the inner state to %s failed: %s", directory, exc)
+        return False
+    return True
 
 
 def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import sys
 import time
@@ -16,14 +15,10 @@ import click
 from farloco.node.config import PRESETS, ConfigError, example_config, load_config
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("hivemind", "torch.distributed", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def _setup_logging(verbose: bool, log_format: str | None, run_dir: Path) -> None:
+    from farloco.node.logs import setup_logging
+
+    setup_logging(log_format, verbose=verbose, run_dir=run_dir)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -76,6 +71,13 @@ def _host_overrides(host: str | None, port: int | None, dht_port: int | None) ->
     help="Override one config value, e.g. --set run.inner_steps=50 (repeatable).",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default=None,
+    help="stderr log lines as text or JSON lines (ts, level, logger, msg, extra fields). Default: text when "
+    "stderr is a terminal, json otherwise. <run-dir>/logs/daemon.jsonl always gets JSON lines.",
+)
 def join(
     config_path: Path | None,
     run_dir: Path,
@@ -85,9 +87,10 @@ def join(
     dht_port: int | None,
     overrides: tuple[str, ...],
     verbose: bool,
+    log_format: str | None,
 ) -> None:
     """Start a node and join (or found) a swarm. Prints the node's multiaddrs; runs until it leaves."""
-    _setup_logging(verbose)
+    _setup_logging(verbose, log_format, run_dir)
     try:
         config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port)])
     except ConfigError as exc:
@@ -104,7 +107,9 @@ def join(
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     code = agent.run()
-    if agent.error:
+    from farloco.node.logs import console_format
+
+    if agent.error and console_format() == "text":  # a JSON stderr already has it, as a log line
         click.echo(f"error: {agent.error}", err=True)
     sys.exit(code)
 
@@ -247,11 +252,20 @@ def status(run_dir: Path, as_json: bool) -> None:
         "codec",
         "grpc_address",
         "slot",
+        "tokens_per_second",
+        "trainer_restarts",
+        "trainer_last_exit",
+        "last_checkpoint",
+        "sync",
+        "leave_mode",
         "error",
     ):
         value = data.get(key)
         if key == "outer_hash" and value:
             value = value[:16]
+        if key == "sync" and value:
+            done, total = value["bytes_done"] / 2**20, value["bytes_total"] / 2**20
+            value = f"{done:.1f} / {total:.1f} MiB ({value['description']})"
         table.add_row(key, _fmt(value))
     Console().print(table)
 

@@ -7,8 +7,10 @@ shards it with FSDP2 (`fully_shard` per transformer block, then the root) on a 1
     -> evaluate theta_outer on held-out batches -> H AdamW steps on this rank's data share
     -> write this rank's rows of the parameters into the hand-off -> mark the sequence done
 
-The inner optimizer state stays local across rounds, as in DiLoCo. A restarted rank starts with fresh AdamW
-state from the theta the agent last published. Run as `python -m farloco.node.trainer --handoff ... --run-dir ...`.
+The inner optimizer state stays local across rounds, as in DiLoCo. Between sequences the ranks save it (with the
+model shards) into a checkpoint's inner/ folder, or load it back on resume, when the agent asks through the
+hand-off (`serve_inner_request`). A rank group restarted by the launcher starts with fresh AdamW state from the
+theta the agent last published. Run as `python -m farloco.node.trainer --handoff ... --run-dir ...`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
 from farloco.node.config import Config, load_config
 from farloco.node.data import BatchSampler, eval_batches, open_dataset
-from farloco.node.handoff import COMMAND_STOP, Handoff, ParamSlot, layout_of
+from farloco.node.handoff import (
+    COMMAND_STOP,
+    INNER_FAILED,
+    INNER_FRESH,
+    INNER_OK,
+    INNER_SAVE,
+    Handoff,
+    ParamSlot,
+    layout_of,
+)
 from farloco.node.model import Transformer, build_model, lm_loss, model_config
 
 POLL_SECONDS = 0.002
@@ -171,16 +183,27 @@ def loop(
     device: torch.device,
 ) -> None:
     done_seq = handoff.report(rank).done_seq
+    # A restarted rank group redoes an inner-state request that any rank had not finished: they all must meet
+    # in its collectives.
+    inner_done = min(handoff.report(r).inner_done for r in range(handoff.world_size))
     parent = os.getppid()
     loaded_once = False
     tokens = 0
     pid = os.getpid()
     while True:
-        while handoff.publish_seq <= done_seq and handoff.command != COMMAND_STOP:
+        while (
+            handoff.publish_seq <= done_seq
+            and handoff.command != COMMAND_STOP
+            and handoff.inner_seq <= inner_done
+        ):
             if os.getppid() != parent:
                 # The agent died (SIGKILL leaves no chance to stop us): don't linger as an orphan.
                 return
             time.sleep(POLL_SECONDS)
+        if handoff.inner_seq > inner_done:
+            # Served between sequences, and before STOP, so the state saved is the one at a round boundary.
+            inner_done = serve_inner_request(handoff, model, optimizer, rank, device)
+            continue
         if handoff.command == COMMAND_STOP:
             return
         seq = handoff.publish_seq
@@ -220,6 +243,22 @@ def loop(
         dist.barrier()
         handoff.mark_done(rank, seq, train_loss=train_loss, step_seconds=elapsed / max(inner_steps, 1))
         done_seq = seq
+
+
+def serve_inner_request(
+    handoff: Handoff, model: Transformer, optimizer: torch.optim.Optimizer, rank: int, device: torch.device
+) -> int:
+    """Save or load this node's sharded model/optimizer state where the agent asked (collective: every rank
+    serves the same request at the same point); report the outcome and the optimizer's step and fingerprint."""
+    seq = handoff.inner_seq
+    op, directory = handoff.inner_request()
+    if op == INNER_SAVE:
+        result = INNER_OK if save_inner_state(directory, model, optimizer) else INNER_FAILED
+    else:
+        result = INNER_OK if load_inner_state(directory, model, optimizer) else INNER_FRESH
+    step, fingerprint = optimizer_fingerprint(optimizer, device)
+    handoff.mark_inner_done(rank, seq, result=result, optimizer_step=step, optimizer_fingerprint=fingerprint)
+    return seq
 
 
 def should_stop(handoff: Handoff, parent: int, device: torch.device) -> bool:

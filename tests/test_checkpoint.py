@@ -316,7 +316,7 @@ def test_inner_state_round_trips_inside_an_atomic_checkpoint(tmp_path: Path, one
     assert saved[0] == 3 and saved[1] > 0
     root = tmp_path / "ckpt"
     staged = stage_checkpoint(root, 4)
-    save_inner_state(staged / INNER_DIR, model, optimizer)
+    assert save_inner_state(staged / INNER_DIR, model, optimizer)
     # Until save_checkpoint renames it, the staged directory is no checkpoint at all.
     assert latest_checkpoint(root) is None
     path = save_checkpoint(root, 4, _state(4), {"run_hash": RUN_HASH, "inner_step": "12"}, staged=staged)
@@ -344,7 +344,9 @@ def test_inner_state_that_is_missing_or_does_not_fit_leaves_a_fresh_optimizer(
     from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
 
     model, optimizer = _sharded(steps=2)
-    save_inner_state(tmp_path / "inner", model, optimizer)
+    assert save_inner_state(tmp_path / "inner", model, optimizer)
+    (tmp_path / "not-a-dir").write_text("a file where the directory should go")
+    assert not save_inner_state(tmp_path / "not-a-dir", model, optimizer)
     nothing_model, nothing_optimizer = _sharded()
     assert not load_inner_state(tmp_path / "absent", nothing_model, nothing_optimizer)
     assert optimizer_fingerprint(nothing_optimizer, torch.device("cpu")) == (0, 0.0)

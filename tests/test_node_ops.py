@@ -1,5 +1,7 @@
-"""A single real node end to end: status/metrics/health endpoints while it trains, SIGTERM leaves gracefully,
-checkpoints are written, and `farloco report` / `farloco export` work on what the run left behind."""
+"""A single real node end to end: status/metrics/health endpoints and JSON logs while it trains, drain, SIGTERM
+and `leave --now` leave gracefully, checkpoints (outer and the ranks' sharded inner state) are written and
+resumed from after a SIGKILL, trainer restarts are counted, and `farloco report` / `farloco export` work on
+what the run left behind."""
 
 from __future__ import annotations
 
@@ -31,20 +33,22 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_solo_node_lifecycle(tmp_path: Path) -> None:
     run_dir = tmp_path / "node"
     log = open(tmp_path / "node.log", "wb")  # noqa: SIM115 - closed below
+    stderr = open(tmp_path / "node.err", "wb")  # noqa: SIM115 - closed below
     node = subprocess.Popen(
         [
             sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
             "--set", "run.inner_steps=4", "--set", "checkpoint.every_rounds=2", "--set", "checkpoint.keep=2",
+            "--log-format", "json",
         ],
         stdout=log,
-        stderr=subprocess.STDOUT,
+        stderr=stderr,
         start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         status: dict = {}
         while time.monotonic() < deadline:
-            assert node.poll() is None, (tmp_path / "node.log").read_text()[-3000:]
+            assert node.poll() is None, (tmp_path / "node.err").read_text()[-3000:]
             try:
                 status = ControlClient(run_dir).status()
             except ControlError:
@@ -56,9 +60,11 @@ def test_solo_node_lifecycle(tmp_path: Path) -> None:
             pytest.fail(f"node did not reach round 5: {status}")
 
         for key in ("peer_id", "state", "round_id", "inner_step", "loss", "num_peers", "outer_hash",
-                    "bytes_sent", "bytes_received", "multiaddrs", "metrics_url", "last_checkpoint"):  # fmt: skip
+                    "bytes_sent", "bytes_received", "multiaddrs", "metrics_url", "last_checkpoint",
+                    "trainer_restarts", "trainer_last_exit", "tokens_per_second", "sync"):  # fmt: skip
             assert key in status, key
         assert status["state"] in ("training", "exchanging")
+        assert status["trainer_restarts"] == 0 and status["tokens_per_second"] > 0 and status["sync"] is None
         assert status["num_peers"] == 1 and status["multiaddrs"]
 
         shown = cli("status", "--run-dir", str(run_dir), "--json")
@@ -70,7 +76,9 @@ def test_solo_node_lifecycle(tmp_path: Path) -> None:
 
         with urllib.request.urlopen(status["metrics_url"], timeout=10) as response:
             metrics = response.read().decode()
-        assert "farloco_round_id" in metrics and "farloco_rounds_committed_total" in metrics
+        for name in ("round_id", "rounds_committed_total", "tokens_per_second", "inner_step_seconds",
+                     "trainer_restarts_total", "loss", "peers"):  # fmt: skip
+            assert f"\nfarloco_{name} " in metrics, name
         base = status["metrics_url"].removesuffix("/metrics")
         with urllib.request.urlopen(base + "/healthz", timeout=10) as response:
             assert response.status == 200
@@ -79,16 +87,27 @@ def test_solo_node_lifecycle(tmp_path: Path) -> None:
             urllib.request.urlopen(base + "/status", timeout=10)
         assert refused.value.code == 401
 
-        node.send_signal(signal.SIGTERM)
-        assert node.wait(timeout=60) == 0, (tmp_path / "node.log").read_text()[-3000:]
+        drained = cli("drain", "--run-dir", str(run_dir), "--timeout", "120")
+        assert drained.returncode == 0, drained.stderr
+        assert node.wait(timeout=60) == 0, (tmp_path / "node.err").read_text()[-3000:]
     finally:
         stop_process(node)
         log.close()
+        stderr.close()
 
-    events = [e["event"] for e in read_events(run_dir)]
-    assert events[-1] == "stopped" and "failed" not in events
+    events = read_events(run_dir)
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "stopped" and "failed" not in kinds and "withdrew" not in kinds
+    # drain finished the round it was in: the last round committed is the round the node stopped at
+    assert [e for e in events if e["event"] == "round"][-1]["round_id"] == events[-1]["round_id"]
     checkpoints = sorted((run_dir / "checkpoints").glob("round-*"))
-    assert 1 <= len(checkpoints) <= 2
+    assert 1 <= len(checkpoints) <= 2 and all((c / "inner" / ".metadata").is_file() for c in checkpoints)
+    # --log-format json: every stderr line is a JSON object; the daemon log file holds the same kind of lines
+    lines = (tmp_path / "node.err").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+    daemon = [json.loads(line) for line in (run_dir / "logs" / "daemon.jsonl").read_text().splitlines()]
+    assert any(r["logger"].startswith("farloco") for r in daemon)
 
     report = cli("report", "--run-dir", str(run_dir), "--out", str(tmp_path / "report"))
     assert report.returncode == 0, report.stderr
@@ -129,7 +148,12 @@ def _wait_status(run_dir: Path, node: subprocess.Popen[bytes], predicate, timeou
     pytest.fail(f"timed out waiting on {run_dir}")
 
 
-def test_crashed_trainer_rank_is_restarted_without_leaving(tmp_path: Path) -> None:
+def _metric(run_dir: Path, name: str) -> list[str]:
+    with urllib.request.urlopen(ControlClient(run_dir).status()["metrics_url"], timeout=10) as response:
+        return [line for line in response.read().decode().splitlines() if line.startswith(f"farloco_{name}")]
+
+
+def test_crashed_trainer_rank_is_restarted_and_counted_then_leave_now(tmp_path: Path) -> None:
     run_dir = tmp_path / "node"
     node = _start(run_dir, tmp_path / "node.log", "--set", "node.max_restarts=2")
     try:
@@ -139,8 +163,20 @@ def test_crashed_trainer_rank_is_restarted_without_leaving(tmp_path: Path) -> No
         later = _wait_status(run_dir, node, lambda s: s["round_id"] >= status["round_id"] + 2)
         assert later["trainer_pids"][0] not in (0, crashed)
         assert later["state"] in ("training", "exchanging") and later["error"] is None
+        assert later["trainer_restarts"] == 1
+        assert later["trainer_last_exit"] == f"local rank 0 (pid {crashed}) killed by SIGKILL"
+        assert _metric(run_dir, "trainer_restarts_total") == ["farloco_trainer_restarts_total 1.0"]
+        [exit_code] = _metric(run_dir, "trainer_last_exit_code")
+        assert exit_code.endswith(" -9") and "killed by SIGKILL" in exit_code
+        left = cli("leave", "--now", "--run-dir", str(run_dir), "--timeout", "60")
+        assert left.returncode == 0, left.stderr
+        assert node.wait(timeout=30) == 0
     finally:
         stop_process(node)
+    events = read_events(run_dir)
+    failed = [e for e in events if e["event"] == "trainer_failed"]
+    assert len(failed) == 1 and failed[0]["restarting"] and "SIGKILL" in failed[0]["reason"]
+    assert events[-1]["event"] == "stopped" and events[-1]["error"] is None
 
 
 def test_repeated_trainer_crashes_make_the_node_leave_with_a_reason(tmp_path: Path) -> None:
@@ -157,28 +193,49 @@ def test_repeated_trainer_crashes_make_the_node_leave_with_a_reason(tmp_path: Pa
     events = read_events(run_dir)
     assert events[-1]["event"] in ("failed", "stopped")
     assert any(e["event"] == "failed" and "trainer ranks exited" in e["error"] for e in events)
+    assert any(e["event"] == "trainer_failed" and not e["restarting"] for e in events)
 
 
-def test_solo_node_resumes_from_its_newest_checkpoint_after_sigkill(tmp_path: Path) -> None:
+def test_sigkilled_node_resumes_outer_and_sharded_inner_state(tmp_path: Path) -> None:
+    """2 ranks (FSDP2 shards): the newest checkpoint's AdamW state comes back, not a fresh one."""
     run_dir = tmp_path / "node"
-    extra = ("--set", "checkpoint.every_rounds=2")
+    extra = (
+        "--set",
+        "checkpoint.every_rounds=2",
+        "--set",
+        "node.num_ranks=2",
+        "--set",
+        "node.threads_per_rank=1",
+    )
     node = _start(run_dir, tmp_path / "first.log", *extra)
     try:
-        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 5 and s["last_checkpoint"])
+        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 3 and s["last_checkpoint"])
         os.killpg(node.pid, signal.SIGKILL)
         node.wait(timeout=30)
     finally:
         stop_process(node)
+    saved = {e["round_id"]: e["inner"] for e in read_events(run_dir) if e["event"] == "checkpoint"}
     checkpoints = sorted((run_dir / "checkpoints").glob("round-????????"))
     newest = int(checkpoints[-1].name.removeprefix("round-"))
-    assert newest >= 4 and newest <= status["round_id"] + 1
+    assert newest >= 2 and newest <= status["round_id"] + 1
+    assert saved[newest]["result"] == "ok" and saved[newest]["optimizer_step"] > 0
+    assert len(list((checkpoints[-1] / "inner").glob("*.distcp"))) == 2  # one file of shards per rank
     node = _start(run_dir, tmp_path / "second.log", *extra)
     try:
-        again = _wait_status(run_dir, node, lambda s: s["round_id"] >= newest + 2)
+        again = _wait_status(run_dir, node, lambda s: s["round_id"] >= newest + 1)
         assert again["peer_id"] == status["peer_id"], (
             "the identity key in the run directory keeps the peer id"
         )
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=60) == 0
     finally:
         stop_process(node)
-    resumed = [e for e in read_events(run_dir) if e["event"] == "resumed"]
+    events = read_events(run_dir)
+    resumed = [e for e in events if e["event"] == "resumed"]
     assert resumed and resumed[-1]["round_id"] == newest
+    [loaded] = [e for e in events if e["event"] == "inner_resumed"]
+    assert loaded["result"] == "ok" and loaded["path"] == str(checkpoints[-1] / "inner")
+    # the AdamW step count and first moments of the saved checkpoint, not those of a fresh optimizer (0, 0.0)
+    assert loaded["optimizer_step"] == saved[newest]["optimizer_step"]
+    assert loaded["optimizer_fingerprint"] == pytest.approx(saved[newest]["optimizer_fingerprint"], rel=1e-9)
+    assert events[-1]["event"] == "stopped"
