@@ -1001,6 +1001,8 @@ class Agent:
         """Fetch the swarm's state once some member has reached `target_round` (bounded wait).
 
         Returns whether the ranks must reload theta (False when nobody got there and we move on alone)."""
+        from farloco.protocol.statesync import StateSyncError
+
         timeouts = self.config.timeouts
         wait = wait if wait is not None else timeouts.exchange_timeout + timeouts.match_timeout
         deadline = time.monotonic() + wait
@@ -1009,7 +1011,15 @@ class Agent:
             ahead = [m for m in members if m.peer_id != self.peer_id and m.round_id >= target_round]
             if ahead:
                 newest = max(m.round_id for m in ahead)
-                await self._sync_from([m.address for m in ahead if m.round_id == newest], why)
+                try:
+                    await self._sync_from([m.address for m in ahead if m.round_id == newest], why)
+                except StateSyncError as exc:
+                    # Every donor we asked failed (the only one of the newest round died mid-transfer, say):
+                    # read the members again, so the next pass asks the survivors.
+                    log.warning("state sync failed (%s); looking for other donors", exc)
+                    self.events.write("sync_failed", why=why, round_id=newest, error=str(exc))
+                    await asyncio.sleep(0.5)
+                    continue
                 return True
             await asyncio.sleep(0.2)
         log.warning("no peer reached round %d in time; moving on from round %d", target_round, self.round_id)

@@ -24,16 +24,17 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from farloco.node.config import ConfigError, build_config, load_config, load_tls, run_hash
+from farloco.node.config import ConfigError, build_config, load_config, load_tls, run_hash, run_section
 from farloco.node.control import ControlClient, ControlError
 from farloco.node.demo import PeerProcess, demo_config, read_events, start_bootstrap, start_peer, stop_process
 from farloco.protocol.auth import Authenticator
-from farloco.protocol.rpc import SERVICE, Frame, TlsConfig, encode_frame
+from farloco.protocol.rpc import SERVICE, Frame, RpcClient, RpcError, TlsConfig, encode_frame
 
 SECRET = "agent-security-test-secret"
 RUN_NAME = "farloco-demo"  # demo_config's run name
@@ -231,7 +232,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     root = tmp_path_factory.mktemp("secure-swarm")
     authority = make_authority("farloco test CA")
     config_path = root / "swarm.toml"
-    config_path.write_text(demo_config(0, ["run.inner_steps=6"]))
+    # Short rounds and no held-out evaluation: these tests are about what the agents refuse, not training.
+    config_path.write_text(demo_config(0, ["run.inner_steps=4", "node.eval_batches=0"]))
     bootstrap, maddr = start_bootstrap(root)
     peers: list[PeerProcess] = []
     try:
@@ -247,13 +249,16 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
             agent.status = _status(agent.peer)
         yield made
     finally:
+        for peer in peers:  # every agent leaves at once rather than one after the other
+            if peer.process.poll() is None:
+                peer.process.terminate()
         for peer in peers:
             stop_process(peer.process)
         stop_process(bootstrap)
 
 
 def test_mtls_agents_commit_rounds_together_and_agree(swarm: Swarm) -> None:
-    swarm.wait(lambda: len(swarm.rounds_together(0)) >= 2, 180, "two rounds with both agents over mTLS")
+    swarm.wait(lambda: len(swarm.rounds_together(0)) >= 2, 180, "two rounds of both agents over mTLS")
     b = swarm.agents[1]
     hashes_b = {e["round_id"]: e["outer_hash"] for e in b.rounds()}
     together = swarm.rounds_together(0)
@@ -356,5 +361,300 @@ def test_running_agent_refuses_bad_tokens_and_frames_with_stable_reasons_and_cou
         assert after.get(key, 0) - before.get(key, 0) == count, (reason, before, after)
     # the agents kept serving each other: a later round still has both of them
     swarm.wait(
-        lambda: bool(swarm.rounds_together(start_round + 1)), 120, "a round of both agents after the probes"
+        lambda: bool(swarm.rounds_together(start_round)), 120, "a round of both agents after the probes"
     )
+
+
+# --------------------------------------------------------------------------------------------- DHT attackers
+
+
+@dataclass
+class DhtNode:
+    """A hivemind DHT node in the test process, on the swarm's DHT, with its own RSA signing key."""
+
+    dht: Any
+    public_key: bytes
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+
+def _dht_node(swarm: Swarm) -> DhtNode:
+    import hivemind
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from farloco.protocol.membership import make_record_validators
+
+    # Its own key (not hivemind's process-wide one), and the run's schema so what it stores is well-formed:
+    # only farloco's own checks can tell these records apart from real ones.
+    validators = make_record_validators(RUN_NAME, private_key=RSAPrivateKey())
+    dht = hivemind.DHT(
+        initial_peers=[swarm.maddr],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=validators,
+        start=True,
+    )
+    return DhtNode(dht, validators[0].local_public_key)  # type: ignore[attr-defined]
+
+
+def _record(peer_id: str, address: str, round_id: int, swarm: Swarm, **changes: Any) -> Any:
+    from farloco.protocol.membership import NO_SLOT, MemberRecord
+
+    config = load_config(swarm.config_path)
+    record = MemberRecord(
+        peer_id=peer_id, address=address, state="training", round_id=round_id, inner_step=0, slot=NO_SLOT,
+        run_hash=run_hash(config), run_config=run_section(config), outer_hash="", loss=0.0, heartbeat=0.0,
+        maddrs=(), version="test",
+    )  # fmt: skip
+    return dataclasses.replace(record, **changes)
+
+
+def test_records_of_a_foreign_dht_node_are_ignored_by_running_agents(swarm: Swarm) -> None:
+    """A DHT node that knows the run config (so its run_hash) but not the secret writes a member record and
+    ready records for the coming rounds: the agents neither list it nor wait for it, and count it."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from farloco.protocol.matchmaking import ReadyRecord, round_key
+    from farloco.protocol.membership import members_key
+
+    node = _dht_node(swarm)
+    try:
+        current = swarm.current_round()
+
+        async def forge() -> None:
+            expiration = get_dht_time() + 120
+            fake = _record(
+                node.peer_id, "127.0.0.1:9", current + 1, swarm, heartbeat=get_dht_time(), proof="0" * 64
+            )
+            writes = [(members_key(RUN_NAME), fake.to_wire())] + [
+                (
+                    round_key(RUN_NAME, r),
+                    ReadyRecord(node.peer_id, "127.0.0.1:9", r, get_dht_time()).to_wire(),
+                )
+                for r in range(current + 1, current + 4)
+            ]
+            for key, value in writes:
+                assert await node.dht.store(
+                    key, value, expiration, subkey=node.public_key, return_future=True
+                ), key
+
+        asyncio.run(forge())
+        # the fake record says round current+1: the agents' round after that is one it would have stalled
+        swarm.wait(lambda: bool(swarm.rounds_together(current + 1)), 120, "a round of both agents after it")
+    finally:
+        node.dht.shutdown()
+    timeouts = load_config(swarm.config_path).timeouts
+    for agent in swarm.agents:
+        counts = agent.metrics()
+        assert counts.get(("farloco_ignored_dht_records_total", "BAD_MEMBER_PROOF"), 0) >= 1, counts
+        assert counts.get(("farloco_ignored_dht_records_total", "NOT_A_MEMBER"), 0) >= 1, counts
+        assert node.peer_id not in {p["peer_id"] for p in ControlClient(agent.peer.run_dir).peers()}
+        later = [e for e in agent.rounds() if e["round_id"] > current + 1]
+        assert later and all(node.peer_id not in e["group"] for e in later)
+        # had the fake member been believed, every leader would wait match_timeout for it to get ready
+        assert all(e["seconds"] < timeouts.match_timeout / 2 for e in later), [e["seconds"] for e in later]
+
+
+@pytest.mark.parametrize("attack", ["nan", pytest.param("shape", marks=pytest.mark.slow)])
+def test_an_insiders_bad_data_is_refused_counted_and_the_round_commits_without_it(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch, attack: str
+) -> None:
+    """A member with the secret and a certificate joins a real round with the agents and sends either NaN
+    (after a stream that claims the previous round) or a tensor of the wrong shape: each is refused with its
+    reason and counted in /metrics, and the round commits with the two agents' contributions only."""
+    import farloco.protocol.exchange as exchange_module
+    from farloco.optim import get_codec
+    from farloco.protocol.exchange import Exchange, ExchangeAborted
+    from farloco.protocol.matchmaking import DHTMatchmaker, LateForRound
+    from farloco.protocol.membership import DHTMembership
+    from farloco.protocol.rpc import RpcServer
+    from farloco.protocol.types import GroupMember
+
+    # The insider skips the check that stops an honest node from sending its own NaN.
+    monkeypatch.setattr(exchange_module, "_check_own_finite", lambda codec, flat: None)
+    config = load_config(swarm.config_path)
+    timeouts = config.timeouts
+    ids = sorted(a.peer_id for a in swarm.agents)
+    numel = int(swarm.agents[0].status["num_params"])
+    node = _dht_node(swarm)
+    before = [a.metrics() for a in swarm.agents]
+
+    async def agents_round(membership: Any, pick: Callable[..., int]) -> int:
+        return pick((r.round_id for r in await membership.members() if r.peer_id in ids), default=0)
+
+    async def insider() -> tuple[int, str, str | None]:
+        auth = Authenticator(swarm.run_id, SECRET.encode(), node.peer_id)
+        tls = swarm.client_tls("insider").config()
+        server, client = RpcServer(auth, host="127.0.0.1", port=0, tls=tls), RpcClient(auth, tls=tls)
+        exchange = Exchange(server, client, node.peer_id)
+        membership = DHTMembership(
+            node.dht, RUN_NAME, run_hash(config), run_section(config), ttl=timeouts.member_ttl,
+            heartbeat_interval=timeouts.heartbeat_interval, public_key=node.public_key, auth=auth,
+        )  # fmt: skip
+        matchmaker = DHTMatchmaker(node.dht, RUN_NAME, membership)
+        me = GroupMember(node.peer_id, await server.start())
+        codec = get_codec(config.run.codec, **config.run.codec_options)
+        try:
+            membership.start_heartbeat()
+            for _ in range(
+                3
+            ):  # a try can come late (the agents froze their group first): take the next round
+                target = await agents_round(membership, max) + 1
+                await membership.publish(_record(node.peer_id, me.address, target, swarm))
+                # Declare ready only once the agents train `target` too (else we would freeze it alone).
+                while await agents_round(membership, min) < target:
+                    await asyncio.sleep(0.1)
+                try:
+                    group = await matchmaker.form_group(
+                        target,
+                        me,
+                        match_timeout=timeouts.match_timeout,
+                        leader_timeout=timeouts.leader_timeout,
+                    )
+                    break
+                except LateForRound:
+                    continue
+            else:
+                raise AssertionError("the insider never got into a group with the agents")
+            assert sorted(m.peer_id for m in group.members) == sorted([*ids, node.peer_id])
+            stale = None
+            if attack == "nan":
+                # A stream of this round's group that claims the previous round, sent before our data.
+                hello = Frame({"g": group.group_id, "a": 0, "n": numel, "ce": exchange.chunk_elems, "c": codec.name,
+                               "d": True, "w": 1.0, "r": True})  # fmt: skip
+
+                async def once(frame: Frame = hello) -> Any:
+                    yield frame
+
+                owner = next(m for m in group.members if m.peer_id != node.peer_id)
+                try:
+                    async for _ in client.stream(
+                        owner.address, "ExchangePush", once(), round_id=target - 1, timeout=30
+                    ):
+                        pass
+                except RpcError as error:
+                    stale = error.reason
+            bad = torch.full((numel,), float("nan")) if attack == "nan" else torch.zeros(numel + 1)
+            try:
+                await exchange.average(group, bad, codec, timeout=timeouts.exchange_timeout)
+                outcome = "accepted"
+            except ExchangeAborted as aborted:
+                outcome = aborted.reason
+            return target, outcome, stale
+        finally:
+            await membership.remove()
+            await client.close()
+            await server.stop(0)
+
+    try:
+        target, outcome, stale = asyncio.run(asyncio.wait_for(insider(), timeout=240))
+    finally:
+        node.dht.shutdown()
+    assert outcome == "EXCLUDED"
+    # both agents committed the round, with the insider in the group but not among the contributors
+    swarm.wait(lambda: all(any(e["round_id"] == target + 1 for e in a.rounds()) for a in swarm.agents), 60,
+               f"the agents to commit round {target}")  # fmt: skip
+    events = [next(e for e in a.rounds() if e["round_id"] == target + 1) for a in swarm.agents]
+    assert all(node.peer_id in e["group"] and e["contributors"] == ids for e in events), events
+    assert events[0]["outer_hash"] == events[1]["outer_hash"]
+    after = [a.metrics() for a in swarm.agents]
+
+    def grown(reason: str) -> float:
+        key = ("farloco_rejected_messages_total", reason)
+        return sum(new.get(key, 0) - old.get(key, 0) for old, new in zip(before, after, strict=True))
+
+    if attack == "nan":
+        assert stale == "STALE_ROUND" and grown("STALE_ROUND") == 1, (stale, after)
+        assert grown("BAD_PAYLOAD") >= 1, after
+    else:
+        assert grown("SHAPE_MISMATCH") >= 1, after
+
+
+# --------------------------------------------------------------------------------------------- joiner resume
+
+DONOR_DIES_AFTER = 1 << 20  # bytes of state served: one 1 MiB chunk of a 4 MiB tensor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_joiner_resumes_from_another_donor_when_its_donor_dies_mid_transfer(tmp_path: Path) -> None:
+    """Donor `a` is SIGKILLed by the fault injector after serving 1 MiB of state to a joiner; the joiner takes
+    the rest from `b` (same round, same manifest), enters at the boundary and, after its first round with `b`,
+    holds the same theta_outer hash."""
+    config_path = tmp_path / "swarm.toml"
+    config_path.write_text(demo_config(0, ["run.inner_steps=4", "node.eval_batches=0"]))
+    bootstrap, maddr = start_bootstrap(tmp_path)
+    peers: list[PeerProcess] = []
+    try:
+        a = start_peer(
+            "a",
+            tmp_path,
+            config_path,
+            maddr,
+            1,
+            (),
+            {"FARLOCO_FAULTS": f"die-serving-state@{DONOR_DIES_AFTER}"},
+        )
+        b = start_peer("b", tmp_path, config_path, maddr, 1)
+        peers += [a, b]
+
+        def committed_together(peer: PeerProcess) -> bool:
+            return any(
+                len(e["contributors"]) == 2 for e in read_events(peer.run_dir) if e["event"] == "round"
+            )
+
+        deadline = time.monotonic() + 240
+        while not (committed_together(a) and committed_together(b)):
+            assert a.process.poll() is None and b.process.poll() is None, (
+                "a donor exited before the joiner came"
+            )
+            assert time.monotonic() < deadline, "a and b never committed a round together"
+            time.sleep(0.3)
+        # The joiner asks every member of the newest round; when it catches only `b` there, `a` serves nothing
+        # and the fault never fires: try again with a fresh joiner (rare: they commit within milliseconds).
+        for attempt in range(3):
+            joiner = start_peer(f"joiner{attempt}", tmp_path, config_path, maddr, 1)
+            peers.append(joiner)
+            deadline = time.monotonic() + 240
+            while not any(e["event"] == "synced" for e in read_events(joiner.run_dir)):
+                assert joiner.process.poll() is None, joiner.log_path.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, "the joiner never synced"
+                time.sleep(0.3)
+            if a.process.poll() is not None:
+                break
+        else:
+            pytest.fail("the joiner never fetched from the faulty donor")
+        assert a.process.wait(timeout=30) == -9  # SIGKILLed by its fault injector, mid-transfer
+        events = read_events(joiner.run_dir)
+        synced = next(e for e in events if e["event"] == "synced")
+        b_address = ControlClient(b.run_dir).status()["grpc_address"]
+        assert b_address in synced["donors"], synced
+        # Either the transfer lost `a` and finished from `b` by byte range, or (when `a` was the only donor of
+        # the newest round) the joiner looked again and fetched from `b`: both are logged.
+        log = joiner.log_path.read_text(errors="replace")
+        assert "failed at" in log or any(e["event"] == "sync_failed" for e in events), log[-3000:]
+
+        def first_round() -> dict[str, Any] | None:
+            return next((e for e in read_events(joiner.run_dir) if e["event"] == "round"), None)
+
+        deadline = time.monotonic() + 240
+        while first_round() is None:
+            assert joiner.process.poll() is None, joiner.log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the joiner never committed a round"
+            time.sleep(0.3)
+        mine = first_round()
+        assert mine is not None and mine["round_id"] > synced["round_id"]
+        theirs = {e["round_id"]: e["outer_hash"] for e in read_events(b.run_dir) if e["event"] == "round"}
+        deadline = time.monotonic() + 60
+        while mine["round_id"] not in theirs and time.monotonic() < deadline:
+            time.sleep(0.3)
+            theirs = {e["round_id"]: e["outer_hash"] for e in read_events(b.run_dir) if e["event"] == "round"}
+        assert theirs.get(mine["round_id"]) == mine["outer_hash"], (mine, theirs)
+    finally:
+        for peer in peers:
+            if peer.process.poll() is None:
+                peer.process.terminate()
+        for peer in peers:
+            stop_process(peer.process)
+        stop_process(bootstrap)
