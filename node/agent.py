@@ -56,11 +56,28 @@ class Status(enum.Enum):
     FAILED = "failed"
 
 
-DAEMON_STRATEGIES = ("diloco", "sparseloco")
+DAEMON_STRATEGIES = ("diloco", "streaming-diloco", "demo", "sparseloco")
+# tau of streaming-diloco when strategy_options gives none: one inner step hides the exchange of a fragment.
+DEFAULT_OVERLAP_STEPS = 1
 
 
 class AgentError(RuntimeError):
     """The node cannot go on; the message says why."""
+
+
+def overlap_steps(config: Config) -> int:
+    """tau: inner steps the ranks keep training while a round's fragment is exchanged (streaming-diloco's
+    `strategy_options.tau`; 0 for the other strategies, whose ranks wait for the new theta_outer)."""
+    run = config.run
+    if run.strategy != "streaming-diloco":
+        return 0
+    tau = run.strategy_options.get("tau", DEFAULT_OVERLAP_STEPS)
+    if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < run.inner_steps:
+        raise ConfigError(
+            f"run.strategy_options.tau: expected an integer with 0 <= tau < run.inner_steps="
+            f"{run.inner_steps} (the fragment lands after tau of the next round's inner steps), got {tau!r}"
+        )
+    return tau
 
 
 def build_outer(config: Config, num_params: int) -> tuple[Any, Any]:
@@ -69,18 +86,24 @@ def build_outer(config: Config, num_params: int) -> tuple[Any, Any]:
 
     run = config.run
     if run.strategy not in DAEMON_STRATEGIES:
+        raise ConfigError(f"run.strategy: expected one of {list(DAEMON_STRATEGIES)}, got {run.strategy!r}")
+    if run.strategy == "demo" and run.inner_steps != 1:
+        # DeMo's gradient is theta_outer - theta_local after one plain SGD step of lr 1 (optim DeMo).
         raise ConfigError(
-            f"run.strategy: the daemon runs {list(DAEMON_STRATEGIES)}, got {run.strategy!r} "
-            "(streaming-diloco and demo exist in farloco.optim but are not wired into the round loop yet)"
+            f"run.inner_steps: run.strategy='demo' takes exactly 1 inner step per round (its gradient is "
+            f"theta_outer - theta_local after one SGD step of lr 1), got run.inner_steps={run.inner_steps}"
         )
     try:
         codec = get_codec(run.codec, **run.codec_options)
     except (CodecError, TypeError) as exc:
         raise ConfigError(f"run.codec / run.codec_options: {exc}") from exc
     hparams: dict[str, Any] = dict(run.strategy_options)
-    if run.strategy == "diloco":
+    if run.strategy in ("diloco", "streaming-diloco"):
         hparams.setdefault("lr", run.outer_lr)
         hparams.setdefault("momentum", run.outer_momentum)
+    if run.strategy == "streaming-diloco":
+        overlap_steps(config)  # validated here; tau shapes the round loop, not the outer math
+        hparams.pop("tau", None)
     try:
         strategy = make_strategy(run.strategy, num_params, codec, **hparams)
     except (StrategyError, TypeError) as exc:
@@ -176,6 +199,9 @@ class Agent:
         del model
         # Built before anything listens, so a bad strategy or codec is a config error, not a half-started node.
         self.codec, self.strategy = build_outer(config, self.num_params)
+        self._overlap_steps = overlap_steps(config)
+        self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
+        self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None
         self.launcher_failures = LauncherFailures(
@@ -842,28 +868,47 @@ class Agent:
     # ---- rounds ------------------------------------------------------------------------------------------------
     async def _round_loop(self) -> None:
         run = self.config.run
-        reload = True
+        # What the ranks load at their next sequence: theta_outer, the merged local weights after a committed
+        # round (streaming-diloco keeps the other fragments' local progress), or None: keep their weights.
+        load: torch.Tensor | None = self.theta
+        # Inner steps of this round the ranks already ran while the last exchange was in flight.
+        steps_done = 0
         while True:
             if run.max_rounds and self.round_id >= run.max_rounds:
                 self.events.write("finished", round_id=self.round_id)
                 return
             if self.leave_mode is not None:
                 return
-            step_base = self.round_id * run.inner_steps
             seq = self.handoff.publish(
-                self.theta if reload else None,
+                load,
                 round_id=self.round_id,
-                step_base=step_base,
-                inner_steps=run.inner_steps,
+                step_base=self.round_id * run.inner_steps + steps_done,
+                inner_steps=run.inner_steps - steps_done,
             )
             self.status = Status.TRAINING
             if not await self._wait_ranks(seq):
                 self.events.write("withdrew", round_id=self.round_id)
                 return
+            self._overlap_seq = None
             reload = await self._unless_leaving_now(self._round(seq))
             if reload is None:
                 self.events.write("withdrew", round_id=self.round_id, mode="now")
                 return
+            steps_done = 0
+            if self._overlap_seq is not None:
+                # The merge must land on the weights the ranks reached after their tau overlapped steps.
+                if not await self._wait_ranks(self._overlap_seq):
+                    self.events.write("withdrew", round_id=self.round_id)
+                    return
+                steps_done = self._overlap_steps
+            if reload and self._merge_pending:
+                load = self.handoff.local.clone()
+                self.strategy.merge_into_local(self.theta, load)
+            elif reload:  # state sync: start the round afresh from the swarm's theta_outer
+                load, steps_done = self.theta, 0
+            else:
+                load = None
+            self._merge_pending = False
             if self.leave_mode == "drain":
                 return
 
@@ -895,6 +940,15 @@ class Agent:
         theta_local = self.handoff.local.clone()
         if not torch.isfinite(theta_local).all():
             raise AgentError(f"round {self.round_id}: the trainer ranks produced non-finite parameters")
+        if self._overlap_steps and not (run.max_rounds and self.round_id + 1 >= run.max_rounds):
+            # streaming-diloco: the ranks run the next round's first tau inner steps while we exchange (their
+            # reports and weights for this round were read above, before they can overwrite them).
+            self._overlap_seq = self.handoff.publish(
+                None,
+                round_id=self.round_id + 1,
+                step_base=(self.round_id + 1) * run.inner_steps,
+                inner_steps=self._overlap_steps,
+            )
         contribution = self.strategy.make_contribution(self.theta, theta_local)
         self.status = Status.EXCHANGING
         await self._publish()
@@ -941,13 +995,19 @@ class Agent:
             return self._abort(f"exchange aborted: {exc}", len(group.members))
         self.counters.bytes_sent += sent
         self.counters.bytes_received += received
+        # compression_ratio's baseline: a dense fp32 all-reduce of the same tensor (a fragment, for streaming).
+        fp32_bytes = ddp_bytes_per_round(contribution.numel(), 1, len(group.members))
+        self.counters.raw_bytes += fp32_bytes
         if len(contributors) < run.min_peers:
             return self._abort(
                 f"{len(contributors)} contributors < run.min_peers={run.min_peers}", len(contributors)
             )
+        fragment = getattr(self.strategy, "current_fragment", None)
+        synced = fragment() if fragment is not None else slice(0, self.num_params)
         self.strategy.propose(contribution, transmitted)
         self.strategy.apply(self.theta, averaged)
         self.strategy.commit()
+        self._merge_pending = True
         self.round_id += 1
         self.outer_hash = theta_hash(self.theta)
         self._snapshot = self._make_snapshot()
@@ -960,8 +1020,6 @@ class Agent:
             self._checkpoint_task = asyncio.create_task(self._checkpoint(staged, inner_seq))
         ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
         self.counters.ddp_bytes += ddp
-        # What a dense fp32 all-reduce of the same round would have sent: the baseline of compression_ratio.
-        self.counters.raw_bytes += ddp_bytes_per_round(self.num_params, 1, len(group.members))
         self.counters.rounds_committed += 1
         self.counters.last_round_seconds = time.monotonic() - started
         self.events.write(
@@ -976,6 +1034,9 @@ class Agent:
             bytes_sent=sent,
             bytes_received=received,
             ddp_bytes=ddp,
+            synced=[synced.start, synced.stop],
+            overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
+            fp32_bytes=fp32_bytes,
             seconds=self.counters.last_round_seconds,
         )
         await self._publish()

@@ -415,9 +415,19 @@ def report(run_dirs: tuple[Path, ...], out_dir: Path | None) -> None:
 # ---- demo -------------------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--peers", "num_peers", type=int, default=3, show_default=True, help="Peers to start.")
-@click.option("--rounds", type=int, default=6, show_default=True, help="Outer rounds to train.")
-@click.option("--strategy", default=None, help="Outer strategy (default: the preset's, diloco).")
-@click.option("--codec", default=None, help="Wire codec (default: the preset's, fp32).")
+@click.option(
+    "--rounds", type=int, default=None, help="Outer rounds to train (default: 6; 30 for --strategy demo)."
+)
+@click.option(
+    "--strategy",
+    default=None,
+    help="Outer strategy: diloco (the default), streaming-diloco, demo, sparseloco.",
+)
+@click.option(
+    "--codec",
+    default=None,
+    help="Wire codec: fp32 (the default; dct-topk for --strategy demo), fp16, bf16, int8, int4, topk, dct-topk.",
+)
 @click.option("--ranks", type=int, default=1, show_default=True, help="Trainer ranks of the first peer.")
 @click.option(
     "--work-dir",
@@ -428,7 +438,7 @@ def report(run_dirs: tuple[Path, ...], out_dir: Path | None) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Config overrides.")
 def demo(
     num_peers: int,
-    rounds: int,
+    rounds: int | None,
     strategy: str | None,
     codec: str | None,
     ranks: int,

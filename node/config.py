@@ -35,11 +35,15 @@ class RunConfig:
     dataset: str = "builtin"
     """'builtin' (the bundled corpus, no download) or the path of a directory made by `farloco data prepare`."""
     strategy: str = "diloco"
-    """Outer strategy: diloco or sparseloco (see `farloco.optim.available_strategies()`)."""
+    """Outer strategy: diloco, streaming-diloco (one of num_fragments fragments per round, exchanged while the
+    ranks run tau more inner steps), demo (one plain SGD step per round: needs inner_steps = 1; inner_lr,
+    warmup_steps and inner_weight_decay are unused) or sparseloco."""
     codec: str = "fp32"
     """Codec of the outer update on the wire: fp32, fp16, bf16, int8, int4, topk, dct-topk."""
     strategy_options: dict[str, SCALAR] = field(default_factory=dict)
-    """Extra hyper-parameters passed to the strategy (e.g. {beta = 0.95} for sparseloco)."""
+    """Extra hyper-parameters passed to the strategy (e.g. {beta = 0.95} for sparseloco; streaming-diloco:
+    num_fragments, alpha, lr, momentum, error_feedback and tau, the overlapped inner steps, 0 <= tau <
+    inner_steps, default 1)."""
     codec_options: dict[str, SCALAR] = field(default_factory=dict)
     """Extra options passed to the codec (e.g. {block_size = 256} for int8)."""
     inner_steps: int = 20

@@ -3,6 +3,10 @@
 Each peer is a real `farloco join` process (agent + trainer ranks); the demo only starts them, shows their
 progress, and at the end reads their event logs to print what happened: the loss per round, the bytes each peer
 sent against what plain data-parallel training would have sent, and whether every peer's theta_outer hash agreed.
+
+Any strategy x codec runs (`--strategy`, `--codec`). A strategy may bring demo defaults for what the user left
+unset (`STRATEGY_DEMO_DEFAULTS`): DeMo, whose gradient is one inner step, syncs every step with its DCT top-k
+codec and trains more, shorter rounds.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +31,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from farloco.node.config import PRESETS, ConfigError, build_config, to_toml
+from farloco.node.config import PRESETS, ConfigError, build_config, parse_override, to_toml
 
 DEMO_TIMEOUT_SECONDS = 900.0
+DEFAULT_ROUNDS = 6
+# [run] values a strategy's demo uses unless the overrides set them. Only the demo applies these: a config file
+# means what it says (run.codec defaults to fp32 everywhere, and [run] is hashed as written).
+STRATEGY_DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
+    # DeMo is meant for its DCT top-k codec (Peng et al. 2024); its round is one plain SGD step.
+    "demo": {"codec": "dct-topk", "inner_steps": 1},
+}
+# One DeMo round is one inner step: it needs more rounds than DiLoCo's 20-step rounds for the loss to move.
+STRATEGY_DEMO_ROUNDS: dict[str, int] = {"demo": 30}
 
 
 @dataclass
@@ -51,9 +65,24 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return events
 
 
+def demo_strategy(overrides: Sequence[str]) -> str:
+    """The strategy the demo will run with these overrides (the preset's when they name none)."""
+    return build_config(PRESETS["tiny"], list(overrides)).run.strategy
+
+
+def demo_rounds(overrides: Sequence[str]) -> int:
+    """Rounds the demo trains when --rounds is not given: more for strategies with one-step rounds."""
+    return STRATEGY_DEMO_ROUNDS.get(demo_strategy(overrides), DEFAULT_ROUNDS)
+
+
 def demo_config(rounds: int, overrides: list[str]) -> str:
+    """The demo peers' TOML: the tiny preset, local timeouts, the strategy's demo defaults, then `overrides`."""
     base = {section: dict(values) for section, values in PRESETS["tiny"].items()}
     base["run"]["name"] = "farloco-demo"
+    given = {(section, key) for section, key, _ in map(parse_override, overrides)}
+    for key, value in STRATEGY_DEMO_DEFAULTS.get(demo_strategy(overrides), {}).items():
+        if ("run", key) not in given:
+            base["run"][key] = value
     base["run"]["max_rounds"] = rounds
     # Every peer is on this machine: a dead one drops out fast (member_ttl); a live straggler is waited for
     # up to match_timeout, which must cover how unevenly the peers share the cores.
@@ -145,19 +174,22 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> Non
 def run_demo(
     *,
     num_peers: int = 3,
-    rounds: int = 6,
+    rounds: int | None = None,
     overrides: list[str] | None = None,
     first_ranks: int = 1,
     work_dir: Path | None = None,
     console: Console | None = None,
 ) -> int:
-    """Run the demo; returns the exit code (0: trained, loss fell, hashes agreed)."""
+    """Run the demo; returns the exit code (0: trained, loss fell, hashes agreed). `rounds` None: the
+    strategy's demo default (`demo_rounds`)."""
     console = console or Console()
-    if num_peers < 1 or rounds < 1:
-        console.print(f"[red]--peers and --rounds must be >= 1 (got {num_peers}, {rounds})")
-        return 2
     try:
+        rounds = demo_rounds(overrides or []) if rounds is None else rounds
+        if num_peers < 1 or rounds < 1:
+            console.print(f"[red]--peers and --rounds must be >= 1 (got {num_peers}, {rounds})")
+            return 2
         config_text = demo_config(rounds, overrides or [])
+        _check_outer(config_text)
     except ConfigError as exc:
         console.print(f"[red]bad config: {exc}")
         return 2
@@ -166,7 +198,11 @@ def run_demo(
     root.mkdir(parents=True, exist_ok=True)
     config_path = root / "demo.toml"
     config_path.write_text(config_text)
-    console.print(f"[bold]farloco demo[/]: {num_peers} peers, {rounds} rounds, run directories in {root}")
+    run = build_config(tomllib.loads(config_text)).run
+    console.print(
+        f"[bold]farloco demo[/]: {num_peers} peers, {rounds} rounds of {run.inner_steps} inner steps, "
+        f"strategy {run.strategy}, codec {run.codec}, run directories in {root}"
+    )
     bootstrap: subprocess.Popen[bytes] | None = None
     peers: list[PeerProcess] = []
     started = time.monotonic()
@@ -194,6 +230,15 @@ def run_demo(
     elif code != 0:
         console.print(f"run directories kept in {root}")
     return code
+
+
+def _check_outer(config_text: str) -> None:
+    """Refuse a strategy/codec the daemon would refuse, before starting any process (ConfigError)."""
+    from farloco.node.agent import build_outer
+    from farloco.node.model import build_model, model_config, num_parameters
+
+    config = build_config(tomllib.loads(config_text))
+    build_outer(config, num_parameters(build_model(model_config(config.run.model), seed=config.run.seed)))
 
 
 def _watch(peers: list[PeerProcess], rounds: int, console: Console) -> bool:
@@ -242,7 +287,9 @@ def _report(peers: list[PeerProcess], rounds: int, elapsed: float, console: Cons
     per_peer = {p.name: [e for e in read_events(p.run_dir) if e["event"] == "round"] for p in peers}
     problems: list[str] = []
     notes: list[str] = []
-    table = Table(title="loss per round (eval loss of theta_outer at the start of the round)")
+    # Eval loss of the weights the ranks start the round from: theta_outer, or for streaming-diloco theta_outer's
+    # freshly synced fragment merged into the local weights.
+    table = Table(title="loss per round (held-out loss of the weights each round starts from)")
     table.add_column("round", justify="right")
     table.add_column("eval loss", justify="right")
     for peer in peers:

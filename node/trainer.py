@@ -4,7 +4,8 @@ Each rank joins the node-local process group (gloo on CPU, NCCL on CUDA), builds
 shards it with FSDP2 (`fully_shard` per transformer block, then the root) on a 1-D DeviceMesh, and loops:
 
     wait for the agent to publish a sequence -> load theta_outer rows (unless told to keep local weights)
-    -> evaluate theta_outer on held-out batches -> H AdamW steps on this rank's data share
+    -> evaluate theta_outer on held-out batches -> the sequence's inner steps on this rank's data share
+       (AdamW; for DeMo one plain SGD step of lr 1, see `plain_gradient_step`)
     -> write this rank's rows of the parameters into the hand-off -> mark the sequence done
 
 The inner optimizer state stays local across rounds, as in DiLoCo. Between sequences the ranks save it (with the
@@ -94,8 +95,16 @@ def process_group(backend: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def plain_gradient_step(config: Config) -> bool:
+    """DeMo's gradient is theta_outer - theta_local after one plain SGD step of lr 1 (farloco.optim DeMo): its
+    ranks run exactly that instead of AdamW; the strategy's own sign-SGD step is the real update."""
+    return config.run.strategy == "demo"
+
+
 def learning_rate(config: Config, step: int) -> float:
     """Linear warm-up to the peak, then constant: DiLoCo rounds do not know when the run ends."""
+    if plain_gradient_step(config):
+        return 1.0
     warmup = config.run.warmup_steps
     if warmup and step < warmup:
         return config.run.inner_lr * (step + 1) / warmup
@@ -124,13 +133,17 @@ def run_rank(args: argparse.Namespace) -> None:
         fully_shard(model, mesh=mesh)
         params = dict(model.named_parameters())
         views = [ShardView(params[slot.name], slot) for slot in layout]
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=config.run.inner_lr,
-            betas=(0.9, 0.95),
-            weight_decay=config.run.inner_weight_decay,
-            fused=device.type == "cuda",
-        )
+        optimizer: torch.optim.Optimizer
+        if plain_gradient_step(config):
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        else:
+            optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=config.run.inner_lr,
+                betas=(0.9, 0.95),
+                weight_decay=config.run.inner_weight_decay,
+                fused=device.type == "cuda",
+            )
         dataset = open_dataset(Path(args.dataset))
         per_rank_batch = config.run.batch_size // world_size
         if per_rank_batch < 1:
