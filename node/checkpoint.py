@@ -262,13 +262,13 @@ def save_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.o
     """Write this node's sharded model and optimizer state (FSDP2 DTensors) to `directory`, each rank its own
     shards, with torch.distributed.checkpoint (which fsyncs every file it writes). False if it failed (e.g. a
     full disk): training goes on, the checkpoint is written without inner state."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     try:
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))
+        save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))
     except (Exception, CheckpointException) as exc:  # raised on every rank alike, see load_inner_state
         log.error("saving the inner state to %s failed: %s", directory, exc)
         return False
@@ -282,9 +282,9 @@ def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.o
     which the agent publishes. torch.distributed.checkpoint reshards, so a node restarted with another number of
     ranks loads too. Anything missing or not matching (another optimizer, other shapes) leaves *every* rank with
     a fresh optimizer state and returns False: a half-loaded optimizer would be worse than a fresh one."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     device = next(model.parameters()).device
     # Agree on the directory first: one rank entering the collective load alone would wait forever.
@@ -293,7 +293,7 @@ def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.o
     if present:
         try:
             state = get_optimizer_state_dict(model, optimizer)
-            dcp.load({"optim": state}, checkpoint_id=str(directory))
+            load({"optim": state}, checkpoint_id=str(directory))
             set_optimizer_state_dict(model, optimizer, state)
             loaded = True
         # torch.distributed.checkpoint gathers a failure and raises it on every rank, as CheckpointException,

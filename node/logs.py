@@ -31,6 +31,13 @@ NOISY_LOGGERS = ("hivemind", "torch.distributed", "asyncio")
 
 # Attributes every LogRecord has: anything else on a record came from `extra=` and goes into the JSON line.
 _RECORD_FIELDS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+_LEVEL_NAMES = {
+    logging.DEBUG: "DEBUG",
+    logging.INFO: "INFO",
+    logging.WARNING: "WARNING",
+    logging.ERROR: "ERROR",
+    logging.CRITICAL: "CRITICAL",
+}
 _console_format = "text"
 
 log = logging.getLogger("farloco.logs")
@@ -43,9 +50,10 @@ class JsonFormatter(logging.Formatter):
         stamp = datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC)
         entry: dict[str, Any] = {
             "ts": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "level": record.levelname,
+            # Standard names: hivemind renames WARNING to "WARN" process-wide.
+            "level": _LEVEL_NAMES.get(record.levelno, record.levelname),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": record.getMessage().rstrip("\n"),
         }
         for key, value in record.__dict__.items():
             if key not in _RECORD_FIELDS and not key.startswith("_") and key not in entry:
@@ -96,6 +104,19 @@ def setup_logging(log_format: str | None, *, verbose: bool = False, run_dir: Pat
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
+    # torch (torch._logging, at import) does the same on "torch", "torch.distributed" and a few more, in its own
+    # glog-like format: imported here so that its stderr handlers exist to be removed now, not added later.
+    import torch  # noqa: F401
+
+    for name, candidate in list(logging.root.manager.loggerDict.items()):
+        if isinstance(candidate, logging.Logger) and (name == "torch" or name.startswith("torch.")):
+            own = [
+                h for h in candidate.handlers if type(h) is logging.StreamHandler and h.stream is sys.stderr
+            ]
+            for handler in own:
+                candidate.removeHandler(handler)
+            if own:
+                candidate.propagate = True
 
 
 class SyncProgress:
