@@ -21,6 +21,14 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from safetensors.torch import save_file
 
 from farloco.node.checkpoint import (
@@ -47,6 +55,7 @@ def export_run(run_dir: Path, out_dir: Path, *, progress: bool = True) -> Path:
     """Export the newest loadable checkpoint of `run_dir` as a Llama-style model folder `out_dir`; returns it."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     console = Console(stderr=True, quiet=not progress)
+    steps = _Steps(console, 3)
     config_path = run_dir / "config.toml"
     if not config_path.is_file():
         raise ExportError(f"{run_dir}: expected a run directory with config.toml (written by `farloco join`)")
@@ -54,11 +63,11 @@ def export_run(run_dir: Path, out_dir: Path, *, progress: bool = True) -> Path:
         config = load_config(config_path)
     except ConfigError as exc:
         raise ExportError(f"{config_path}: {exc}") from exc
-    with _step(console, "finding the newest loadable checkpoint"):
+    with steps.step("finding the newest loadable checkpoint"):
         checkpoint = latest_checkpoint(checkpoints_dir(run_dir))
     if checkpoint is None:
         raise ExportError(f"{run_dir}: no loadable checkpoint under {checkpoints_dir(run_dir)}")
-    with _step(console, f"loading {checkpoint.name} (verifying its hash)"):
+    with steps.step(f"loading {checkpoint.name} (verifying its hash)"):
         try:
             meta, tensors = load_checkpoint(checkpoint)
         except CheckpointError as exc:  # e.g. removed or corrupted between the two calls
@@ -76,7 +85,7 @@ def export_run(run_dir: Path, out_dir: Path, *, progress: bool = True) -> Path:
         "farloco.outer_hash": meta["outer_hash"],
         "farloco.inner_step": meta["inner_step"],
     }
-    with _step(console, f"writing {out_dir}"):
+    with steps.step(f"writing {out_dir}"):
         export_theta(model_config(config.run.model), tensors["theta"], out_dir, metadata=source)
     console.print(f"exported round {meta['round_id']} of run {config.run.name!r} to {out_dir}")
     return out_dir
@@ -119,11 +128,33 @@ def export_theta(
     return out_dir
 
 
-@contextmanager
-def _step(console: Console, text: str) -> Iterator[None]:
-    with console.status(text):
-        yield
-    console.print(f"done: {text}")
+class _Steps:
+    """A bar over the export's steps (each one a single long call: hashing or writing gigabytes) with a spinner
+    and the elapsed time on a terminal; elsewhere one "done: <step> (<seconds>)" line per step."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console = console
+        self.total = total
+        self.done = 0
+
+    @contextmanager
+    def step(self, text: str) -> Iterator[None]:
+        columns = (
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(
+            *columns, console=self.console, transient=True, disable=not self.console.is_terminal
+        ) as bar:
+            task = bar.add_task(text, total=self.total, completed=self.done)
+            started = bar.get_time()
+            yield
+            self.done += 1
+            bar.update(task, completed=self.done)
+        self.console.print(f"done: {text} ({bar.get_time() - started:.1f} s)")
 
 
 @contextmanager
