@@ -617,7 +617,10 @@ class Agent:
 
         _, tensors = self._snapshot  # clones taken at commit: later rounds never touch them
         round_id = self.round_id
+        waited = time.monotonic()
         inner = await self._wait_inner(inner_seq) if staged is not None else None
+        if inner is not None:
+            inner["seconds"] = time.monotonic() - waited  # the ranks' save, from request (commit) to done
         if staged is not None and (inner is None or inner["result"] != "ok"):
             # Never commit a partial inner/: the checkpoint holds the outer state alone, resuming uses fresh AdamW.
             log.error("the ranks did not save their inner state for round %d (%s)", round_id, inner)
