@@ -119,7 +119,9 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
     async def main() -> dict[str, Any]:
         peer_id = f"peer-{rank}"
         auth = Authenticator("bench", b"bench-secret", peer_id)
-        server = RpcServer(auth)
+        # The daemon's default: streams on the TCP data plane; BENCH_DATA_PLANE=grpc keeps them on gRPC.
+        data_port = 0 if os.environ.get("BENCH_DATA_PLANE", "tcp") == "tcp" else None
+        server = RpcServer(auth, data_port=data_port)
         client = RpcClient(auth)
         exchange = Exchange(
             server, client, peer_id, chunk_bytes=int(os.environ.get("BENCH_CHUNK_BYTES", 1 << 20))
@@ -129,6 +131,7 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
         members = [GroupMember(p, a) for p, a in spec["members"]]
         codec = get_codec(codec_name)
         tensor = make_input(rank, numel)
+        out = torch.empty(numel)
         times: list[float] = []
         cpu: list[float] = []
         result = None
@@ -138,7 +141,8 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
                 await exchange.average(barrier, torch.zeros(1), codec, timeout=60)
                 group = Group.make(2 * rep + 1, members)
                 start, cpu_start = time.perf_counter(), time.process_time()
-                result = await exchange.average(group, tensor, codec, timeout=600)
+                # Like the daemon: one result buffer for every round (fresh pages per round cost ~10%).
+                result = await exchange.average(group, tensor, codec, timeout=600, out=out)
                 if rep:
                     times.append(time.perf_counter() - start)
                     cpu.append(time.process_time() - cpu_start)
@@ -227,7 +231,7 @@ def worker_main(argv: list[str]) -> None:
     # Every impl alike: one compute thread per peer process. With >= 2 peers on 2 cores, torch's intra-op
     # threads only fight each other (measured here: a 1 MiB clone went from 0.5 ms to 9 ms with 2 threads).
     torch.set_num_threads(1)
-    if impl == "farloco":
+    if impl.startswith("farloco"):
         report = worker_farloco(int(rank), int(peers), int(numel), codec, int(reps))
     elif impl == "gloo":
         report = worker_gloo(int(rank), int(peers), int(numel), int(reps), int(port))
@@ -254,7 +258,12 @@ def run_config(
     numel = mib * (1 << 20) // 4
     reps = reps_for(mib, impl)
     port = free_port()
-    env = {**os.environ, **(MALLOC_ENV if malloc_tuning else {}), "BENCH_CHUNK_BYTES": str(chunk_bytes)}
+    env = {
+        **os.environ,
+        **(MALLOC_ENV if malloc_tuning else {}),
+        "BENCH_CHUNK_BYTES": str(chunk_bytes),
+        "BENCH_DATA_PLANE": "grpc" if impl == "farloco-grpc" else "tcp",
+    }
     procs = [
         subprocess.Popen(
             [
@@ -291,7 +300,7 @@ def run_config(
         proc.stdin.flush()
 
     try:
-        if impl == "farloco":
+        if impl.startswith("farloco"):
             addresses = [read(p)["address"] for p in procs]
             members = [[f"peer-{i}", a] for i, a in enumerate(addresses)]
             for proc in procs:
@@ -356,7 +365,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--impl", choices=["farloco", "hivemind", "gloo"], action="append", help="default: all"
+        "--impl",
+        choices=["farloco", "farloco-grpc", "hivemind", "gloo"],
+        action="append",
+        help="default: farloco, gloo, hivemind (farloco-grpc: the exchange's streams kept on gRPC)",
     )
     parser.add_argument("--peers", type=int, action="append", help="default: 2 and 4")
     parser.add_argument("--mib", type=int, action="append", help="fp32 payload size; default: 4, 64, 256")
@@ -370,10 +382,12 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = parser.parse_args()
     configs = [(impl, codec) for impl, codec in DEFAULT_CONFIGS if not args.impl or impl in args.impl]
+    if args.impl and "farloco-grpc" in args.impl and not args.codec:
+        configs = [("farloco-grpc", "fp32"), ("farloco-grpc", "int8"), *configs]
     if args.codec:
-        configs = [c for c in configs if c[0] != "farloco"]
-        if not args.impl or "farloco" in args.impl:
-            configs = [("farloco", codec) for codec in args.codec] + configs
+        configs = [c for c in configs if not c[0].startswith("farloco")]
+        farlocos = [i for i in args.impl or ["farloco"] if i.startswith("farloco")]
+        configs = [(impl, codec) for impl in farlocos for codec in args.codec] + configs
     rows = []
     # Implementations take turns at each size, so they see the same background load (this is a shared box).
     for peers in args.peers or [2, 4]:

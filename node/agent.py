@@ -40,6 +40,7 @@ from farloco.node.dhtnode import make_dht
 from farloco.node.handoff import Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
+from farloco.protocol.tcpstream import tune_malloc
 
 log = logging.getLogger("farloco.agent")
 
@@ -359,6 +360,7 @@ class Agent:
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Blocking entry point (main thread)."""
+        tune_malloc()  # message-sized buffers stay in the heap: no page faults per received chunk
         try:
             asyncio.run(self._main())
         except AgentError as exc:
@@ -418,9 +420,11 @@ class Agent:
         from farloco.node.config import load_tls
 
         tls = load_tls(net)  # mutual TLS when [network] names a cert, key and CA (checked at config load)
-        self.server = RpcServer(auth, host=net.host, port=net.grpc_port, tls=tls)
+        data_port = net.data_port if net.data_plane == "tcp" else None  # RpcServer ignores it under TLS
+        self.server = RpcServer(auth, host=net.host, port=net.grpc_port, tls=tls, data_port=data_port)
         self.client = RpcClient(auth, tls=tls)
         self.exchange = Exchange(self.server, self.client, self.peer_id)
+        self._mean_out: torch.Tensor | None = None
         self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()
@@ -989,8 +993,12 @@ class Agent:
                 averaged, sent, received = transmitted, 0, 0
                 contributors: tuple[str, ...] = (self.peer_id,)
             else:
+                # One mean buffer reused across rounds (only `apply` reads it): fresh 4-byte-per-parameter pages
+                # every round cost about as much as summing them.
+                if self._mean_out is None or self._mean_out.numel() != contribution.numel():
+                    self._mean_out = torch.empty(contribution.numel(), dtype=torch.float32)
                 result = await self.exchange.average(
-                    group, contribution, self.codec, timeout=timeouts.exchange_timeout
+                    group, contribution, self.codec, timeout=timeouts.exchange_timeout, out=self._mean_out
                 )
                 transmitted, averaged = result.transmitted, result.averaged
                 contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received

@@ -32,7 +32,9 @@ def main() -> None:
 
 
 # ---- join / bootstrap -------------------------------------------------------------------------------------------
-def _host_overrides(host: str | None, port: int | None, dht_port: int | None) -> list[str]:
+def _host_overrides(
+    host: str | None, port: int | None, dht_port: int | None, data_port: int | None = None
+) -> list[str]:
     overrides = []
     if host is not None:
         overrides.append(f'network.host="{host}"')
@@ -40,6 +42,8 @@ def _host_overrides(host: str | None, port: int | None, dht_port: int | None) ->
         overrides.append(f"network.grpc_port={port}")
     if dht_port is not None:
         overrides.append(f"network.dht_port={dht_port}")
+    if data_port is not None:
+        overrides.append(f"network.data_port={data_port}")
     return overrides
 
 
@@ -64,6 +68,12 @@ def _host_overrides(host: str | None, port: int | None, dht_port: int | None) ->
 @click.option("--port", type=int, default=None, help="gRPC port (overrides network.grpc_port; 0 = any).")
 @click.option("--dht-port", type=int, default=None, help="DHT port (overrides network.dht_port; 0 = any).")
 @click.option(
+    "--data-port",
+    type=int,
+    default=None,
+    help="TCP data-plane port for the exchange (overrides network.data_port; 0 = any).",
+)
+@click.option(
     "--set",
     "overrides",
     multiple=True,
@@ -85,6 +95,7 @@ def join(
     host: str | None,
     port: int | None,
     dht_port: int | None,
+    data_port: int | None,
     overrides: tuple[str, ...],
     verbose: bool,
     log_format: str | None,
@@ -92,7 +103,7 @@ def join(
     """Start a node and join (or found) a swarm. Prints the node's multiaddrs; runs until it leaves."""
     _setup_logging(verbose, log_format, run_dir)
     try:
-        config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port)])
+        config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port, data_port)])
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     if initial_peers:

@@ -118,6 +118,11 @@ class NetworkConfig:
     """gRPC port (0: any free port)."""
     dht_port: int = 0
     """hivemind DHT port (0: any free port)."""
+    data_plane: str = "tcp"
+    """How the exchange's bulk streams travel: "tcp" (a plain TCP listener beside gRPC, same authentication and
+    checks, ~2x less CPU per byte than Python gRPC) or "grpc". With mutual TLS configured they always ride gRPC."""
+    data_port: int = 0
+    """Port of the TCP data plane (0: any free port; peers learn it over gRPC)."""
     initial_peers: list[str] = field(default_factory=list)
     """Multiaddrs of DHT peers to join through (e.g. from `farloco bootstrap`)."""
     control_host: str = "127.0.0.1"
@@ -136,10 +141,12 @@ class NetworkConfig:
     in every peer's certificate). Empty: the dialled host must be in the certificate's subjectAltName."""
 
     def __post_init__(self) -> None:
-        for key in ("grpc_port", "dht_port", "control_port"):
+        for key in ("grpc_port", "dht_port", "control_port", "data_port"):
             value = getattr(self, key)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"network.{key}: expected a port in 0..65535, got {value!r}")
+        if self.data_plane not in ("tcp", "grpc"):
+            raise ConfigError(f"network.data_plane: expected 'tcp' or 'grpc', got {self.data_plane!r}")
         _check_tls(self)
 
 

@@ -22,6 +22,7 @@ import msgpack
 
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
+from farloco.protocol.tcpstream import DataServer, Sink, open_stream
 
 __all__ = [
     "SERVICE",
@@ -32,6 +33,7 @@ __all__ = [
     "RpcClient",
     "RpcError",
     "RpcServer",
+    "Sink",
     "StreamHandler",
     "TlsConfig",
     "UnaryHandler",
@@ -42,6 +44,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SERVICE = "farloco.v1"
+# Built-in unary method: where this server's TCP data plane listens ({"port": int} or {"port": None}).
+DATA_ADDRESS_METHOD = "DataAddress"
 REASON_KEY = "farloco-reason"
 # Headers are small dicts (ids, shapes, indices); anything bigger is an attack or a bug.
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
@@ -58,18 +62,29 @@ class Frame:
 
 def encode_frame(frame: Frame) -> bytes:
     """Serialise a frame as `u32 LE header length | msgpack header | payload` (one copy of the payload)."""
+    return b"".join((encode_frame_header(frame), frame.payload))
+
+
+def encode_frame_header(frame: Frame) -> bytes:
+    """`u32 LE header length | msgpack header` of a frame: what precedes its payload on the wire."""
     if not isinstance(frame.header, dict):
         raise TypeError(f"Frame.header must be a dict, got {type(frame.header).__name__}")
     try:
-        header = msgpack.packb(frame.header, use_bin_type=True)
+        header: bytes = msgpack.packb(frame.header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"Frame.header must hold only str/int/float/bool/bytes/list/dict values: {exc}"
         ) from exc
-    return b"".join((_LEN.pack(len(header)), header, frame.payload))
+    return _LEN.pack(len(header)) + header
 
 
-def decode_frame(data: bytes, *, max_header_bytes: int) -> Frame:
+def decode_frame_owned(data: memoryview) -> Frame:
+    """decode_frame for a buffer the caller owns (the data plane's receive buffers): the payload is a writable
+    view, so tensors can view it in place."""
+    return decode_frame(data, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
+
+
+def decode_frame(data: bytes | bytearray | memoryview, *, max_header_bytes: int) -> Frame:
     """Parse a frame; the payload is a zero-copy memoryview into `data`. Raises FrameError on bad input.
 
     The header length is checked against `max_header_bytes` and the data size before anything is unpacked.
@@ -88,17 +103,21 @@ def decode_frame(data: bytes, *, max_header_bytes: int) -> Frame:
             f"header claims {header_len} bytes but only {size - _LEN.size} follow the length",
         )
     view = memoryview(data)
+    header = decode_frame_header(view[_LEN.size : _LEN.size + header_len])
+    return Frame(header, view[_LEN.size + header_len :])
+
+
+def decode_frame_header(data: bytes | memoryview) -> dict[str, Any]:
+    """The msgpack header of a frame (without its length prefix); raises FrameError if it is not a map."""
     try:
-        header = msgpack.unpackb(
-            view[_LEN.size : _LEN.size + header_len], raw=False, use_list=True, strict_map_key=True
-        )
+        header = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types (ExtraData, FormatError, ValueError...)
         raise FrameError(
             "MALFORMED_FRAME", f"header is not valid msgpack: {type(exc).__name__}: {exc}"
         ) from None
     if not isinstance(header, dict):
         raise FrameError("MALFORMED_FRAME", f"header must be a msgpack map, got {type(header).__name__}")
-    return Frame(header, view[_LEN.size + header_len :])
+    return header
 
 
 @dataclass(frozen=True)
@@ -159,17 +178,22 @@ class RpcServer:
         port: int = 0,
         max_message_bytes: int = 8 << 20,
         tls: TlsConfig | None = None,
+        data_port: int | None = None,
     ) -> None:
         self.auth = auth
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
         self.tls = tls
+        # The plaintext TCP data plane for stream methods (see tcpstream.py); never beside TLS.
+        self.data_port = data_port if tls is None else None
         self.rejections: Counter[str] = Counter()
         self._unary: dict[str, UnaryHandler] = {}
         self._stream: dict[str, StreamHandler] = {}
         self._server: grpc.aio.Server | None = None
+        self._data: DataServer | None = None
         self.address: str | None = None
+        self.add_unary(DATA_ADDRESS_METHOD, self._on_data_address)
 
     def add_unary(self, method: str, handler: UnaryHandler) -> None:
         """Serve `/farloco.v1/<method>` as a unary call handled by `handler`."""
@@ -206,6 +230,16 @@ class RpcServer:
             raise RpcError(
                 grpc.StatusCode.UNAVAILABLE, "BIND_FAILED", f"could not bind gRPC server to {target}"
             )
+        if self.data_port is not None:
+            data = DataServer(
+                self.host, self.data_port, self.max_message_bytes, self._open_data_stream, self._reject
+            )
+            try:
+                self.data_port = await data.start()
+            except RpcError:
+                await server.stop(0)
+                raise
+            self._data = data
         await server.start()
         self._server = server
         self.address = f"{self.host}:{port}"
@@ -213,9 +247,29 @@ class RpcServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving; in-flight calls get `grace` seconds to finish."""
+        if self._data is not None:
+            await self._data.stop()
+            self._data = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+    async def _on_data_address(self, call: CallContext, frame: Frame) -> Frame:
+        # Only the port: the caller reaches it on the host it already reaches our gRPC port on.
+        return Frame({"port": self.data_port if self._data is not None else None})
+
+    async def _open_data_stream(
+        self, method: str, metadata: list[tuple[str, str]]
+    ) -> tuple[CallContext, StreamHandler]:
+        """Authenticate a data-plane stream exactly like a gRPC call and find its handler."""
+        if method not in self._stream:
+            raise Reject(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "UNKNOWN_METHOD",
+                f"expected a stream method of {sorted(self._stream)}, got {method!r:.80}",
+            )
+        sender, round_id = self.auth.verify(method, metadata)
+        return CallContext(method=method, sender=sender, round_id=round_id), self._stream[method]
 
     # -- per-call plumbing -------------------------------------------------------------------------------
 
@@ -353,6 +407,8 @@ class RpcClient:
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # gRPC address -> the peer's data-plane port, or None where it has none (then streams ride gRPC).
+        self._data_ports: dict[str, int | None] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -405,13 +461,42 @@ class RpcClient:
         *,
         round_id: int,
         timeout: float,
+        bulk: bool = False,
+        sink: Sink | None = None,
     ) -> AsyncIterator[Frame]:
         """Bidirectional stream: send `frames`, yield the answers; raises RpcError on any failure.
 
+        `bulk=True` sends it over the peer's TCP data plane when both sides have one (no TLS configured here,
+        a data port there), else over gRPC: same frames, authentication, limits and errors either way. On the
+        data plane, `sink(header, payload_bytes)` may name where an answer's payload is received (a writable
+        memoryview of exactly that size, or None for a new buffer): the answer's payload is then that memory.
         Closing the returned iterator early cancels the call.
         """
         _check_method(method)
         limit = self.max_message_bytes
+        port = await self._data_port(address, round_id, timeout) if bulk and self.tls is None else None
+        if port is not None:
+            host = address.rsplit(":", 1)[0].strip("[]")
+            try:
+                async for answer in open_stream(
+                    host,
+                    port,
+                    method,
+                    self.auth.metadata(method, round_id),
+                    frames,
+                    timeout=timeout,
+                    max_message_bytes=limit,
+                    decode=lambda data: self._decode_owned(data, address, method),
+                    sink=sink,
+                ):
+                    yield answer
+            except RpcError as exc:
+                if exc.code == grpc.StatusCode.UNAVAILABLE:
+                    self._data_ports.pop(
+                        address, None
+                    )  # it may have restarted elsewhere: ask again next time
+                raise
+            return
 
         async def requests() -> AsyncIterator[bytes]:
             async for frame in frames:
@@ -433,6 +518,36 @@ class RpcClient:
             raise _to_rpc_error(exc, address, method) from None
         finally:
             call.cancel()
+
+    def _decode_owned(self, data: memoryview, address: str, method: str) -> Frame:
+        try:
+            return decode_frame_owned(data)
+        except FrameError as exc:
+            raise RpcError(
+                grpc.StatusCode.INTERNAL, exc.reason, f"answer of {method} at {address}: {exc.detail}"
+            ) from None
+
+    async def _data_port(self, address: str, round_id: int, timeout: float) -> int | None:
+        """The peer's data-plane port (asked once per address over gRPC), None if it has none."""
+        if address in self._data_ports:
+            return self._data_ports[address]
+        try:
+            answer = await self.unary(
+                address, DATA_ADDRESS_METHOD, Frame({}), round_id=round_id, timeout=min(timeout, 10.0)
+            )
+        except RpcError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            port = None  # an older peer without a data plane
+        else:
+            value = answer.header.get("port")
+            port = (
+                value
+                if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+                else None
+            )
+        self._data_ports[address] = port
+        return port
 
     async def close(self) -> None:
         """Close every channel."""

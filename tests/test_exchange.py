@@ -170,10 +170,14 @@ def tolerance(codec: str, tensors: list[torch.Tensor]) -> float:
 
 
 class Node:
-    def __init__(self, peer_id: str) -> None:
+    """One exchange member. `plane`: "tcp" streams on the TCP data plane (the daemon's default), "grpc" keeps
+    them on gRPC; subprocess workers take it from EXCHANGE_TEST_PLANE."""
+
+    def __init__(self, peer_id: str, plane: str | None = None) -> None:
         auth = Authenticator(RUN, SECRET, peer_id)
         self.peer_id = peer_id
-        self.server = RpcServer(auth)
+        plane = plane or os.environ.get("EXCHANGE_TEST_PLANE", "tcp")
+        self.server = RpcServer(auth, data_port=0 if plane == "tcp" else None)
         self.client = RpcClient(auth)
         self.exchange = Exchange(self.server, self.client, peer_id, chunk_bytes=CHUNK)
         self.address = ""
@@ -187,8 +191,8 @@ class Node:
         await self.server.stop(0)
 
 
-async def start_nodes(count: int) -> tuple[list[Node], Group]:
-    nodes = [Node(f"peer-{i}") for i in range(count)]
+async def start_nodes(count: int, plane: str | None = None) -> tuple[list[Node], Group]:
+    nodes = [Node(f"peer-{i}", plane) for i in range(count)]
     members = [await node.start() for node in nodes]
     return nodes, Group.make(11, members)
 
@@ -197,13 +201,14 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout=120))
 
 
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
 @pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
 @pytest.mark.parametrize("count", [2, 3, 4])
-def test_dense_mean_in_one_process(count: int, codec_name: str) -> None:
+def test_dense_mean_in_one_process(count: int, codec_name: str, plane: str) -> None:
     numel = 100_003  # not a multiple of anything: uneven parts and a short last chunk
 
     async def body() -> None:
-        nodes, group = await start_nodes(count)
+        nodes, group = await start_nodes(count, plane)
         try:
             inputs = [make_input(i, numel) for i in range(count)]
             codec = CODECS[codec_name]()

@@ -1,0 +1,468 @@
+"""farloco's bulk data plane: the same authenticated bidirectional frame streams as gRPC, over plain TCP.
+
+Why it exists. Python gRPC copies every message twice beyond the kernel's own copies (into and out of its
+slices) and wakes its poller thread per message; for the exchange's tens to hundreds of MiB per round that made
+farloco's fp32 exchange cost ~3x the CPU of torch.distributed's gloo all_reduce (see BENCHMARKS.md). Here a
+chunk goes from the tensor's memory to `send` and from `recv_into` to a buffer the reducer sums from: the kernel
+copies are the only ones. Everything else stays on gRPC: control calls, votes, state sync, and the way a caller
+finds this listener (`DataAddress`, a unary gRPC method answered with the port).
+
+It serves the handlers registered on an `RpcServer` with `add_stream` (the exchange's `ExchangePush`), with the
+same `Authenticator` tokens (sender, method, round, time, one-time nonce), the same frames (`rpc.encode_frame`),
+the same size caps before allocation, the same rejection counting and stable reasons; callers see the same
+`RpcError`. It is plaintext like an insecure gRPC port: with mTLS configured the node does not open it and every
+stream rides gRPC (see `RpcServer(data_port=...)`).
+
+Connection layout (all integers little-endian):
+    client -> server   b"FLC1" | u32 n | msgpack {"m": method, "md": [[key, value], ...], "t": timeout_s}
+    then, both ways    u32 L | frame of L bytes        (L <= max_message_bytes, checked before allocating)
+                       u32 END                        (this side has no more frames: a half-close)
+                       u32 ERROR | u32 n | msgpack {"code": grpc status name, "reason": str, "detail": str}
+One connection per stream call; the server answers with the handler's frames, then END, then closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import socket
+import struct
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import msgpack
+import torch
+
+from farloco.protocol.errors import FrameError, Reject, RpcError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"FLC1"
+END = 0xFFFFFFFF
+ERROR = 0xFFFFFFFE
+MAX_PREAMBLE_BYTES = 64 << 10
+MAX_ERROR_BYTES = 64 << 10
+# A stream nobody bounded (or that claims more) is cut after this long.
+MAX_STREAM_SECONDS = 3600.0
+_U32 = struct.Struct("<I")
+
+
+def tune_malloc() -> bool:
+    """Keep freed message-sized buffers in glibc's heap instead of mmap/munmap per message.
+
+    Every received chunk is a fresh 1-2 MiB buffer; above glibc's default 128 KiB mmap threshold each one is a
+    new mapping whose pages fault on first touch, which cost 21-29% of a bulk exchange's time in measurements.
+    Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_/MALLOC_TOP_PAD_ in the environment. Returns
+    False (and changes nothing) where glibc's mallopt is not available.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = bool(mallopt(m_mmap_threshold, 32 << 20))  # glibc's maximum on 64-bit
+    ok = bool(mallopt(m_trim_threshold, 256 << 20)) and ok
+    return bool(mallopt(m_top_pad, 64 << 20)) and ok
+
+
+def _status(name: Any) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.name == name and code != grpc.StatusCode.OK:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+class _Conn:
+    """One non-blocking TCP connection driven by the running event loop, with exact reads into new buffers."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+
+    async def read_into(self, view: memoryview) -> None:
+        got, size = 0, len(view)
+        while got < size:
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise ConnectionResetError(f"{self.peer} closed the connection ({got} of {size} bytes read)")
+            got += n
+
+    async def read(self, size: int) -> memoryview:
+        """`size` bytes into a new writable buffer. Not a bytearray: that zero-fills first, one more pass over
+        every MiB received; torch's allocator hands out (with tune_malloc, recycled) memory as is."""
+        buffer = (
+            torch.empty(size, dtype=torch.uint8).numpy().data if size > 4096 else memoryview(bytearray(size))
+        )
+        if size:
+            await self.read_into(buffer)
+        return buffer
+
+    async def read_u32(self) -> int:
+        (value,) = _U32.unpack(await self.read(4))
+        return int(value)
+
+    async def write(self, *parts: bytes | memoryview) -> None:
+        for part in parts:
+            if len(part):
+                await self.loop.sock_sendall(self.sock, part)
+
+    async def drain(self, seconds: float = 5.0) -> None:
+        """Half-close, then discard what the peer still sends until it closes: closing a socket with unread
+        bytes makes the kernel send a reset, which can destroy our last frames before the peer reads them."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        scratch = bytearray(64 << 10)
+        with contextlib.suppress(OSError, ConnectionError, TimeoutError):
+            async with asyncio.timeout(seconds):
+                while await self.loop.sock_recv_into(self.sock, scratch):
+                    pass
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _frame_parts(frame: Any, limit: int, method: str) -> tuple[bytes, bytes | memoryview]:
+    """(length prefix + frame header, payload) of a frame: the payload is sent from its own memory."""
+    from farloco.protocol.rpc import encode_frame_header
+
+    head = encode_frame_header(frame)
+    size = len(head) + len(frame.payload)
+    if size > limit:
+        raise RpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "FRAME_TOO_LARGE",
+            f"{method} frame of {size} bytes exceeds max_message_bytes={limit}",
+        )
+    return _U32.pack(size) + head, frame.payload
+
+
+async def _write_error(conn: _Conn, rejection: Reject) -> None:
+    body = msgpack.packb(
+        {"code": rejection.code.name, "reason": rejection.reason, "detail": rejection.detail[:4096]},
+        use_bin_type=True,
+    )
+    await conn.write(_U32.pack(ERROR) + _U32.pack(len(body)) + body)
+
+
+# Where the payload of an incoming frame should land: (header, payload bytes) -> writable memoryview or None.
+Sink = Callable[[dict[str, Any], int], memoryview | None]
+
+
+async def _read_frame_or_marker(
+    conn: _Conn, limit: int, decode: Callable[[memoryview], Any], sink: Sink | None = None
+) -> Any:
+    """The next frame, END, or an ERROR's (code, reason, detail). Raises FrameError on a bad length."""
+    size = await conn.read_u32()
+    if size == END:
+        return END
+    if size == ERROR:
+        length = await conn.read_u32()
+        if length > MAX_ERROR_BYTES:
+            raise FrameError("MALFORMED_FRAME", f"error report of {length} bytes (limit {MAX_ERROR_BYTES})")
+        try:
+            report = msgpack.unpackb(await conn.read(length), raw=False)
+            return (_status(report["code"]), str(report["reason"]), str(report["detail"]))
+        except Exception:  # any malformed report is the same failure to the caller
+            return (grpc.StatusCode.UNKNOWN, "MALFORMED_FRAME", "unreadable error report")
+    if size > limit:
+        raise FrameError("FRAME_TOO_LARGE", f"frame of {size} bytes exceeds the limit of {limit} bytes")
+    if sink is None or size < _U32.size:
+        return decode(await conn.read(size))
+    from farloco.protocol.rpc import DEFAULT_MAX_HEADER_BYTES, Frame, decode_frame_header
+
+    # Header first, then the payload straight into the memory the consumer names (one copy fewer).
+    header_len = await conn.read_u32()
+    if header_len > min(size - _U32.size, DEFAULT_MAX_HEADER_BYTES):
+        raise FrameError(
+            "MALFORMED_FRAME",
+            f"header of {header_len} bytes in a frame of {size} (limit {DEFAULT_MAX_HEADER_BYTES})",
+        )
+    header = decode_frame_header(await conn.read(header_len))
+    payload_len = size - _U32.size - header_len
+    target = sink(header, payload_len)
+    if target is None or len(target) != payload_len or target.readonly:
+        return Frame(header, await conn.read(payload_len))
+    await conn.read_into(target)
+    return Frame(header, target)
+
+
+class DataServer:
+    """The TCP listener beside an `RpcServer`: authenticates each connection and runs the registered handler.
+
+    `open_stream(method, metadata) -> (CallContext, handler)` is supplied by the RpcServer: it authenticates and
+    finds the handler exactly as for gRPC calls, raising `Reject`; `on_reject(method, rejection, sender)` logs
+    and counts a refusal in the server's `rejections`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        open_stream: Callable[[str, list[tuple[str, str]]], Awaitable[tuple[Any, Any]]],
+        on_reject: Callable[[str, Reject, str], object],
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_message_bytes = max_message_bytes
+        self._open_stream = open_stream
+        self._on_reject = on_reject
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        """Bind and start accepting; returns the port actually bound."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.host, self.port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError as exc:
+            listener.close()
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                "BIND_FAILED",
+                f"could not bind the data plane to {self.host}:{self.port}: {exc}",
+            ) from None
+        self._listener = listener
+        self.port = int(listener.getsockname()[1])
+        self._accepting = asyncio.create_task(self._accept_loop())
+        return self.port
+
+    async def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        tasks, self._connections = self._connections, set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, address = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+                log.warning("data plane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(_Conn(sock, f"{address[0]}:{address[1]}")))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, conn: _Conn) -> None:
+        method, sender = "?", "?"
+        try:
+            try:
+                method, metadata, timeout = await asyncio.wait_for(self._read_preamble(conn), timeout=10.0)
+            except TimeoutError:
+                raise Reject(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "TRUNCATED", "no stream preamble within 10 s"
+                ) from None
+            call, handler = await self._open_stream(method, metadata)
+            sender = call.sender
+            async with asyncio.timeout(timeout):
+                await self._run(conn, method, call, handler)
+        except Reject as exc:
+            await self._refuse(conn, method, exc, sender)
+        except TimeoutError:
+            deadline = Reject(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE", "the stream's deadline passed")
+            await self._refuse(conn, method, deadline, sender)
+        except (OSError, ConnectionError) as exc:
+            log.info("data stream %s from %s (%s) ended: %s", method, sender, conn.peer, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("data stream handler of %s failed for %s", method, sender)
+            failure = Reject(grpc.StatusCode.INTERNAL, "HANDLER_ERROR", type(exc).__name__)
+            await self._refuse(conn, method, failure, sender)
+        finally:
+            conn.close()
+
+    async def _refuse(self, conn: _Conn, method: str, rejection: Reject, sender: str) -> None:
+        """Log and count the refusal, tell the caller why, and let it read that before we close."""
+        self._on_reject(method, rejection, sender)
+        with contextlib.suppress(OSError, ConnectionError):
+            await _write_error(conn, rejection)
+            await conn.drain(1.0)
+
+    async def _read_preamble(self, conn: _Conn) -> tuple[str, list[tuple[str, str]], float]:
+        magic = await conn.read(len(MAGIC))
+        if magic != MAGIC:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "MALFORMED_FRAME",
+                f"expected the farloco data-plane magic {MAGIC!r}, got {magic.tobytes()!r}",
+            )
+        size = await conn.read_u32()
+        if size > MAX_PREAMBLE_BYTES:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "FRAME_TOO_LARGE",
+                f"stream preamble of {size} bytes exceeds the limit of {MAX_PREAMBLE_BYTES} bytes",
+            )
+        try:
+            preamble = msgpack.unpackb(await conn.read(size), raw=False, strict_map_key=True)
+            method, raw_metadata, timeout = preamble["m"], preamble["md"], float(preamble["t"])
+            metadata = [(str(key), str(value)) for key, value in raw_metadata]
+            if not isinstance(method, str):
+                raise TypeError("method is not a string")
+        except Exception as exc:  # msgpack and the shape checks raise several unrelated types
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "MALFORMED_FRAME",
+                f"expected a msgpack preamble {{m, md, t}}, got {type(exc).__name__}: {exc}",
+            ) from None
+        if not timeout > 0:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT, "BAD_HEADER", f"expected a timeout > 0, got {timeout}"
+            )
+        return method, metadata, min(timeout, MAX_STREAM_SECONDS)
+
+    async def _run(self, conn: _Conn, method: str, call: Any, handler: Any) -> None:
+        from farloco.protocol.rpc import decode_frame_owned
+
+        limit = self.max_message_bytes
+
+        def decode(data: memoryview) -> Any:
+            try:
+                return decode_frame_owned(data)
+            except FrameError as exc:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, exc.reason, exc.detail) from None
+
+        async def frames() -> AsyncIterator[Any]:
+            while True:
+                try:
+                    item = await _read_frame_or_marker(conn, limit, decode)
+                except FrameError as exc:
+                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, exc.reason, exc.detail) from None
+                except (OSError, ConnectionError):
+                    return  # the peer went away: the handler sees an early end (TRUNCATED)
+                if item == END:
+                    return
+                if isinstance(item, tuple):
+                    return  # a client never sends errors; treat it as a half-close
+                yield item
+
+        async for response in handler(call, frames()):
+            head, payload = _frame_parts(response, limit, method)
+            await conn.write(head, payload)
+        await conn.write(_U32.pack(END))
+        await conn.drain()
+
+
+async def open_stream(
+    host: str,
+    port: int,
+    method: str,
+    metadata: tuple[tuple[str, str], ...],
+    frames: AsyncIterator[Any],
+    *,
+    timeout: float,
+    max_message_bytes: int,
+    decode: Callable[[memoryview], Any],
+    sink: Sink | None = None,
+) -> AsyncIterator[Any]:
+    """Client side of one data-plane stream: send `frames`, yield the answers; raises RpcError on any failure.
+
+    The connection is closed when the iterator finishes or is closed early (which is how a caller cancels).
+    """
+    where = f"{method} at {host}:{port}"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    conn: _Conn | None = None
+    writer: asyncio.Task[None] | None = None
+    try:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await loop.sock_connect(sock, (host, port))
+        except (OSError, TimeoutError) as exc:
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot connect: {exc}"
+            ) from None
+        conn = _Conn(sock, f"{host}:{port}")
+        preamble = msgpack.packb(
+            {"m": method, "md": [list(item) for item in metadata], "t": max(0.001, timeout)},
+            use_bin_type=True,
+        )
+        await conn.write(MAGIC + _U32.pack(len(preamble)) + preamble)
+
+        async def write_all() -> None:
+            assert conn is not None
+            async for frame in frames:
+                head, payload = _frame_parts(frame, max_message_bytes, method)
+                await conn.write(head, payload)
+            await conn.write(_U32.pack(END))
+
+        writer = asyncio.create_task(write_all())
+
+        def stop_reading(task: asyncio.Task[None]) -> None:
+            # Our own side failed (e.g. a frame over the limit): unblock the reader below, which re-raises it.
+            if not task.cancelled() and task.exception() is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        writer.add_done_callback(stop_reading)
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await _read_frame_or_marker(conn, max_message_bytes, decode, sink)
+            except TimeoutError:
+                raise RpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", f"{where}: deadline passed"
+                ) from None
+            except FrameError as exc:
+                raise RpcError(
+                    grpc.StatusCode.INTERNAL, exc.reason, f"answer of {where}: {exc.detail}"
+                ) from None
+            except (OSError, ConnectionError) as exc:
+                if writer.done() and not writer.cancelled() and writer.exception() is not None:
+                    raise writer.exception() from None  # type: ignore[misc]
+                raise RpcError(
+                    grpc.StatusCode.UNAVAILABLE, "CONNECTION_LOST", f"{where}: connection lost: {exc}"
+                ) from None
+            if item == END:
+                break
+            if isinstance(item, tuple):
+                code, reason, detail = item
+                raise RpcError(code, reason, f"{where}: {detail}")
+            yield item
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            raise writer.exception() from None  # type: ignore[misc]
+    finally:
+        if writer is not None and not writer.done():
+            writer.cancel()
+            with contextlib.suppress(BaseException):
+                await writer
+        if conn is not None:
+            conn.close()
+        else:
+            sock.close()
