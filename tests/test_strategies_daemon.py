@@ -333,9 +333,9 @@ def test_farloco_demo_command_runs_every_strategy(
     done = subprocess.run(command, capture_output=True, text=True, timeout=850)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "loss fell, every peer holds the same theta_outer" in done.stdout
-    written = build_config(tomllib.loads((tmp_path / "demo.toml").read_text())).run
-    assert written.strategy == strategy
-    assert written.codec == (codec or "dct-topk")
+    written = tomllib.loads((tmp_path / "demo.toml").read_text())["run"]
+    assert written["strategy"] == strategy
+    assert written["codec"] == (codec or "dct-topk")
 
 
 @pytest.mark.slow
