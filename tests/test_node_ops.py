@@ -1,7 +1,7 @@
-"""A single real node end to end: status/metrics/health endpoints and JSON logs while it trains, drain, SIGTERM
-and `leave --now` leave gracefully, checkpoints (outer and the ranks' sharded inner state) are written and
-resumed from after a SIGKILL, trainer restarts are counted, and `farloco report` / `farloco export` work on
-what the run left behind."""
+"""A single real node end to end: status/metrics/health endpoints and JSON logs while it trains, checkpoints
+(outer state and the ranks' sharded inner state) are written and resumed from after a SIGKILL, drain, SIGTERM
+and `leave --now` leave gracefully, trainer restarts are counted, and `farloco report` / `farloco export` work
+on what the run left behind. Then node/logs.py on its own."""
 
 from __future__ import annotations
 
@@ -31,105 +31,14 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_solo_node_lifecycle(tmp_path: Path) -> None:
-    run_dir = tmp_path / "node"
-    log = open(tmp_path / "node.log", "wb")  # noqa: SIM115 - closed below
-    stderr = open(tmp_path / "node.err", "wb")  # noqa: SIM115 - closed below
-    node = subprocess.Popen(
-        [
-            sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
-            "--set", "run.inner_steps=4", "--set", "checkpoint.every_rounds=2", "--set", "checkpoint.keep=2",
-            "--log-format", "json",
-        ],
-        stdout=log,
-        stderr=stderr,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180
-        status: dict = {}
-        while time.monotonic() < deadline:
-            assert node.poll() is None, (tmp_path / "node.err").read_text()[-3000:]
-            try:
-                status = ControlClient(run_dir).status()
-            except ControlError:
-                status = {}
-            if status.get("round_id", 0) >= 5:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"node did not reach round 5: {status}")
-
-        for key in ("peer_id", "state", "round_id", "inner_step", "loss", "num_peers", "outer_hash",
-                    "bytes_sent", "bytes_received", "multiaddrs", "metrics_url", "last_checkpoint",
-                    "trainer_restarts", "trainer_last_exit", "tokens_per_second", "sync"):  # fmt: skip
-            assert key in status, key
-        assert status["state"] in ("training", "exchanging")
-        assert status["trainer_restarts"] == 0 and status["tokens_per_second"] > 0 and status["sync"] is None
-        assert status["num_peers"] == 1 and status["multiaddrs"]
-
-        shown = cli("status", "--run-dir", str(run_dir), "--json")
-        assert shown.returncode == 0 and json.loads(shown.stdout)["peer_id"] == status["peer_id"]
-        table = cli("peers", "--run-dir", str(run_dir))
-        assert table.returncode == 0 and "1 peers" in table.stdout
-        listed = json.loads(cli("peers", "--run-dir", str(run_dir), "--json").stdout)
-        assert [m["peer_id"] for m in listed] == [status["peer_id"]] and listed[0]["self"]
-
-        with urllib.request.urlopen(status["metrics_url"], timeout=10) as response:
-            metrics = response.read().decode()
-        for name in ("round_id", "rounds_committed_total", "tokens_per_second", "inner_step_seconds",
-                     "trainer_restarts_total", "loss", "peers"):  # fmt: skip
-            assert f"\nfarloco_{name} " in metrics, name
-        base = status["metrics_url"].removesuffix("/metrics")
-        with urllib.request.urlopen(base + "/healthz", timeout=10) as response:
-            assert response.status == 200
-        # control calls need the token from the run directory
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(base + "/status", timeout=10)
-        assert refused.value.code == 401
-
-        drained = cli("drain", "--run-dir", str(run_dir), "--timeout", "120")
-        assert drained.returncode == 0, drained.stderr
-        assert node.wait(timeout=60) == 0, (tmp_path / "node.err").read_text()[-3000:]
-    finally:
-        stop_process(node)
-        log.close()
-        stderr.close()
-
-    events = read_events(run_dir)
-    kinds = [e["event"] for e in events]
-    assert kinds[-1] == "stopped" and "failed" not in kinds and "withdrew" not in kinds
-    # drain finished the round it was in: the last round committed is the round the node stopped at
-    assert [e for e in events if e["event"] == "round"][-1]["round_id"] == events[-1]["round_id"]
-    checkpoints = sorted((run_dir / "checkpoints").glob("round-*"))
-    assert 1 <= len(checkpoints) <= 2 and all((c / "inner" / ".metadata").is_file() for c in checkpoints)
-    # --log-format json: every stderr line is a JSON object; the daemon log file holds the same kind of lines
-    lines = (tmp_path / "node.err").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
-    daemon = [json.loads(line) for line in (run_dir / "logs" / "daemon.jsonl").read_text().splitlines()]
-    assert any(r["logger"].startswith("farloco") for r in daemon)
-
-    report = cli("report", "--run-dir", str(run_dir), "--out", str(tmp_path / "report"))
-    assert report.returncode == 0, report.stderr
-    pngs = sorted((tmp_path / "report").glob("*.png"))
-    assert pngs and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-
-    export = cli("export", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf"))
-    assert export.returncode == 0, export.stderr
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
-    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert "model.embed_tokens.weight" in tensors
-    assert sum(t.numel() for t in tensors.values()) == status["num_params"]
-
-
-def _start(run_dir: Path, log_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+def _start(
+    run_dir: Path, log_path: Path, *extra: str, stderr_path: Path | None = None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
          "--set", "run.inner_steps=4", *extra],
         stdout=open(log_path, "wb"),
-        stderr=subprocess.STDOUT,
+        stderr=open(stderr_path, "wb") if stderr_path else subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
 
@@ -154,7 +63,113 @@ def _metric(run_dir: Path, name: str) -> list[str]:
         return [line for line in response.read().decode().splitlines() if line.startswith(f"farloco_{name}")]
 
 
-def test_crashed_trainer_rank_is_restarted_and_counted_then_leave_now(tmp_path: Path) -> None:
+# Two ranks (FSDP2 shards of 2 ranks on 2 cores) take ~3 minutes on a loaded CI machine, so one rank runs by
+# default; the 2-rank run is the same test under `-m slow`, and it leaves with `leave --now` instead of drain.
+@pytest.mark.parametrize("num_ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
+    tmp_path: Path, num_ranks: int
+) -> None:
+    run_dir = tmp_path / "node"
+    extra = ("--set", "checkpoint.every_rounds=2", "--set", "checkpoint.keep=2", "--set",
+             f"node.num_ranks={num_ranks}", "--log-format", "json")  # fmt: skip
+    node = _start(run_dir, tmp_path / "first.log", *extra, stderr_path=tmp_path / "first.err")
+    try:
+        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 3 and s["last_checkpoint"])
+        for key in ("peer_id", "state", "round_id", "inner_step", "loss", "num_peers", "outer_hash",
+                    "bytes_sent", "bytes_received", "multiaddrs", "metrics_url", "last_checkpoint",
+                    "trainer_restarts", "trainer_last_exit", "tokens_per_second", "sync"):  # fmt: skip
+            assert key in status, key
+        assert status["state"] in ("training", "exchanging")
+        assert status["trainer_restarts"] == 0 and status["tokens_per_second"] > 0 and status["sync"] is None
+        assert status["num_peers"] == 1 and status["multiaddrs"]
+
+        shown = cli("status", "--run-dir", str(run_dir), "--json")
+        assert shown.returncode == 0 and json.loads(shown.stdout)["peer_id"] == status["peer_id"]
+        table = cli("status", "--run-dir", str(run_dir))
+        assert (
+            table.returncode == 0 and "trainer_restarts" in table.stdout and "last_checkpoint" in table.stdout
+        )
+        peers = cli("peers", "--run-dir", str(run_dir))
+        assert peers.returncode == 0 and "1 peers" in peers.stdout
+        listed = json.loads(cli("peers", "--run-dir", str(run_dir), "--json").stdout)
+        assert [m["peer_id"] for m in listed] == [status["peer_id"]] and listed[0]["self"]
+
+        with urllib.request.urlopen(status["metrics_url"], timeout=10) as response:
+            metrics = response.read().decode()
+        for name in ("round_id", "rounds_committed_total", "tokens_per_second", "inner_step_seconds",
+                     "trainer_restarts_total", "loss", "peers"):  # fmt: skip
+            assert f"\nfarloco_{name} " in metrics, name
+        base = status["metrics_url"].removesuffix("/metrics")
+        with urllib.request.urlopen(base + "/healthz", timeout=10) as response:
+            assert response.status == 200
+        # control calls need the token from the run directory
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "/status", timeout=10)
+        assert refused.value.code == 401
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=30)
+    finally:
+        stop_process(node)
+
+    saved = {e["round_id"]: e["inner"] for e in read_events(run_dir) if e["event"] == "checkpoint"}
+    checkpoints = sorted((run_dir / "checkpoints").glob("round-????????"))
+    assert 1 <= len(checkpoints) <= 2  # checkpoint.keep
+    newest = int(checkpoints[-1].name.removeprefix("round-"))
+    assert newest >= 2 and newest <= status["round_id"] + 1
+    assert saved[newest]["result"] == "ok" and saved[newest]["optimizer_step"] > 0
+    assert len(list((checkpoints[-1] / "inner").glob("*.distcp"))) == num_ranks  # a file of shards per rank
+
+    node = _start(run_dir, tmp_path / "second.log", *extra, stderr_path=tmp_path / "second.err")
+    try:
+        again = _wait_status(run_dir, node, lambda s: s["round_id"] >= newest + 1)
+        assert again["peer_id"] == status["peer_id"], (
+            "the identity key in the run directory keeps the peer id"
+        )
+        if num_ranks == 1:
+            left = cli("drain", "--run-dir", str(run_dir), "--timeout", "120")
+        else:
+            left = cli("leave", "--now", "--run-dir", str(run_dir), "--timeout", "120")
+        assert left.returncode == 0, left.stderr
+        assert node.wait(timeout=60) == 0, (tmp_path / "second.err").read_text()[-3000:]
+    finally:
+        stop_process(node)
+
+    events = read_events(run_dir)
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["round_id"] == newest
+    [loaded] = [e for e in events if e["event"] == "inner_resumed"]
+    assert loaded["result"] == "ok" and loaded["path"] == str(checkpoints[-1] / "inner")
+    # the AdamW step count and first moments of the saved checkpoint, not those of a fresh optimizer (0, 0.0)
+    assert loaded["optimizer_step"] == saved[newest]["optimizer_step"]
+    assert loaded["optimizer_fingerprint"] == pytest.approx(saved[newest]["optimizer_fingerprint"], rel=1e-9)
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "stopped" and "failed" not in kinds and events[-1]["error"] is None
+    if num_ranks == 1:  # drain finished the round it was in: its last committed round is where it stopped
+        assert "withdrew" not in kinds[kinds.index("inner_resumed") :]
+        assert [e for e in events if e["event"] == "round"][-1]["round_id"] == events[-1]["round_id"]
+
+    # --log-format json: every stderr line is a JSON object; the daemon log file holds the same kind of lines
+    for err in ("first.err", "second.err"):
+        records = [json.loads(line) for line in (tmp_path / err).read_text().splitlines() if line.strip()]
+        assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records), err
+    daemon = [json.loads(line) for line in (run_dir / "logs" / "daemon.jsonl").read_text().splitlines()]
+    assert any(r["logger"].startswith("farloco") for r in daemon)
+
+    report = cli("report", "--run-dir", str(run_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    pngs = sorted((tmp_path / "report").glob("*.png"))
+    assert len(pngs) == 4 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+    export = cli("export", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf"))
+    assert export.returncode == 0, export.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "model.embed_tokens.weight" in tensors
+    assert sum(t.numel() for t in tensors.values()) == status["num_params"]
+
+
+def test_crashed_trainer_rank_is_restarted_and_counted_then_sigterm_leaves(tmp_path: Path) -> None:
     run_dir = tmp_path / "node"
     node = _start(run_dir, tmp_path / "node.log", "--set", "node.max_restarts=2")
     try:
@@ -169,9 +184,8 @@ def test_crashed_trainer_rank_is_restarted_and_counted_then_leave_now(tmp_path: 
         assert _metric(run_dir, "trainer_restarts_total") == ["farloco_trainer_restarts_total 1.0"]
         [exit_code] = _metric(run_dir, "trainer_last_exit_code")
         assert exit_code.endswith(" -9") and "killed by SIGKILL" in exit_code
-        left = cli("leave", "--now", "--run-dir", str(run_dir), "--timeout", "60")
-        assert left.returncode == 0, left.stderr
-        assert node.wait(timeout=30) == 0
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=60) == 0
     finally:
         stop_process(node)
     events = read_events(run_dir)
@@ -196,47 +210,6 @@ def test_repeated_trainer_crashes_make_the_node_leave_with_a_reason(tmp_path: Pa
     assert events[-1]["event"] in ("failed", "stopped")
     assert any(e["event"] == "failed" and "trainer ranks exited" in e["error"] for e in events)
     assert any(e["event"] == "trainer_failed" and not e["restarting"] for e in events)
-
-
-# Two ranks (FSDP2 shards on 2 ranks of 2 cores) take ~3 minutes on a loaded CI machine, so only one rank runs by
-# default; the 2-rank run is the same test under `-m slow`.
-@pytest.mark.parametrize("num_ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_sigkilled_node_resumes_outer_and_sharded_inner_state(tmp_path: Path, num_ranks: int) -> None:
-    """The newest checkpoint's outer state and AdamW state (sharded by FSDP2) come back, not a fresh optimizer."""
-    run_dir = tmp_path / "node"
-    extra = ("--set", "checkpoint.every_rounds=2", "--set", f"node.num_ranks={num_ranks}")
-    node = _start(run_dir, tmp_path / "first.log", *extra)
-    try:
-        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 3 and s["last_checkpoint"])
-        os.killpg(node.pid, signal.SIGKILL)
-        node.wait(timeout=30)
-    finally:
-        stop_process(node)
-    saved = {e["round_id"]: e["inner"] for e in read_events(run_dir) if e["event"] == "checkpoint"}
-    checkpoints = sorted((run_dir / "checkpoints").glob("round-????????"))
-    newest = int(checkpoints[-1].name.removeprefix("round-"))
-    assert newest >= 2 and newest <= status["round_id"] + 1
-    assert saved[newest]["result"] == "ok" and saved[newest]["optimizer_step"] > 0
-    assert len(list((checkpoints[-1] / "inner").glob("*.distcp"))) == num_ranks  # a file of shards per rank
-    node = _start(run_dir, tmp_path / "second.log", *extra)
-    try:
-        again = _wait_status(run_dir, node, lambda s: s["round_id"] >= newest + 1)
-        assert again["peer_id"] == status["peer_id"], (
-            "the identity key in the run directory keeps the peer id"
-        )
-        node.send_signal(signal.SIGTERM)
-        assert node.wait(timeout=60) == 0
-    finally:
-        stop_process(node)
-    events = read_events(run_dir)
-    resumed = [e for e in events if e["event"] == "resumed"]
-    assert resumed and resumed[-1]["round_id"] == newest
-    [loaded] = [e for e in events if e["event"] == "inner_resumed"]
-    assert loaded["result"] == "ok" and loaded["path"] == str(checkpoints[-1] / "inner")
-    # the AdamW step count and first moments of the saved checkpoint, not those of a fresh optimizer (0, 0.0)
-    assert loaded["optimizer_step"] == saved[newest]["optimizer_step"]
-    assert loaded["optimizer_fingerprint"] == pytest.approx(saved[newest]["optimizer_fingerprint"], rel=1e-9)
-    assert events[-1]["event"] == "stopped"
 
 
 # ---- node/logs.py without a node ---------------------------------------------------------------------------------
