@@ -12,6 +12,12 @@ Bytes sent per worker are the real payload sizes in the daemon's exchange patter
 all-gather (2(k-1)/k of the payload), sparse codecs all-gather (the payload to each of the k-1 peers). DDP sends a
 ring all-reduce of fp32 gradients every step (2(k-1)/k * 4 bytes * num_params), like `ddp_bytes_per_round`.
 
+Streaming DiLoCo follows the daemon's round loop (node/agent.py): a round every H/P inner steps, round r syncing
+fragment r mod P (so each fragment every H steps, staggered by H/P); the contribution is taken at the sync point,
+and the mean lands `tau` inner steps later (tau < H/P: the strategy object holds one round in flight), where the
+outer step is applied and merged with alpha into the local weights the workers have trained on meanwhile. Its
+theta_outer is evaluated with the rounds that have landed; there is no extra round at the last step.
+
 References, in the same run: DDP (one model, the 4 workers' batches together = gradient all-reduce every step)
 and lone workers (the 4 workers with no communication; reported as the mean over slots, with the range).
 
