@@ -111,10 +111,17 @@ def receive() -> dict[str, Any]:
 
 
 def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int) -> dict[str, Any]:
+    import gc
+
     from farloco.protocol.auth import Authenticator
     from farloco.protocol.exchange import Exchange
     from farloco.protocol.rpc import RpcClient, RpcServer
+    from farloco.protocol.tcpstream import tune_malloc
     from farloco.protocol.types import Group, GroupMember
+
+    # What the daemon's agent does at start (node/agent.py Agent.run).
+    tune_malloc()
+    gc.freeze()
 
     async def main() -> dict[str, Any]:
         peer_id = f"peer-{rank}"

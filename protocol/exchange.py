@@ -131,6 +131,7 @@ class _Plan:
     numel: int
     num_parts: int
     chunk_elems: int
+    _chunks: dict[int, list[tuple[int, int]]] = field(default_factory=dict, compare=False, repr=False)
 
     def part(self, index: int) -> tuple[int, int]:
         base, extra = divmod(self.numel, self.num_parts)
@@ -138,8 +139,13 @@ class _Plan:
         return start, start + base + (1 if index < extra else 0)
 
     def chunks(self, index: int) -> list[tuple[int, int]]:
-        start, end = self.part(index)
-        return [(a, min(a + self.chunk_elems, end)) for a in range(start, end, self.chunk_elems)]
+        """Chunk ranges of part `index` (computed once: the reducer asks for them per chunk)."""
+        cached = self._chunks.get(index)
+        if cached is None:
+            start, end = self.part(index)
+            cached = [(a, min(a + self.chunk_elems, end)) for a in range(start, end, self.chunk_elems)]
+            self._chunks[index] = cached
+        return cached
 
 
 def _max_chunk_payload(num_elems: int) -> int:
@@ -398,8 +404,6 @@ class Exchange:
     async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if attempt.raw:
-                _check_own_finite(attempt.codec, attempt.flat)
             if not attempt.dense:
                 self._encode_sparse(attempt)
             elif len(attempt.members) == 1:
@@ -472,7 +476,13 @@ class Exchange:
             yield hello
             for k, (a, b) in enumerate(chunks):
                 if attempt.raw:
-                    # The tensor's own bytes; encode_frame makes the one copy into the gRPC message.
+                    # Our own NaN/Inf is refused chunk by chunk as it goes out: summing a chunk just before it
+                    # is sent also brings it into cache for the send (one pass over 64 MiB up front cost more).
+                    error = _own_chunk_error(codec, attempt.flat[a:b], a)
+                    if error is not None:
+                        self._local_failure(attempt, error)
+                        return
+                    # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
                     view = _raw_bytes(attempt.flat[a:b])
                     attempt.bytes_sent += len(view)
                     yield Frame({"k": k}, view)
@@ -793,13 +803,23 @@ class Exchange:
             contributions[i] if attempt.weights[i] == 1.0 else contributions[i] * attempt.weights[i]
             for i in range(len(attempt.members))
         ]
-        torch.add(terms[0], terms[1], out=total)  # a dense reduce has >= 2 members
-        for term in terms[2:]:
-            total.add_(term)
-        total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+        if len(terms) == 2 and attempt.weights[0] == attempt.weights[1]:
+            # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
+            # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
+            torch.lerp(terms[0], terms[1], 0.5, out=total)
+        else:
+            torch.add(terms[0], terms[1], out=total)  # a dense reduce has >= 2 members
+            for term in terms[2:]:
+                total.add_(term)
+            total.mul_(1.0 / math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
         if attempt.raw:
             # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
             if not _all_finite(total):
+                error = _own_chunk_error(codec, contributions[attempt.me], a)
+                if error is not None:
+                    # Our own input is bad: fail locally, exclude ourselves, tell the caller (as an encode would).
+                    self._local_failure(attempt, error)
+                    return
                 self._blame_nonfinite(attempt, contributions)
             frame = Frame({"k": k}, _raw_bytes(total))
             self._send_mean(attempt, frame)
@@ -930,7 +950,9 @@ def _raw_view(data: bytes | memoryview, numel: int, what: str) -> torch.Tensor:
         raise _invalid("SIZE_MISMATCH", f"{what}: expected {4 * numel} bytes of float32, got {len(data)}")
     if numel == 0:
         return torch.empty(0, dtype=torch.float32)
-    # The message bytes are immutable and only ever read here; torch warns that it cannot mark the tensor
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.float32, count=numel)  # the data plane's own buffer
+    # gRPC's message bytes are immutable and only ever read here; torch warns that it cannot mark the tensor
     # read-only, so the warning is silenced rather than paying a copy.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -952,15 +974,19 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
-def _check_own_finite(codec: TensorCodec, flat: torch.Tensor) -> None:
-    """Refuse our own NaN/Inf up front on the raw path, with the codec's own error when it has one."""
-    if _all_finite(flat):
-        return
-    codec.encode(flat)  # a raw_float32 codec refuses non-finite values; its error names what and where
-    bad = ~torch.isfinite(flat)
-    raise ValueError(
-        f"tensor to average: expected only finite values, got {int(bad.sum())} NaN/Inf "
-        f"(first at index {int(bad.nonzero()[0, 0])})"
+def _own_chunk_error(codec: TensorCodec, chunk: torch.Tensor, offset: int) -> Exception | None:
+    """None if our own raw chunk (starting at flat index `offset`) is finite, else why it cannot be sent: the
+    codec's own error when it refuses it (it names what and where), else one naming the count and first index."""
+    if _all_finite(chunk):
+        return None
+    try:
+        codec.encode(chunk)
+    except Exception as exc:  # the codec's error type (CodecError is a ValueError)
+        return exc
+    bad = ~torch.isfinite(chunk)
+    return ValueError(
+        f"tensor to average: expected only finite values, got {int(bad.sum())} NaN/Inf in elements "
+        f"{offset}..{offset + chunk.numel() - 1} (first at index {offset + int(bad.nonzero()[0, 0])})"
     )
 
 

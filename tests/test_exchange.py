@@ -334,7 +334,7 @@ def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytes
     owner refuses the chunk, blames peer-1, and the retry goes on without it."""
     import farloco.protocol.exchange as exchange_module
 
-    monkeypatch.setattr(exchange_module, "_check_own_finite", lambda codec, flat: None)
+    monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
 
     async def body() -> None:
         nodes, group = await start_nodes(2)
