@@ -98,7 +98,11 @@ def test_examples_are_documented_and_valid(preset: str) -> None:
     [
         ("run.codec=int9", "run.codec / run.codec_options: codec name: expected one of"),
         ("run.codec_options={bogus = 1}", "expected a subset of ['block_size'], got ['bogus']"),
-        ("run.strategy=demo", "run.strategy: the daemon runs ['diloco', 'sparseloco'], got 'demo'"),
+        (
+            "run.strategy=adam",
+            "run.strategy: expected one of ['diloco', 'streaming-diloco', 'demo', 'sparseloco']",
+        ),
+        ("run.strategy=demo", "takes exactly 1 inner step per round"),
         ("run.strategy_options={nonsense = 2}", "run.strategy / run.strategy_options"),
     ],
 )
