@@ -715,6 +715,26 @@ class Agent:
             except MembershipError as exc:  # survivable: the record lives for several heartbeats
                 log.warning("publishing our member record failed: %s", exc)
 
+    async def _publish_first(self, attempts: int = 6) -> None:
+        """Our first record must get out (the slot claim and every later lookup need it). On a loaded machine
+        a DHT store is sometimes refused after its own retries: try again with backoff before giving up."""
+        from farloco.protocol.membership import MembershipError
+
+        delay = 0.5
+        for attempt in range(1, attempts + 1):
+            async with self._publish_lock:
+                try:
+                    await self.membership.publish(self._record())
+                    return
+                except MembershipError as exc:
+                    if attempt == attempts:
+                        raise AgentError(
+                            f"could not publish our member record on the DHT after {attempts} attempts: {exc}"
+                        ) from exc
+                    log.warning("publishing our first member record failed (attempt %d): %s", attempt, exc)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 4.0)
+
     async def _refresh_peers(self) -> list[Any]:
         members = await self.membership.members()
         view = [
@@ -758,7 +778,7 @@ class Agent:
                 f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): "
                 + "; ".join(differences)
             )
-        await self._publish()  # the slot claim travels in our record
+        await self._publish_first()  # the slot claim travels in our record
         self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
         others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0]
         if others:
