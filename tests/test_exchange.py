@@ -360,6 +360,80 @@ def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytes
     run(body())
 
 
+@pytest.mark.parametrize("target", ["one owner", "every owner"])
+def test_nan_insider_in_a_group_of_three_never_stalls_the_round(
+    monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """peer-2 (an insider: it holds the secret) skips its own check and sends NaN. If every owner sees it, a
+    majority names it and peer-0 and peer-1 average without it. If only peer-0 sees it, nobody can tell a true
+    report from a lie: accuser and accused both go and peer-1 goes on alone. Either way no round stalls and the
+    survivors agree."""
+    import farloco.protocol.exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            numel = 60_000  # three parts of 20_000
+            inputs = [make_input(i, numel) for i in range(3)]
+            inputs[2][100] = float("nan")  # peer-0's part
+            if target == "every owner":
+                inputs[2][20_100] = float("nan")  # peer-1's part
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            assert isinstance(outcomes[2], ExchangeAborted) and outcomes[2].reason == "EXCLUDED", outcomes
+            assert nodes[0].server.rejections["BAD_PAYLOAD"] >= 1
+            if target == "every owner":
+                assert all(isinstance(o, AverageResult) for o in outcomes[:2]), outcomes
+                assert outcomes[0].contributors == outcomes[1].contributors == ("peer-0", "peer-1")
+                assert torch.equal(outcomes[0].averaged, outcomes[1].averaged)
+                assert torch.allclose(outcomes[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+            else:
+                assert isinstance(outcomes[0], ExchangeAborted) and outcomes[0].reason == "EXCLUDED", outcomes
+                assert isinstance(outcomes[1], AverageResult), outcomes
+                assert outcomes[1].contributors == ("peer-1",)
+                assert torch.equal(outcomes[1].averaged, inputs[1])
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_exclusion_rule_majority_and_disputes() -> None:
+    from farloco.protocol.exchange import _excluded
+
+    members = [GroupMember(f"p{i}", f"127.0.0.1:{i + 1}") for i in range(4)]
+
+    def vote(bad: list[str], n: int = 10) -> dict[str, Any]:
+        return {"ok": False, "bad": bad, "n": n, "c": "fp32"}
+
+    # A strict majority of the others names p3: only p3 goes.
+    votes = {"p0": vote(["p3"]), "p1": vote(["p3"]), "p2": vote([]), "p3": vote([])}
+    assert _excluded(members, votes) == {"p3"}
+    # One accusation, no majority: accused and accuser go, the others stay.
+    votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote([])}
+    assert _excluded(members, votes) == {"p0", "p3"}
+    # Mutual accusations are one dispute.
+    votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote(["p0"])}
+    assert _excluded(members, votes) == {"p0", "p3"}
+    # An accused that is out anyway (its tensor has another size than the majority's) costs its accuser nothing.
+    votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote([], n=11)}
+    assert _excluded(members, votes) == {"p3"}
+    # ... nor do the accusations of a member that is out anyway.
+    votes = {"p0": vote([]), "p1": vote([]), "p2": vote([]), "p3": vote(["p0"], n=11)}
+    assert _excluded(members, votes) == {"p3"}
+    # Self-reports (our own NaN) drop only ourselves.
+    votes = {"p0": vote([]), "p1": vote(["p1"]), "p2": vote([]), "p3": vote([])}
+    assert _excluded(members, votes) == {"p1"}
+
+
 def test_raw_and_codec_fp32_members_refuse_each_other() -> None:
     async def body() -> None:
         nodes, group = await start_nodes(2)
