@@ -10,7 +10,10 @@ Owns the on-disk format under `<run_dir>/checkpoints/` (the `root` of every func
                             position), time (unix seconds), and with inner state `inner_sha256` (JSON: file
                             path under inner/ -> sha256 hex)
         inner/              optional: the ranks' FSDP2 model and optimizer state (DTensor shards), written by
-                            the ranks themselves with torch.distributed.checkpoint (`save_inner_state`)
+                            the ranks themselves with torch.distributed.checkpoint (`save_inner_state`):
+            .metadata       JSON (format "farloco-dcp-json"): every tensor's dtype, size and chunks, and the
+                            byte range in a data file of every chunk
+            __<rank>_0.distcp   that rank's shards as raw bytes, back to back
         COMMITTED           written last; its content is the outer_hash
 
 How a checkpoint becomes durable: everything is written into `round-<id>.tmp-<pid>-<random>/` (the agent
@@ -20,23 +23,28 @@ leaves either the complete new checkpoint or only a `.tmp-` directory, which is 
 `prune_checkpoints`. `COMMITTED` and the theta hash still guard against what the rename cannot (a file system
 that lost data, a disk that flipped a bit, a hand-copied directory); `inner_sha256` does the same for inner/.
 
-The outer state is read and written with safetensors only. inner/ is torch.distributed.checkpoint's format,
-whose `.metadata` file is a pickle: it is only ever read from the node's own run directory, and only after
-every file of inner/ matched the sha256 recorded in the committed outer metadata (`verify_inner`), so what is
-unpickled is exactly what this node's ranks wrote. Tensors in it are read as raw storage, never unpickled.
+Nothing here is ever pickled or unpickled. The outer state is safetensors. inner/ keeps
+torch.distributed.checkpoint (sharded saves, loads that reshard) but replaces its file layer, which would pickle
+`.metadata` and torch.save every tensor and non-tensor (param_groups): only tensors are saved (hyper-parameters
+come from the config), the metadata is JSON, parsed back field by field with schema checks, the data is raw
+bytes, and a pickled `.metadata` (torch's default writer) is refused unread. The node loads inner/ only after
+every file matched the sha256 recorded in the committed outer metadata (`verify_inner`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -53,7 +61,7 @@ THETA = "theta"
 STRATEGY_PREFIX = "strategy."
 INNER_DIR = "inner"
 INNER_META = "inner_sha256"
-# Written by torch.distributed.checkpoint once every rank's data file is complete.
+# inner/'s JSON metadata, written (by rank 0, renamed into place) once every rank's data file is complete.
 DCP_METADATA = ".metadata"
 # Metadata keys the caller must give (the rest is computed here).
 REQUIRED_META = ("run_hash", "inner_step")
@@ -260,15 +268,20 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
 # ---- the ranks' inner state (collective: every rank of the node's process group calls these) --------------------
 def save_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     """Write this node's sharded model and optimizer state (FSDP2 DTensors) to `directory`, each rank its own
-    shards, with torch.distributed.checkpoint (which fsyncs every file it writes). False if it failed (e.g. a
-    full disk): training goes on, the checkpoint is written without inner state."""
+    shards, with torch.distributed.checkpoint in farloco's pickle-free layout (see `DCP_METADATA`; every file is
+    fsynced). False if it failed (e.g. a full disk): training goes on, the checkpoint is written without inner
+    state."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    writer_class, _ = _dcp_storage()
     try:
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))
+        # Only tensors are written: param_groups (lr, betas, ...) would be torch.save'd as pickles, and the
+        # loading optimizer has them already, from the config.
+        state = {"model": _tensors_only(model_state, "model"), "optim": _optimizer_tensors(optimizer_state)}
+        save(state, storage_writer=writer_class(Path(directory)))
     except (Exception, CheckpointException) as exc:  # raised on every rank alike, see load_inner_state
         log.error("saving the inner state to %s failed: %s", directory, exc)
         return False
@@ -279,13 +292,16 @@ def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.o
     """Load the optimizer state saved by `save_inner_state` into `optimizer`; True if every rank did.
 
     The model weights saved next to it are not loaded: after a checkpoint the ranks always start from theta_outer,
-    which the agent publishes. torch.distributed.checkpoint reshards, so a node restarted with another number of
-    ranks loads too. Anything missing or not matching (another optimizer, other shapes) leaves *every* rank with
-    a fresh optimizer state and returns False: a half-loaded optimizer would be worse than a fresh one."""
+    which the agent publishes. The optimizer keeps its own hyper-parameters (param_groups come from the config,
+    they are not saved). torch.distributed.checkpoint reshards, so a node restarted with another number of ranks
+    loads too. Anything missing, not matching (another optimizer, other shapes) or not in farloco's JSON layout
+    (a pickled `.metadata` is refused unread) leaves *every* rank with a fresh optimizer state and returns False:
+    a half-loaded optimizer would be worse than a fresh one."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    _, reader_class = _dcp_storage()
     device = next(model.parameters()).device
     # Agree on the directory first: one rank entering the collective load alone would wait forever.
     present = _all_ranks(device, (Path(directory) / DCP_METADATA).is_file())
@@ -293,7 +309,9 @@ def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.o
     if present:
         try:
             state = get_optimizer_state_dict(model, optimizer)
-            load({"optim": state}, checkpoint_id=str(directory))
+            tensors = _optimizer_tensors(state)
+            # Loaded in place: the tensors in `tensors` are those of `state`, which then goes to the optimizer.
+            load({"optim": tensors}, storage_reader=reader_class(Path(directory)))
             set_optimizer_state_dict(model, optimizer, state)
             loaded = True
         # torch.distributed.checkpoint gathers a failure and raises it on every rank, as CheckpointException,
@@ -306,6 +324,409 @@ def load_inner_state(directory: Path, model: torch.nn.Module, optimizer: torch.o
         optimizer.state.clear()  # the optimizer initialises its state afresh at its next step
         return False
     return True
+
+
+def read_inner_metadata(directory: Path) -> Any:
+    """The torch.distributed.checkpoint `Metadata` of an inner/ directory written by `save_inner_state`, parsed
+    from its JSON `.metadata` with every field checked; CheckpointError naming what was expected otherwise (a
+    pickled `.metadata`, as torch's own writer makes, is refused without being unpickled)."""
+    path = Path(directory) / DCP_METADATA
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"inner state {directory}: cannot read {DCP_METADATA}: {exc}") from exc
+    return _metadata_from_json(raw, str(path))
+
+
+def _optimizer_tensors(optimizer_state: Any) -> dict[str, Any]:
+    """The per-parameter part of an optimizer state dict ({"state": {fqn: {name: tensor}}}), tensors only."""
+    if not isinstance(optimizer_state, dict) or not isinstance(optimizer_state.get("state"), dict):
+        raise CheckpointError(
+            f"inner state: expected an optimizer state dict with a 'state' dict, got {type(optimizer_state)}"
+        )
+    return {"state": _tensors_only(optimizer_state["state"], "optim.state")}
+
+
+def _tensors_only(tree: dict[str, Any], where: str) -> dict[str, Any]:
+    """`tree`'s nested dicts with their tensor leaves, the same tensor objects (loads fill them in place).
+
+    None leaves mean "no state" (SGD without momentum) and are left out; anything else that is not a tensor
+    could only be saved as a pickle, so it is refused."""
+    kept: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, torch.Tensor):
+            kept[key] = value
+        elif isinstance(value, dict):
+            kept[key] = _tensors_only(value, f"{where}.{key}")
+        elif value is not None:
+            raise CheckpointError(
+                f"inner state: expected only tensors, got {type(value).__name__} at {where}.{key}"
+            )
+    return kept
+
+
+# ---- the pickle-free storage layout of inner/ ------------------------------------------------------------------
+# torch.distributed.checkpoint's FileSystemWriter pickles its `.metadata` and torch.save()s every tensor (a zip
+# holding a pickle, read back with torch.load). Here `.metadata` is JSON, parsed field by field, and each
+# rank's `__<rank>_0.distcp` holds its shards' raw bytes back to back (C order, native byte order), located by
+# that JSON.
+_METADATA_FORMAT = "farloco-dcp-json"
+_METADATA_VERSION = 1
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_PICKLE_PROTOCOL_BYTE = 0x80  # every pickle of protocol >= 2 starts with it; JSON never does
+
+
+@functools.cache
+def _dcp_storage() -> tuple[type[Any], type[Any]]:
+    """(writer class, reader class) of the pickle-free layout. Built on first use: importing
+    torch.distributed.checkpoint costs seconds, which the agent and the CLI, which never call it, should not pay."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.filesystem import (
+        CURRENT_DCP_VERSION,
+        FileSystemReader,
+        FileSystemWriter,
+        _StorageInfo,
+    )
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import (
+        LoadPlan,
+        LoadPlanner,
+        SavePlan,
+        SavePlanner,
+        WriteItemType,
+    )
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class JsonFileSystemWriter(FileSystemWriter):
+        """Raw tensor bytes and a JSON `.metadata`; refuses anything that is not a tensor."""
+
+        def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+            name = f"{plan.storage_data.prefix}0.distcp"  # prefix "__<rank>_", set by prepare_global_plan
+            results = []
+            with open(Path(self.path) / name, "wb") as stream:
+                for item in plan.items:
+                    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                        raise CheckpointError(
+                            f"inner state: expected only tensors, got a non-tensor item {item.index.fqn}"
+                        )
+                    tensor = planner.resolve_data(item)
+                    if not isinstance(tensor, torch.Tensor):
+                        raise CheckpointError(
+                            f"inner state: expected a tensor for {item.index.fqn}, got {type(tensor).__name__}"
+                        )
+                    # reshape(-1) makes 0-d tensors viewable as bytes; contiguous() gives C order.
+                    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    offset = stream.tell()
+                    stream.write(data.data)
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=data.nbytes,
+                            storage_data=_StorageInfo(name, offset, data.nbytes),
+                        )
+                    )
+                stream.flush()
+                if self.sync_files:
+                    os.fsync(stream.fileno())
+            future: Future[list[WriteResult]] = Future()
+            future.set_result(results)
+            return future
+
+        def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+            metadata.version = CURRENT_DCP_VERSION
+            metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
+            metadata.storage_meta = self.storage_meta()
+            path = Path(self.path)
+            # Written aside and renamed, like torch does: a `.metadata` exists only once it is complete.
+            _write_durably(path / f"{DCP_METADATA}.tmp", _metadata_to_json(metadata))
+            os.replace(path / f"{DCP_METADATA}.tmp", path / DCP_METADATA)
+            fsync_dir(path)
+
+    class JsonFileSystemReader(FileSystemReader):
+        """Reads what JsonFileSystemWriter wrote, checking the JSON and every byte range against it."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            metadata = read_inner_metadata(Path(self.path))
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata  # type: ignore[no-any-return]
+
+        def set_up_storage_reader(
+            self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+        ) -> None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            # The dtype and shape of each stored chunk, by its storage index (fqn, chunk offsets).
+            self.chunk_layout = {
+                (fqn, tuple(chunk.offsets)): (tensor.properties.dtype, tuple(chunk.sizes))
+                for fqn, tensor in metadata.state_dict_metadata.items()
+                if isinstance(tensor, TensorStorageMetadata)  # always: read_inner_metadata admits no other
+                for chunk in tensor.chunks
+            }
+
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+            by_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in by_file.items():
+                with open(Path(self.path) / name, "rb") as stream:
+                    for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                        info = self.storage_data[item.storage_index]
+                        dtype, sizes = self.chunk_layout[
+                            (item.storage_index.fqn, tuple(item.storage_index.offset))
+                        ]
+                        stream.seek(info.offset)
+                        # Read straight into the buffer the tensor will view: no second copy of a large shard.
+                        data = bytearray(info.length)
+                        found = stream.readinto(data)
+                        if found != info.length:
+                            raise CheckpointError(
+                                f"inner state {self.path}: {name} is truncated: expected {info.length} bytes of "
+                                f"{item.storage_index.fqn} at offset {info.offset}, found {found}"
+                            )
+                        stored = (
+                            torch.frombuffer(data, dtype=dtype).reshape(sizes)
+                            if data
+                            else torch.empty(sizes, dtype=dtype)
+                        )
+                        wanted = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+                        target = planner.resolve_tensor(item).detach()
+                        if target.size() != wanted.size():
+                            raise CheckpointError(
+                                f"inner state {self.path}: {item.storage_index.fqn}: expected a slice of "
+                                f"{list(target.size())}, the checkpoint gives {list(wanted.size())}"
+                            )
+                        target.copy_(wanted)
+                        planner.commit_tensor(item, target)
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+    return JsonFileSystemWriter, JsonFileSystemReader
+
+
+def _metadata_to_json(metadata: Any) -> bytes:
+    """torch.distributed.checkpoint's `Metadata`, field by field, as JSON bytes (see `_metadata_from_json`)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            # BytesStorageMetadata: a torch.save'd object, which only a pickle can read back.
+            raise CheckpointError(f"inner state: expected only tensors, got {type(entry).__name__} for {fqn}")
+        dtype = entry.properties.dtype
+        if dtype not in _DTYPE_NAMES or entry.properties.layout != torch.strided:
+            raise CheckpointError(
+                f"inner state: expected a strided tensor of {sorted(_DTYPES)} for {fqn}, got "
+                f"{dtype} {entry.properties.layout}"
+            )
+        tensors[fqn] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "size": list(entry.size),
+            "chunks": [
+                {"offsets": list(chunk.offsets), "sizes": list(chunk.sizes)} for chunk in entry.chunks
+            ],
+        }
+    storage = []
+    for index, info in metadata.storage_data.items():
+        if info.transform_descriptors:
+            raise CheckpointError(
+                f"inner state: expected untransformed data, {index.fqn} has {info.transform_descriptors}"
+            )
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offsets": list(index.offset),
+                "file": info.relative_path,
+                "start": info.offset,
+                "length": info.length,
+            }
+        )
+    storage.sort(key=lambda entry: (entry["file"], entry["start"]))
+    planner_data = metadata.planner_data
+    storage_meta = metadata.storage_meta
+    document = {
+        "format": _METADATA_FORMAT,
+        "format_version": _METADATA_VERSION,
+        "dcp_version": metadata.version,
+        "tensors": tensors,
+        "storage": storage,
+        # The save planner's map of flattened keys to their path in the nested state dict ("optim.state.w.step"
+        # -> ["optim", "state", "w", "step"]).
+        "planner_data": None
+        if planner_data is None
+        else {key: list(path) for key, path in planner_data.items()},
+        "storage_meta": None
+        if storage_meta is None
+        else {
+            "checkpoint_id": None if storage_meta.checkpoint_id is None else str(storage_meta.checkpoint_id),
+            "save_id": storage_meta.save_id,
+            "modules": list(storage_meta.modules),
+        },
+    }
+    return json.dumps(document, sort_keys=True, indent=1).encode()
+
+
+def _metadata_from_json(raw: bytes, where: str) -> Any:
+    """Parse `_metadata_to_json`'s output back into a `Metadata`, checking every field: the byte range of every
+    chunk must be in a data file of this directory and have exactly the chunk's size."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    if raw[:1] == bytes([_PICKLE_PROTOCOL_BYTE]):
+        raise CheckpointError(
+            f"{where}: is a pickle (torch.distributed.checkpoint's own format), which farloco never unpickles: "
+            f"expected the JSON metadata save_inner_state writes"
+        )
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where}: expected JSON metadata, cannot parse it: {exc}") from exc
+    top = _json_dict(
+        document,
+        where,
+        {"format", "format_version", "dcp_version", "tensors", "storage", "planner_data", "storage_meta"},
+    )
+    if top["format"] != _METADATA_FORMAT or top["format_version"] != _METADATA_VERSION:
+        raise CheckpointError(
+            f"{where}: expected format {_METADATA_FORMAT!r} version {_METADATA_VERSION}, got "
+            f"{top['format']!r} version {top['format_version']!r}"
+        )
+    version = _json_type(top["dcp_version"], (str, type(None)), f"{where}: dcp_version")
+
+    state_dict_metadata: dict[str, Any] = {}
+    chunk_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
+    for fqn, entry in _json_type(top["tensors"], dict, f"{where}: tensors").items():
+        here = f"{where}: tensors[{fqn!r}]"
+        fields = _json_dict(entry, here, {"dtype", "size", "chunks"})
+        dtype = _DTYPES.get(fields["dtype"]) if isinstance(fields["dtype"], str) else None
+        if dtype is None:
+            raise CheckpointError(f"{here}: expected a dtype in {sorted(_DTYPES)}, got {fields['dtype']!r}")
+        size = _json_ints(fields["size"], f"{here}.size")
+        chunks = []
+        for number, chunk in enumerate(_json_type(fields["chunks"], list, f"{here}.chunks")):
+            there = f"{here}.chunks[{number}]"
+            chunk_fields = _json_dict(chunk, there, {"offsets", "sizes"})
+            offsets = _json_ints(chunk_fields["offsets"], f"{there}.offsets")
+            sizes = _json_ints(chunk_fields["sizes"], f"{there}.sizes")
+            if (
+                len(offsets) != len(size)
+                or len(sizes) != len(size)
+                or any(o + s > whole for o, s, whole in zip(offsets, sizes, size, strict=True))
+            ):
+                raise CheckpointError(
+                    f"{there}: expected a chunk inside the tensor's size {size}, got offsets {offsets} "
+                    f"sizes {sizes}"
+                )
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            chunk_bytes[(fqn, tuple(offsets))] = math.prod(sizes) * dtype.itemsize
+        state_dict_metadata[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks
+        )
+
+    storage_data = {}
+    for number, entry in enumerate(_json_type(top["storage"], list, f"{where}: storage")):
+        here = f"{where}: storage[{number}]"
+        fields = _json_dict(entry, here, {"fqn", "offsets", "file", "start", "length"})
+        fqn = _json_type(fields["fqn"], str, f"{here}.fqn")
+        stored_at = tuple(_json_ints(fields["offsets"], f"{here}.offsets"))
+        name = _json_type(fields["file"], str, f"{here}.file")
+        start, length = _json_ints([fields["start"], fields["length"]], f"{here}.start/length")
+        if not _DATA_FILE.match(name):
+            raise CheckpointError(f"{here}: expected a data file named __<rank>_<n>.distcp, got {name!r}")
+        if (fqn, stored_at) not in chunk_bytes:
+            raise CheckpointError(
+                f"{here}: names no chunk of the tensors above: {fqn!r} at {list(stored_at)}"
+            )
+        if length != chunk_bytes[(fqn, stored_at)]:
+            raise CheckpointError(
+                f"{here}: expected {chunk_bytes[(fqn, stored_at)]} bytes for {fqn!r} at {list(stored_at)}, "
+                f"got {length}"
+            )
+        index = MetadataIndex(fqn, stored_at)
+        if index in storage_data:
+            raise CheckpointError(f"{here}: a second byte range for {fqn!r} at {list(stored_at)}")
+        storage_data[index] = _StorageInfo(name, start, length)
+    unstored = sorted(
+        f"{fqn} at {list(stored_at)}"
+        for fqn, stored_at in chunk_bytes
+        if MetadataIndex(fqn, stored_at) not in storage_data
+    )
+    if unstored:
+        raise CheckpointError(f"{where}: expected a byte range for every chunk, none for {unstored[:5]}")
+
+    planner_data = None
+    if top["planner_data"] is not None:
+        planner_data = {}
+        for key, path in _json_type(top["planner_data"], dict, f"{where}: planner_data").items():
+            parts = _json_type(path, list, f"{where}: planner_data[{key!r}]")
+            if not parts or not all(
+                isinstance(part, (str, int)) and not isinstance(part, bool) for part in parts
+            ):
+                raise CheckpointError(
+                    f"{where}: planner_data[{key!r}]: expected a list of str/int, got {parts!r}"
+                )
+            planner_data[key] = tuple(parts)
+
+    storage_meta = None
+    if top["storage_meta"] is not None:
+        here = f"{where}: storage_meta"
+        fields = _json_dict(top["storage_meta"], here, {"checkpoint_id", "save_id", "modules"})
+        modules = _json_type(fields["modules"], list, f"{here}.modules")
+        storage_meta = StorageMeta(
+            checkpoint_id=_json_type(fields["checkpoint_id"], (str, type(None)), f"{here}.checkpoint_id"),
+            save_id=_json_type(fields["save_id"], (str, type(None)), f"{here}.save_id"),
+            modules=[_json_type(module, str, f"{here}.modules[]") for module in modules],
+        )
+    return Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=planner_data,
+        storage_data=storage_data,
+        storage_meta=storage_meta,
+        version=version,
+    )
+
+
+def _json_type(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise CheckpointError(f"{where}: expected {names}, got {type(value).__name__} {value!r:.80}")
+    return value
+
+
+def _json_dict(value: Any, where: str, keys: set[str]) -> dict[str, Any]:
+    found = _json_type(value, dict, where)
+    if set(found) != keys:
+        raise CheckpointError(f"{where}: expected the keys {sorted(keys)}, got {sorted(found)}")
+    return found  # type: ignore[no-any-return]
+
+
+def _json_ints(value: Any, where: str) -> list[int]:
+    """A list of ints >= 0 (sizes, offsets, byte positions)."""
+    items = _json_type(value, list, where)
+    if not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in items):
+        raise CheckpointError(f"{where}: expected a list of ints >= 0, got {items!r:.80}")
+    return items  # type: ignore[no-any-return]
 
 
 def optimizer_fingerprint(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[int, float]:

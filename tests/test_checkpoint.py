@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -452,3 +453,120 @@ def test_inner_state_of_two_ranks_loads_into_one(tmp_path: Path) -> None:
     saved, loaded = (line.split() for line in done.stdout.splitlines()[-2:])
     assert saved[:3] == ["save", "2", "3"] and loaded[:3] == ["load", "1", "3"]
     assert float(loaded[3]) == pytest.approx(float(saved[3]), rel=1e-12)
+
+
+def test_inner_state_is_pickle_free_json_and_raw_tensor_bytes(tmp_path: Path, one_rank_group: None) -> None:
+    """No file of inner/ is a pickle or a torch.save zip: `.metadata` is JSON holding only tensors (no
+    param_groups), and each rank's data file is exactly the raw bytes its JSON byte ranges describe."""
+    from farloco.node.checkpoint import read_inner_metadata, save_inner_state
+
+    model, optimizer = _sharded(steps=1)
+    inner = tmp_path / "inner"
+    assert save_inner_state(inner, model, optimizer)
+    files = sorted(p.name for p in inner.iterdir())
+    assert files == [".metadata", "__0_0.distcp"]
+    for name in files:
+        head = (inner / name).read_bytes()[:2]
+        assert head[:1] != b"\x80" and head != b"PK", (name, head)  # pickle protocol 2+ / zip (torch.save)
+    document = json.loads((inner / ".metadata").read_text())
+    assert document["format"] == "farloco-dcp-json"
+    assert not [key for key in document["tensors"] if "param_groups" in key]
+    assert {key.rsplit(".", 1)[1] for key in document["tensors"] if key.startswith("optim.")} == {
+        "step",
+        "exp_avg",
+        "exp_avg_sq",
+    }
+    ranges = sorted((entry["start"], entry["length"]) for entry in document["storage"])
+    assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
+    assert sum(n for _, n in ranges) == (inner / "__0_0.distcp").stat().st_size
+
+    metadata = read_inner_metadata(inner)
+    embed = metadata.state_dict_metadata["optim.state.tok_embeddings.weight.exp_avg"]
+    assert embed.properties.dtype == torch.float32 and list(embed.size) == [256, 128]
+    assert type(embed).__name__ == "TensorStorageMetadata"
+    assert all(
+        type(entry).__name__ == "TensorStorageMetadata" for entry in metadata.state_dict_metadata.values()
+    )
+
+
+class _Trap:
+    """Unpickling this creates `marker`: proof that a pickled `.metadata` was refused unread."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+def _edit_metadata(inner: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    document = json.loads((inner / ".metadata").read_text())
+    edit(document)
+    (inner / ".metadata").write_text(json.dumps(document))
+
+
+def test_tampered_or_pickled_inner_metadata_is_refused(
+    tmp_path: Path, one_rank_group: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    import pickle
+    import shutil
+
+    from farloco.node.checkpoint import (
+        load_inner_state,
+        optimizer_fingerprint,
+        read_inner_metadata,
+        save_inner_state,
+    )
+
+    model, optimizer = _sharded(steps=1)
+    good = tmp_path / "good"
+    assert save_inner_state(good, model, optimizer)
+    key = "optim.state.tok_embeddings.weight.exp_avg"
+
+    def first_storage(document: dict) -> dict:  # type: ignore[type-arg]
+        return next(entry for entry in document["storage"] if entry["fqn"] == key)
+
+    tamperings = {
+        "dtype": (lambda d: d["tensors"][key].update(dtype="object"), r"expected a dtype in \["),
+        "length": (lambda d: first_storage(d).update(length=12), r"expected 131072 bytes for .*, got 12"),
+        "path": (lambda d: first_storage(d).update(file="../../etc/passwd"), "expected a data file named"),
+        "keys": (lambda d: d.pop("planner_data"), r"expected the keys \[.*'planner_data'"),
+        "chunk": (
+            lambda d: d["tensors"][key]["chunks"][0].update(sizes=[257, 128]),
+            "expected a chunk inside",
+        ),
+        "not json": (None, "expected JSON metadata, cannot parse it"),
+    }
+    for name, (edit, message) in tamperings.items():
+        inner = tmp_path / name
+        shutil.copytree(good, inner)
+        if edit is None:
+            (inner / ".metadata").write_bytes(b"\x00garbage")
+        else:
+            _edit_metadata(inner, edit)
+        with pytest.raises(CheckpointError, match=message):
+            read_inner_metadata(inner)
+
+    # torch's own layout (a pickled .metadata) is refused without being unpickled, and the load leaves the
+    # optimizer fresh on every rank.
+    marker = tmp_path / "unpickled"
+    pickled = tmp_path / "pickled"
+    shutil.copytree(good, pickled)
+    (pickled / ".metadata").write_bytes(pickle.dumps(_Trap(marker), protocol=2))
+    with pytest.raises(CheckpointError, match=r"is a pickle .*never unpickles"):
+        read_inner_metadata(pickled)
+    fresh_model, fresh_optimizer = _sharded()
+    assert not load_inner_state(pickled, fresh_model, fresh_optimizer)
+    assert not marker.exists()
+    assert optimizer_fingerprint(fresh_optimizer, torch.device("cpu")) == (0, 0.0)
+
+    # A data file cut short: the metadata is fine, the byte range is not there.
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    data = truncated / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    assert not load_inner_state(truncated, fresh_model, fresh_optimizer)
+    assert not fresh_optimizer.state
+    assert "__0_0.distcp is truncated: expected" in caplog.text
+    assert load_inner_state(good, fresh_model, fresh_optimizer)  # and the intact copy still loads
+    assert optimizer_fingerprint(fresh_optimizer, torch.device("cpu"))[0] == 1
