@@ -23,7 +23,7 @@ SMOKE_CONFIGS = [
     "diloco-h10-int8",
     "streaming-diloco-h10-p5-tau1-a0.5-int8",
     "sparseloco-h10-top64of4096-2bit",
-    "demo-top12of1024",
+    "demo-top12of1024-lr0.001-b0.999-wd0",
 ]
 
 
@@ -81,8 +81,9 @@ def test_smoke_run_counts_real_payload_bytes(
     topk = configs["sparseloco-h10-top64of4096-2bit"].make_codec()
     assert results["sparseloco-h10-top64of4096-2bit"].bytes_per_worker[2] == 3 * len(topk.encode(zeros))
     # demo syncs every step.
-    dct = configs["demo-top12of1024"].make_codec()
-    assert results["demo-top12of1024"].bytes_per_worker[2] == 2 * 3 * len(dct.encode(zeros))
+    demo = "demo-top12of1024-lr0.001-b0.999-wd0"
+    dct = configs[demo].make_codec()
+    assert results[demo].bytes_per_worker[2] == 2 * 3 * len(dct.encode(zeros))
     # streaming: one round at step 2 carrying one of 5 fragments, so its peak is ~1/5 of diloco's.
     streaming = results["streaming-diloco-h10-p5-tau1-a0.5-int8"]
     fragment = zeros[: -(-num_params // 5)]
