@@ -772,8 +772,12 @@ class Exchange:
                 attempt.bytes_received += len(frame.payload)
                 what = f"chunk {k} from {peer}"
                 if attempt.raw:
-                    # A view of the received message: summed from in place, checked after the sum.
+                    # A view of the received message, summed from in place. Checked on arrival (one pass over a
+                    # chunk that is still in cache): the sender is then named by every owner it sent NaN/Inf to,
+                    # whatever the others' chunks do, so a majority can drop it.
                     contribution = _raw_view(frame.payload, b - a, what)
+                    if not _all_finite(contribution):
+                        raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
                     contribution = _decode(attempt.codec, frame.payload, b - a, what)
                 slot = attempt.pending.setdefault(k, {})
