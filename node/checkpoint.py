@@ -51,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from farloco.node.fsutil import fsync_dir, fsync_file
+from farloco.protocol.types import DTYPES
 
 log = logging.getLogger("farloco.checkpoint")
 
@@ -373,18 +374,8 @@ def _tensors_only(tree: dict[str, Any], where: str) -> dict[str, Any]:
 _METADATA_FORMAT = "farloco-dcp-json"
 _METADATA_VERSION = 1
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+# The same plain numeric dtypes, by the same names, as state transfer puts on the wire.
+_DTYPES: dict[str, torch.dtype] = DTYPES
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _PICKLE_PROTOCOL_BYTE = 0x80  # every pickle of protocol >= 2 starts with it; JSON never does
 

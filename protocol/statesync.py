@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+from farloco.protocol.types import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,6 @@ DEFAULT_MAX_TENSORS = 65536
 MAX_MANIFEST_BYTES = 6 << 20  # must fit in one gRPC message (8 MiB by default)
 
 # Wire dtype names; only plain numeric types travel (no object/complex/quantised tensors).
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 StateProvider = Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]]

@@ -1,9 +1,25 @@
-"""Plain value types shared across farloco.protocol: who is in a round's group."""
+"""Plain value types shared across farloco.protocol: who is in a round's group, which tensor dtypes travel."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+
+import torch
+
+# Tensor dtypes by wire name: only plain numeric types travel or are stored (no object/complex/quantised ones).
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
 
 
 @dataclass(frozen=True, order=True)
