@@ -20,8 +20,8 @@ the members that answered, so every survivor takes the same one:
   * every answering member holds the full result -> return it (the contributors are the attempt's members:
     a part can only be complete with every member's contribution, so each part has the same contributor set);
   * otherwise drop the members that did not answer, that excluded themselves, or that a majority of the others
-    reported as sending malformed data (a report without a majority drops the accused and its accusers, see
-    `_excluded`), and run a fresh attempt among the rest (a new group id, parts
+    reported as sending malformed data (each owner checks every chunk on arrival, so an insider that sent bad
+    data to several owners is named by each of them), and run a fresh attempt among the rest (a new group id, parts
     re-assigned, every part re-reduced, so no part can include a dropped member's contribution);
   * if nobody can be dropped, or time runs out, raise `ExchangeAborted` — never a partial mean.
 """
@@ -1021,9 +1021,9 @@ def _excluded(alive: list[GroupMember], votes: dict[str, dict[str, Any]]) -> set
     """Members to drop: those that excluded themselves, those whose (numel, codec) differs from what a strict
     majority of the answering members have (everyone, if there is no such majority), and those that a strict
     majority of the other answering members reported as sending malformed data. An accusation without such a
-    majority (one owner caught an insider's NaN in a group of three: nobody else saw that data) drops the
-    accused *and* its accusers: nobody can tell a true report from a lie, but this way an insider can neither
-    stall every round by sending bad data to one owner, nor remove an honest member without leaving too.
+    majority drops nobody (a lone accuser may be the liar) and the round aborts. Dropping accuser and accused
+    together was tried: with two honest members and one insider it left each honest member with a different
+    theta (one aborted, one committed alone) and the hash check cannot break a one-against-one tie.
     A pure function of the votes, so it is the same on every member that saw the same votes."""
     excluded = set()
     kinds = [(votes[m.peer_id]["n"], votes[m.peer_id]["c"]) for m in alive]
@@ -1035,16 +1035,4 @@ def _excluded(alive: list[GroupMember], votes: dict[str, dict[str, Any]]) -> set
         others = len(alive) - 1
         if member.peer_id in reporters or (others > 0 and 2 * len(reporters) > others):
             excluded.add(member.peer_id)
-    # Disputes last, between members not already out: an accused member that is out for a reason above costs
-    # its accusers nothing, and the accusations of a member that is out carry no weight.
-    settled = set(excluded)
-    for member in alive:
-        if member.peer_id in settled:
-            continue
-        reporters = [
-            o.peer_id for o in alive if o.peer_id not in settled and member.peer_id in votes[o.peer_id]["bad"]
-        ]
-        if reporters:
-            excluded.add(member.peer_id)
-            excluded.update(reporters)
     return excluded

@@ -364,10 +364,9 @@ def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytes
 def test_nan_insider_in_a_group_of_three_never_stalls_the_round(
     monkeypatch: pytest.MonkeyPatch, target: str
 ) -> None:
-    """peer-2 (an insider: it holds the secret) skips its own check and sends NaN. If every owner sees it, a
-    majority names it and peer-0 and peer-1 average without it. If only peer-0 sees it, nobody can tell a true
-    report from a lie: accuser and accused both go and peer-1 goes on alone. Either way no round stalls and the
-    survivors agree."""
+    """peer-2 (an insider: it holds the secret) skips its own check and sends NaN. If every owner sees it (each
+    checks chunks on arrival), a majority names it and peer-0 and peer-1 average without it. If only peer-0
+    sees it, nobody can tell a true report from a lie: everyone aborts alike (theta stays the same everywhere)."""
     import farloco.protocol.exchange as exchange_module
 
     monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
@@ -387,18 +386,17 @@ def test_nan_insider_in_a_group_of_three_never_stalls_the_round(
                 ),
                 return_exceptions=True,
             )
-            assert isinstance(outcomes[2], ExchangeAborted) and outcomes[2].reason == "EXCLUDED", outcomes
-            assert nodes[0].server.rejections["BAD_PAYLOAD"] >= 1
+            assert isinstance(outcomes[2], ExchangeAborted), outcomes
+            assert sum(node.server.rejections["BAD_PAYLOAD"] for node in nodes[:2]) >= 1
             if target == "every owner":
+                assert outcomes[2].reason == "EXCLUDED", outcomes
                 assert all(isinstance(o, AverageResult) for o in outcomes[:2]), outcomes
                 assert outcomes[0].contributors == outcomes[1].contributors == ("peer-0", "peer-1")
                 assert torch.equal(outcomes[0].averaged, outcomes[1].averaged)
                 assert torch.allclose(outcomes[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
             else:
-                assert isinstance(outcomes[0], ExchangeAborted) and outcomes[0].reason == "EXCLUDED", outcomes
-                assert isinstance(outcomes[1], AverageResult), outcomes
-                assert outcomes[1].contributors == ("peer-1",)
-                assert torch.equal(outcomes[1].averaged, inputs[1])
+                assert all(isinstance(o, ExchangeAborted) for o in outcomes), outcomes
+                assert {o.reason for o in outcomes[:2]} == {"NO_PROGRESS"}, outcomes
         finally:
             for node in nodes:
                 await node.stop()
@@ -406,7 +404,7 @@ def test_nan_insider_in_a_group_of_three_never_stalls_the_round(
     run(body())
 
 
-def test_exclusion_rule_majority_and_disputes() -> None:
+def test_exclusion_rule_needs_a_majority() -> None:
     from farloco.protocol.exchange import _excluded
 
     members = [GroupMember(f"p{i}", f"127.0.0.1:{i + 1}") for i in range(4)]
@@ -417,16 +415,10 @@ def test_exclusion_rule_majority_and_disputes() -> None:
     # A strict majority of the others names p3: only p3 goes.
     votes = {"p0": vote(["p3"]), "p1": vote(["p3"]), "p2": vote([]), "p3": vote([])}
     assert _excluded(members, votes) == {"p3"}
-    # One accusation, no majority: accused and accuser go, the others stay.
+    # One accusation, no majority: nobody can tell a true report from a lie, nobody goes.
     votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote([])}
-    assert _excluded(members, votes) == {"p0", "p3"}
-    # Mutual accusations are one dispute.
-    votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote(["p0"])}
-    assert _excluded(members, votes) == {"p0", "p3"}
-    # An accused that is out anyway (its tensor has another size than the majority's) costs its accuser nothing.
-    votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote([], n=11)}
-    assert _excluded(members, votes) == {"p3"}
-    # ... nor do the accusations of a member that is out anyway.
+    assert _excluded(members, votes) == set()
+    # A member whose tensor has another size than the majority's goes, whatever it reports of others.
     votes = {"p0": vote([]), "p1": vote([]), "p2": vote([]), "p3": vote(["p0"], n=11)}
     assert _excluded(members, votes) == {"p3"}
     # Self-reports (our own NaN) drop only ourselves.
