@@ -156,8 +156,13 @@ def test_diverged_peer_is_detected_and_repaired(swarm: Swarm) -> None:
     assert any(e["event"] == "synced" and e["why"] == "hash mismatch" for e in events_c)
     # the majority noticed too, and did not resync from the corrupted peer
     assert not any(e["event"] == "synced" for p in (a, b) for e in read_events(p.run_dir))
-    last = min(max(e["round_id"] for e in rounds_of(p)) for p in peers)
-    hashes = {p.name: next(e["outer_hash"] for e in rounds_of(p) if e["round_id"] == last) for p in peers}
+    # Compare at the newest round every peer committed: the repaired peer has no round event for a round it
+    # spent resyncing, so "the lowest of the peers' last rounds" need not be one it committed.
+    committed = [{e["round_id"]: e["outer_hash"] for e in rounds_of(p)} for p in peers]
+    common = set.intersection(*(set(rounds) for rounds in committed))
+    assert common, [sorted(rounds) for rounds in committed]
+    last = max(common)
+    hashes = {p.name: rounds[last] for p, rounds in zip(peers, committed, strict=True)}
     assert len(set(hashes.values())) == 1, hashes
 
 
