@@ -5,7 +5,8 @@ member order) and each part into chunks of `chunk_bytes // 4` elements. Every me
 `ExchangePush` stream to every other member j: on the request side it sends its encoded chunks of part j, on
 the response side j sends back the encoded *mean* of each chunk of part j as soon as j has every member's
 contribution to that chunk — so the reduce-scatter and the all-gather overlap chunk by chunk. The owner sums
-contributions in fp32 in member (= sorted peer id) order, weighted, divides, re-encodes with the same codec, and
+contributions in fp32 in member (= sorted peer id) order, weighted, scales by 1/total weight (two members of equal
+weight: one lerp pass), re-encodes with the same codec, and
 everyone (the owner too) uses decode(those bytes): the result is bit-identical on every member. Codecs that
 say `raw_float32` (farloco.optim's fp32) skip the codec altogether: chunks travel as raw float32 bytes, the
 owner sums straight from the received buffers and sends the mean's own bytes, which everyone copies as is.
