@@ -60,6 +60,12 @@ JOIN_WAIT_SECONDS = 60.0
 DECIDED_MEMORY = 256
 # A stream that simply ends early is what a crashed or cancelled peer looks like: no evidence of bad data.
 NOT_BLAME = frozenset({"TRUNCATED"})
+# After an attempt fails, how long this member keeps checking (not reducing) what the others are still sending
+# before it votes, so that its vote can name a member that sent it bad data even when another member's abort
+# reached it first: the accusation then has a majority and the retry goes on without that member. Its own
+# pushes keep going meanwhile, for the same reason. Bounded by the data phase's deadline; it ends early once
+# every member's stream was seen and read to its end.
+EVIDENCE_GRACE_SECONDS = 1.0
 
 
 class TensorCodec(Protocol):
@@ -195,6 +201,10 @@ class _Attempt:
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse: member index -> decoded payload
     outboxes: dict[int, asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[dict[str, Any]] | None = None
+    consumers: set[asyncio.Task[None]] = field(default_factory=set)  # tasks reading the members' streams
+    pushed: set[int] = field(default_factory=set)  # members our push has sent its last chunk to
+    grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
+    data_deadline: float = math.inf
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -202,17 +212,46 @@ class _Attempt:
     def member_ids(self) -> list[str]:
         return [m.peer_id for m in self.members]
 
-    def fail(self, reason: str, bad_peer: str | None = None) -> None:
-        """Mark the attempt failed (first reason wins) and tell every peer streaming to us."""
+    def fail(self, reason: str, bad_peer: str | None = None, *, bad_data: bool = False) -> None:
+        """Mark the attempt failed (first reason wins) and tell every peer streaming to us. `bad_data` (or a
+        `bad_peer`): someone's data was refused, so evidence is gathered before voting (EVIDENCE_GRACE_SECONDS);
+        not after a crash, a mismatched group or a deadline, where it would only delay the vote."""
         if bad_peer is not None:
             self.bad.add(bad_peer)
         if self.finished.is_set():
             return
         self.failure = reason
+        if bad_data or bad_peer is not None:
+            now = asyncio.get_running_loop().time()
+            self.grace_until = min(now + EVIDENCE_GRACE_SECONDS, self.data_deadline)
         log.info("exchange attempt %s/%d failed: %s", self.key[:12], self.attempt_no, reason)
         for outbox in self.outboxes.values():
             outbox.put_nowait(Reject(grpc.StatusCode.ABORTED, "ATTEMPT_FAILED", reason))
         self.finished.set()
+
+    @property
+    def checking(self) -> bool:
+        """Failed: incoming chunks are still checked (evidence for the vote) but no longer reduced."""
+        return self.finished.is_set() and not self.ok
+
+    async def gather_evidence(
+        self, consumer: asyncio.Task[None] | None = None, pushes: dict[int, asyncio.Task[None]] | None = None
+    ) -> None:
+        """Until the grace after a failure ends: wait for `consumer` (one stream) or, without it, for every other
+        member's stream to arrive and be read to its end and for each of our `pushes` to end or send its last
+        chunk."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < self.grace_until:
+            if consumer is not None:
+                if consumer.done():
+                    return
+            elif (
+                len(self.streams_from) >= len(self.members) - 1
+                and all(c.done() for c in self.consumers)
+                and all(task.done() or j in self.pushed for j, task in (pushes or {}).items())
+            ):
+                return
+            await asyncio.sleep(min(0.01, max(0.0, self.grace_until - loop.time())))
 
     def part_done(self) -> None:
         self.parts_missing -= 1
@@ -405,6 +444,7 @@ class Exchange:
 
     async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
         loop = asyncio.get_running_loop()
+        attempt.data_deadline = deadline
         try:
             if not attempt.dense:
                 self._encode_sparse(attempt)
@@ -415,20 +455,23 @@ class Exchange:
         except Exception as exc:
             self._local_failure(attempt, exc)
             return
-        pushes = [
-            asyncio.create_task(self._push(attempt, j, deadline))
+        pushes = {
+            j: asyncio.create_task(self._push(attempt, j, deadline))
             for j in range(len(attempt.members))
             if j != attempt.me
-        ]
+        }
         try:
             await asyncio.wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
         except TimeoutError:
             attempt.fail("DEADLINE: data phase did not complete in time")
         if not attempt.ok:
-            for task in pushes:
+            # The vote goes out after what the others are still sending was checked (EVIDENCE_GRACE_SECONDS).
+            # Our own pushes go on meanwhile, so every owner sees our data and can vouch for it or name us.
+            await attempt.gather_evidence(pushes=pushes)
+            for task in pushes.values():
                 task.cancel()
         # A push finishing late cannot change the outcome; its errors were already recorded in `attempt`.
-        await asyncio.gather(*pushes, return_exceptions=True)
+        await asyncio.gather(*pushes.values(), return_exceptions=True)
 
     def _local_failure(self, attempt: _Attempt, exc: Exception) -> None:
         # Our own tensor cannot be encoded (e.g. NaN): exclude ourselves so the others go on without us,
@@ -500,6 +543,7 @@ class Exchange:
                     return
                 attempt.bytes_sent += len(data)
                 yield Frame({"k": k}, data)
+            attempt.pushed.add(j)
 
         async def sparse_frames() -> AsyncIterator[Frame]:
             payload = memoryview(attempt.payload)
@@ -509,6 +553,7 @@ class Exchange:
                 piece = payload[offset : offset + step]
                 attempt.bytes_sent += len(piece)
                 yield Frame({"o": offset}, piece)
+            attempt.pushed.add(j)
 
         received = 0
 
@@ -568,7 +613,11 @@ class Exchange:
             if attempt.dense:
                 attempt.part_done()
         except RpcError as exc:
-            attempt.fail(f"push to {member.peer_id} failed: {exc.code.name} reason={exc.reason}")
+            attempt.fail(
+                f"push to {member.peer_id} failed: {exc.code.name} reason={exc.reason}",
+                # Someone's data was refused (ours, or the attempt failed on another member's report).
+                bad_data=exc.reason == "ATTEMPT_FAILED" or exc.code == grpc.StatusCode.INVALID_ARGUMENT,
+            )
         except Reject as exc:
             attempt.fail(
                 f"bad answer from {member.peer_id}: reason={exc.reason} {exc.detail}",
@@ -731,15 +780,19 @@ class Exchange:
         attempt.streams_from.add(sender)
         attempt.weights[sender] = weight
         outbox = attempt.outboxes[sender]
-        if attempt.finished.is_set() and not attempt.ok:
-            raise Reject(grpc.StatusCode.ABORTED, "ATTEMPT_FAILED", attempt.failure)
         receive = self._receive_dense if attempt.dense else self._receive_sparse
         consumer = asyncio.create_task(receive(attempt, sender, hello, incoming))
+        attempt.consumers.add(consumer)
         expected = len(attempt.plan.chunks(attempt.me)) if attempt.dense else 1
         try:
             for _ in range(expected):
                 item = await outbox.get()
                 if isinstance(item, Reject):
+                    if item.reason == "ATTEMPT_FAILED":
+                        # The attempt failed elsewhere: read what this sender still sends (checked, for our
+                        # vote) before closing, and name its own fault to it if that turns up.
+                        await attempt.gather_evidence(consumer)
+                        item = _specific_rejection(outbox) or item
                     raise item
                 yield item
             # Every answer went out, so every chunk from this sender was already taken in.
@@ -781,6 +834,8 @@ class Exchange:
                         raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
                     contribution = _decode(attempt.codec, frame.payload, b - a, what)
+                if attempt.checking:
+                    continue  # failed elsewhere: checked for the vote, not reduced
                 slot = attempt.pending.setdefault(k, {})
                 slot[sender] = contribution
                 if len(slot) == len(attempt.members) - 1:
@@ -923,6 +978,15 @@ class Exchange:
         attempt = await self._find_attempt(ctx, key, frame.header.get("a"))
         assert attempt.status is not None
         return Frame({"v": await attempt.status})
+
+
+def _specific_rejection(outbox: asyncio.Queue[Frame | Reject]) -> Reject | None:
+    """A rejection naming the sender's own fault, if one was queued behind the attempt's generic failure."""
+    while not outbox.empty():
+        item = outbox.get_nowait()
+        if isinstance(item, Reject) and item.reason != "ATTEMPT_FAILED":
+            return item
+    return None
 
 
 def _decode(codec: TensorCodec, data: bytes | memoryview, numel: int, what: str) -> torch.Tensor:
