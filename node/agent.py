@@ -429,6 +429,7 @@ class Agent:
         self.client = RpcClient(auth, tls=tls)
         self.exchange = Exchange(self.server, self.client, self.peer_id)
         self._mean_out: torch.Tensor | None = None
+        self._sent_out: torch.Tensor | None = None
         self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()
@@ -1019,10 +1020,17 @@ class Agent:
             else:
                 # One mean buffer reused across rounds (only `apply` reads it): fresh 4-byte-per-parameter pages
                 # every round cost about as much as summing them.
+                # So is the buffer of what the swarm saw of our contribution (only `propose` reads it).
                 if self._mean_out is None or self._mean_out.numel() != contribution.numel():
                     self._mean_out = torch.empty(contribution.numel(), dtype=torch.float32)
+                    self._sent_out = torch.empty(contribution.numel(), dtype=torch.float32)
                 result = await self.exchange.average(
-                    group, contribution, self.codec, timeout=timeouts.exchange_timeout, out=self._mean_out
+                    group,
+                    contribution,
+                    self.codec,
+                    timeout=timeouts.exchange_timeout,
+                    out=self._mean_out,
+                    transmitted_out=self._sent_out,
                 )
                 transmitted, averaged = result.transmitted, result.averaged
                 contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received

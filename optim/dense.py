@@ -16,6 +16,9 @@ Documented round-trip error bounds (x a finite input value, x' its decoded value
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
 import torch
 
 from farloco.optim.wire import (
@@ -29,6 +32,21 @@ from farloco.optim.wire import (
     section,
     wire_ratio,
 )
+
+
+def _load_kernels() -> ModuleType | None:
+    """The optional C kernels (optim/_kernels.c), or None where they were not built or FARLOCO_NO_KERNELS=1."""
+    if os.environ.get("FARLOCO_NO_KERNELS", "") not in ("", "0"):
+        return None
+    try:
+        from farloco.optim import _kernels  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _kernels  # type: ignore[no-any-return]
+
+
+# One-pass quantization: the same bytes and values as the torch path below (tests/test_kernels.py).
+KERNELS = _load_kernels()
 
 
 class _CastCodec(Codec):
@@ -67,10 +85,14 @@ class _CastCodec(Codec):
             )
         return [out]
 
-    def _decoded_from_sections(self, sections: list[torch.Tensor], numel: int) -> torch.Tensor:
+    def _decoded_from_sections(
+        self, sections: list[torch.Tensor], numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # The wire values were checked finite by _encode_sections; this is _decode_body's conversion.
-        out = sections[0]
-        return out.clone() if self.wire_dtype == torch.float32 else out.to(torch.float32)
+        values = sections[0]
+        if out is not None:
+            return out.copy_(values)
+        return values.clone() if self.wire_dtype == torch.float32 else values.to(torch.float32)
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
         values, _ = section(body, 0, header.numel, self.wire_dtype)
@@ -160,7 +182,8 @@ class _BlockQuantCodec(Codec):
         if not lows:
             return torch.empty(0)
         # max(-min, max) is the absmax; NaN propagates through aminmax, so the check below sees it.
-        absmax = torch.maximum(torch.cat(lows).neg_(), torch.cat(highs))
+        # abs_: an all-zero block gives max(-0.0, 0.0), which may be -0.0; its scale is +0.0 (as the C kernel's).
+        absmax = torch.maximum(torch.cat(lows).neg_(), torch.cat(highs)).abs_()
         if not all_finite(absmax):
             raise nonfinite_error(f"{self.name} encode input", tensor)
         return absmax.div_(self.levels)
@@ -213,21 +236,50 @@ class Int8Codec(_BlockQuantCodec):
         super().__init__(block_size)
 
     def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if KERNELS is not None:
+            numel, block = tensor.numel(), self.block_size
+            scales = torch.empty(ceil_div(numel, block), dtype=torch.float32)
+            codes = torch.empty(numel, dtype=torch.int8)
+            bad = KERNELS.quantize(
+                tensor.numpy(), block, float(self.levels), scales.numpy(), codes.numpy(), None
+            )
+            if bad >= 0:
+                raise nonfinite_error(f"{self.name} encode input", tensor)
+            return [scales, codes]
         scales = self._scales(tensor, self.block_size)
         return [scales, self._quantize(tensor, scales, self.block_size).to(torch.int8)]
 
-    def _decoded_from_sections(self, sections: list[torch.Tensor], numel: int) -> torch.Tensor:
+    def _decoded_from_sections(
+        self, sections: list[torch.Tensor], numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # The codes are in [-127, 127] and the scales finite by construction: _decode_body's dequantization.
         scales, codes = sections
-        return self._dequantize(codes, scales, self.block_size)
+        if KERNELS is not None:
+            out = torch.empty(numel, dtype=torch.float32) if out is None else out
+            KERNELS.dequantize(scales.numpy(), codes.numpy(), self.block_size, out.numpy())
+            return out
+        decoded = self._dequantize(codes, scales, self.block_size)
+        return decoded if out is None else out.copy_(decoded)
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        return self._decode_body_into(header, body, None)
+
+    def _decode_body_into(self, header: Header, body: memoryview, out: torch.Tensor | None) -> torch.Tensor:
         scales, offset = section(body, 0, ceil_div(header.numel, header.block), torch.float32)
         self._check_scales(scales)
+        if KERNELS is not None:
+            out = torch.empty(header.numel, dtype=torch.float32) if out is None else out
+            bad = KERNELS.dequantize(body[:offset], body[offset:], header.block, out.numpy())
+            if bad >= 0:
+                raise CodecError(
+                    f"int8 payload codes: expected values in [-127, 127], got -128 in block {bad}"
+                )
+            return out
         codes, _ = section(body, offset, header.numel, torch.int8)
         if codes.numel() and int(codes.min()) == -128:
             raise CodecError("int8 payload codes: expected values in [-127, 127], got -128")
-        return self._dequantize(codes, scales, header.block)
+        decoded = self._dequantize(codes, scales, header.block)
+        return decoded if out is None else out.copy_(decoded)
 
 
 class Int4Codec(_BlockQuantCodec):

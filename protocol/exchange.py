@@ -82,7 +82,10 @@ class TensorCodec(Protocol):
     codec's own CRC stays on every payload that is stored or crosses other paths.
 
     Optional and used when present: `encode_decoded(tensor) -> (bytes, tensor)`, equal to
-    `(encode(t), decode(encode(t)))` but cheaper (farloco.optim codecs have it).
+    `(encode(t), decode(encode(t)))` but cheaper (farloco.optim codecs have it). A codec that says
+    `optional_checksum = True` (farloco.optim's) takes `checksum=False` and `out=` in `encode`, `encode_decoded`
+    and `decode`: chunks then travel without the codec's CRC (the transport guards them, as it guards raw fp32
+    chunks) and decoded values are written straight into the result instead of a fresh tensor and a copy.
     """
 
     name: str
@@ -187,6 +190,7 @@ class _Attempt:
     plan: _Plan = field(default_factory=lambda: _Plan(0, 1, 1))
     result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     transmitted: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    fast: bool = False  # the codec takes checksum=False and out= (TensorCodec.optional_checksum)
     # Progress:
     parts_missing: int = 0  # dense: parts (or sparse: payloads) this node still lacks
     ok: bool = False
@@ -308,13 +312,15 @@ class Exchange:
         timeout: float,
         weight: float = 1.0,
         out: torch.Tensor | None = None,
+        transmitted_out: torch.Tensor | None = None,
     ) -> AverageResult:
         """Weighted mean of `tensor` over the group (see the module docstring). Raises ExchangeAborted if no
         consistent mean can be produced before `timeout` seconds, ValueError on bad arguments.
 
         `out`, a contiguous float32 CPU tensor of the same size, receives the mean (and is `averaged`): a caller
         that exchanges every round reuses it instead of paying fresh pages for a new result each time (zeroing
-        and faulting in 64 MiB costs about as much as summing it). Its content is undefined if this raises."""
+        and faulting in 64 MiB costs about as much as summing it). Its content is undefined if this raises.
+        `transmitted_out`, likewise, receives `transmitted` for lossy codecs (lossless ones share the input)."""
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError(f"expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}")
         if tensor.numel() * 4 > self.max_payload_bytes:
@@ -325,18 +331,26 @@ class Exchange:
             raise ValueError(f"weight must be finite and > 0, got {weight}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        if out is not None and (
-            out.dtype != torch.float32
-            or out.device.type != "cpu"
-            or not out.is_contiguous()
-            or out.numel() != tensor.numel()
-        ):
-            raise ValueError(
-                f"out: expected a contiguous float32 CPU tensor of {tensor.numel()} values, got "
-                f"{out.dtype} on {out.device} with {out.numel()} values (contiguous={out.is_contiguous()})"
-            )
-        if out is not None and (out.data_ptr() == tensor.data_ptr() or _overlaps(out, tensor)):
-            raise ValueError("out: expected memory apart from the input tensor, got an overlapping tensor")
+        for name, buffer in (("out", out), ("transmitted_out", transmitted_out)):
+            if buffer is None:
+                continue
+            if (
+                buffer.dtype != torch.float32
+                or buffer.device.type != "cpu"
+                or not buffer.is_contiguous()
+                or buffer.numel() != tensor.numel()
+            ):
+                raise ValueError(
+                    f"{name}: expected a contiguous float32 CPU tensor of {tensor.numel()} values, got "
+                    f"{buffer.dtype} on {buffer.device} with {buffer.numel()} values "
+                    f"(contiguous={buffer.is_contiguous()})"
+                )
+            if _overlaps(buffer, tensor) or (
+                buffer is transmitted_out and out is not None and _overlaps(buffer, out)
+            ):
+                raise ValueError(
+                    f"{name}: expected memory apart from the input and the other buffer, got an overlap"
+                )
         group.index_of(self.peer_id)  # ValueError naming the members if we are not one
         loop = asyncio.get_running_loop()
         started_at = loop.time()
@@ -358,7 +372,9 @@ class Exchange:
             self._attempts[key] = attempt
             # The same group may average again (e.g. several tensors in one round): a new exchange.
             self._decided.pop(key, None)
-            self._start(attempt, group.round_id, attempt_no, members, flat, codec, weight, out)
+            self._start(
+                attempt, group.round_id, attempt_no, members, flat, codec, weight, out, transmitted_out
+            )
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
             vote_deadline = data_deadline + remaining * VOTE_PHASE_SHARE
@@ -408,6 +424,7 @@ class Exchange:
         codec: TensorCodec,
         weight: float,
         out: torch.Tensor | None = None,
+        transmitted_out: torch.Tensor | None = None,
     ) -> None:
         attempt.round_id = round_id
         attempt.attempt_no = attempt_no
@@ -419,13 +436,19 @@ class Exchange:
             attempt.dense and getattr(codec, "raw_float32", False) is True and sys.byteorder == "little"
         )
         attempt.lossless = attempt.raw or getattr(codec, "lossless", False) is True
+        attempt.fast = getattr(codec, "optional_checksum", False) is True
         attempt.weight = weight
         attempt.flat = flat
         attempt.plan = _Plan(flat.numel(), len(members), self.chunk_elems)
         attempt.result = torch.empty(flat.numel(), dtype=torch.float32) if out is None else out.view(-1)
         # Lossless: what goes on the wire is our tensor itself. Not a copy (a 64 MiB clone per round cost ~10%
         # of an exchange): `transmitted` then shares the caller's input memory, which AverageResult says.
-        attempt.transmitted = flat if attempt.lossless else torch.empty(flat.numel(), dtype=torch.float32)
+        if attempt.lossless:
+            attempt.transmitted = flat
+        elif transmitted_out is not None:
+            attempt.transmitted = transmitted_out.view(-1)
+        else:
+            attempt.transmitted = torch.empty(flat.numel(), dtype=torch.float32)
         attempt.weights = {attempt.me: weight}
         attempt.status = asyncio.get_running_loop().create_future()
         # Dense: every other member's part, plus our own part once it is reduced. Sparse: every other payload.
@@ -485,15 +508,20 @@ class Exchange:
         # like every owner's mean.
         codec = attempt.codec
         for a, b in attempt.plan.chunks(0):
-            own = _encode_decoded(codec, attempt.flat[a:b])[1]
-            attempt.transmitted[a:b].copy_(own)
-            attempt.result[a:b].copy_(_encode_decoded(codec, own)[1])
+            own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
+            _encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
         attempt.part_done()
 
     def _encode_sparse(self, attempt: _Attempt) -> None:
-        attempt.payload = attempt.codec.encode(attempt.flat)
-        own = _decode(attempt.codec, attempt.payload, attempt.plan.numel, "own payload")
-        attempt.transmitted.copy_(own)
+        attempt.payload = _encode(attempt.codec, attempt.flat, attempt.fast)
+        _decode(
+            attempt.codec,
+            attempt.payload,
+            attempt.plan.numel,
+            "own payload",
+            attempt.fast,
+            attempt.transmitted,
+        )
         attempt.decoded[attempt.me] = attempt.transmitted
         if len(attempt.members) == 1:
             self._finish_sparse(attempt)
@@ -534,10 +562,11 @@ class Exchange:
                     continue
                 try:
                     if attempt.lossless:
-                        data = codec.encode(attempt.flat[a:b])
+                        data = _encode(codec, attempt.flat[a:b], attempt.fast)
                     else:
-                        data, sent = _encode_decoded(codec, attempt.flat[a:b])
-                        attempt.transmitted[a:b].copy_(sent)
+                        data = _encode_decoded(
+                            codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b]
+                        )[0]
                 except Exception as exc:
                     self._local_failure(attempt, exc)
                     return
@@ -602,7 +631,7 @@ class Exchange:
                     if not _all_finite(target):
                         raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
-                    attempt.result[a:b].copy_(_decode(codec, frame.payload, b - a, what))
+                    _decode(codec, frame.payload, b - a, what, attempt.fast, attempt.result[a:b])
                 received += 1
             if attempt.dense and received != len(chunks):
                 raise _invalid("TRUNCATED", f"part {j}: expected {len(chunks)} mean chunks, got {received}")
@@ -833,7 +862,7 @@ class Exchange:
                     if not _all_finite(contribution):
                         raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
-                    contribution = _decode(attempt.codec, frame.payload, b - a, what)
+                    contribution = _decode(attempt.codec, frame.payload, b - a, what, attempt.fast)
                 if attempt.checking:
                     continue  # failed elsewhere: checked for the vote, not reduced
                 slot = attempt.pending.setdefault(k, {})
@@ -858,8 +887,7 @@ class Exchange:
         if attempt.lossless:
             contributions[attempt.me] = attempt.flat[a:b]
         else:
-            own = _encode_decoded(codec, attempt.flat[a:b])[1]
-            attempt.transmitted[a:b].copy_(own)
+            own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
             contributions[attempt.me] = own
         # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order.
         # Lossless codecs: the mean is the result itself, so it is summed straight into place.
@@ -890,10 +918,9 @@ class Exchange:
             self._send_mean(attempt, frame)
             return
         if attempt.lossless:
-            mean = codec.encode(total)
+            mean = _encode(codec, total, attempt.fast)
         else:
-            mean, decoded = _encode_decoded(codec, total)
-            attempt.result[a:b].copy_(decoded)
+            mean = _encode_decoded(codec, total, attempt.fast, attempt.result[a:b])[0]
         self._send_mean(attempt, Frame({"k": k}, mean))
 
     def _send_mean(self, attempt: _Attempt, frame: Frame) -> None:
@@ -943,7 +970,7 @@ class Exchange:
                 filled += size
             attempt.bytes_received += total
             attempt.decoded[sender] = _decode(
-                attempt.codec, memoryview(buffer), attempt.plan.numel, f"payload of {peer}"
+                attempt.codec, memoryview(buffer), attempt.plan.numel, f"payload of {peer}", attempt.fast
             )
             attempt.outboxes[sender].put_nowait(Frame({"done": True}))
             attempt.part_done()
@@ -989,28 +1016,51 @@ def _specific_rejection(outbox: asyncio.Queue[Frame | Reject]) -> Reject | None:
     return None
 
 
-def _decode(codec: TensorCodec, data: bytes | memoryview, numel: int, what: str) -> torch.Tensor:
-    """codec.decode with the result checked: any decoding error or size mismatch becomes a Reject."""
+def _decode(
+    codec: TensorCodec,
+    data: bytes | memoryview,
+    numel: int,
+    what: str,
+    fast: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """codec.decode with the result checked: any decoding error or size mismatch becomes a Reject. `fast`: the
+    codec takes checksum=False and out= (see TensorCodec); `out` receives the values (and is returned)."""
     try:
-        tensor = codec.decode(data)
+        # With out=, a payload of another length is refused by the codec before it writes ("out: expected").
+        tensor = codec.decode(data, checksum=False, out=out) if fast else codec.decode(data)  # type: ignore[call-arg]
     except Exception as exc:  # codecs raise their own error types (CodecError is a ValueError)
-        raise _invalid("BAD_PAYLOAD", f"{what}: {type(exc).__name__}: {exc}") from None
+        reason = "SIZE_MISMATCH" if "out: expected" in str(exc) else "BAD_PAYLOAD"
+        raise _invalid(reason, f"{what}: {type(exc).__name__}: {exc}") from None
     if tensor.dtype != torch.float32 or tensor.numel() != numel:
         raise _invalid(
             "SIZE_MISMATCH", f"{what}: expected {numel} float32 values, got {tensor.numel()} {tensor.dtype}"
         )
+    if out is not None and tensor is not out:
+        return out.copy_(tensor.reshape(-1))
     return tensor.reshape(-1)
 
 
-def _encode_decoded(codec: TensorCodec, tensor: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+def _encode(codec: TensorCodec, tensor: torch.Tensor, fast: bool) -> bytes:
+    return codec.encode(tensor, checksum=False) if fast else codec.encode(tensor)  # type: ignore[call-arg]
+
+
+def _encode_decoded(
+    codec: TensorCodec, tensor: torch.Tensor, fast: bool = False, out: torch.Tensor | None = None
+) -> tuple[bytes, torch.Tensor]:
     """(codec.encode(tensor), codec.decode of those bytes), in one go when the codec offers it (farloco.optim
-    codecs' `encode_decoded` rebuilds the decoded values without parsing and checking its own bytes again)."""
+    codecs' `encode_decoded` rebuilds the decoded values without parsing and checking its own bytes again).
+    `out` receives the decoded values (and is returned); `fast` as in `_decode`."""
     both = getattr(codec, "encode_decoded", None)
     if both is not None:
-        data, decoded = both(tensor)
-        return data, decoded
-    data = codec.encode(tensor)
-    return data, codec.decode(data)
+        data, decoded = both(tensor, checksum=False, out=out) if fast else both(tensor)
+    else:
+        data = codec.encode(tensor)
+        decoded = codec.decode(data)
+    if out is not None and decoded is not out:
+        out.copy_(decoded)
+        return data, out
+    return data, decoded
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

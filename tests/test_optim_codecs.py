@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from farloco.optim import Codec, CodecError, available_codecs, get_codec, mean_of
 from farloco.optim.sparse import _dct_integer_table, _inverse_dct_rows, dct_matrix
-from farloco.optim.wire import HEADER_BYTES, all_finite
+from farloco.optim.wire import FLAG_NO_CRC, HEADER_BYTES, all_finite
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -491,3 +491,45 @@ def test_encode_decoded_refuses_what_encode_refuses() -> None:
     for name in available_codecs():
         with pytest.raises(CodecError, match="finite"):
             get_codec(name).encode_decoded(torch.tensor([1.0, float("nan")]))
+
+
+@pytest.mark.parametrize("name", available_codecs())
+@pytest.mark.parametrize("numel", [0, 1, 1000, 70_001])
+def test_no_checksum_and_out_give_the_same_values(name: str, numel: int) -> None:
+    """The exchange's fast path: `checksum=False` drops only the CRC (flag set, CRC field zero, the body
+    unchanged), and `out=` receives exactly the values a plain decode returns."""
+    codec = get_codec(name)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel + 1)) * 2
+    data = codec.encode(tensor)
+    bare = codec.encode(tensor, checksum=False)
+    assert len(bare) == len(data) and bare[32:] == data[32:]
+    assert bare[7] == FLAG_NO_CRC and bare[24:28] == b"\0\0\0\0" and data[7] == 0
+    expected = codec.decode(data)
+    out = torch.full((numel,), float("nan"))
+    got = codec.decode(bare, checksum=False, out=out)
+    assert got is out and torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    sent, decoded = codec.encode_decoded(tensor, checksum=False, out=torch.empty(numel))
+    assert sent == bare and torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
+    # checksum=False also reads a payload that has its CRC (without checking it).
+    assert torch.equal(codec.decode(data, checksum=False), expected)
+
+
+def test_a_payload_without_crc_is_refused_by_a_plain_decode() -> None:
+    codec = get_codec("int8")
+    bare = codec.encode(torch.randn(100), checksum=False)
+    with pytest.raises(CodecError, match="CRC-32: expected one, got a payload written without it"):
+        codec.decode(bare)
+    flags = bytearray(bare)
+    flags[7] = 2  # an unknown flag
+    with pytest.raises(CodecError, match="flags"):
+        codec.decode(bytes(flags), checksum=False)
+
+
+def test_decode_out_of_the_wrong_size_or_type_is_refused_before_writing() -> None:
+    codec = get_codec("int8")
+    data = codec.encode(torch.randn(100))
+    for bad in (torch.zeros(99), torch.zeros(100, dtype=torch.float64), torch.zeros(200)[::2]):
+        keep = bad.clone()
+        with pytest.raises(CodecError, match="out: expected a contiguous float32 CPU tensor of 100 values"):
+            codec.decode(data, out=bad)
+        assert torch.equal(bad, keep)

@@ -1,0 +1,101 @@
+"""The optional C kernels of the int8 codec (optim/_kernels.c) against the torch path they replace: the same
+payload bytes and the same decoded values, bit for bit, on awkward inputs; NaN/Inf and the invalid code -128
+refused alike; and the kernels are really built wherever a C compiler is (as in CI)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from farloco.optim import CodecError, dense, get_codec
+
+pytestmark = pytest.mark.skipif(
+    dense.KERNELS is None and shutil.which("cc") is None, reason="no C compiler: the kernels were not built"
+)
+
+
+def test_kernels_are_built_where_a_compiler_is() -> None:
+    assert dense.KERNELS is not None, (
+        "farloco.optim._kernels did not build although a C compiler is installed"
+    )
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    cases = [
+        torch.randn(1000, generator=g),
+        torch.randn(128 * 5, generator=g) * 1e-3,  # whole blocks only
+        torch.randn(4097, generator=g) * 1e4,  # a short tail block
+        torch.zeros(300),  # all-zero blocks: scale 0
+        torch.full((129,), 3.25),  # constant
+        torch.tensor([1e-45, -3e-44, 2e-40, 0.0] * 40),  # subnormal scales
+        torch.cat(
+            [torch.randn(200, generator=g) * 1e-30, torch.randn(200, generator=g) * 1e30]
+        ),  # huge range
+        torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, -127.0] * 20) / 127 * 127,  # ties: round half even
+        torch.empty(0),
+        torch.tensor([-0.0, 0.0, 1.0]),
+    ]
+    # Exact ties of x / scale: absmax 127 gives scale 1, so x = k + 0.5 lands on a tie.
+    ties = torch.arange(-126.5, 127, 1.0)
+    cases.append(torch.cat([ties, torch.tensor([127.0])]))
+    return cases
+
+
+@pytest.mark.parametrize("block", [128, 1, 7, 4096])
+def test_kernel_bytes_and_values_equal_the_torch_path(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    codec = get_codec("int8", block_size=block)
+    for x in _inputs():
+        fast = codec.encode(x)
+        fast_data, fast_decoded = codec.encode_decoded(x)
+        with monkeypatch.context() as m:
+            m.setattr(dense, "KERNELS", None)
+            slow = codec.encode(x)
+            slow_values = codec.decode(slow)
+        assert fast == slow == fast_data, (block, x[:8])
+        values = codec.decode(fast)
+        assert torch.equal(values.view(torch.int32), slow_values.view(torch.int32)), (block, x[:8])
+        assert torch.equal(fast_decoded.view(torch.int32), values.view(torch.int32))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_kernel_refuses_non_finite_input_like_the_torch_path(bad: float) -> None:
+    x = torch.randn(1000)
+    x[777] = bad
+    with pytest.raises(CodecError, match="first at index 777"):
+        get_codec("int8").encode(x)
+
+
+def test_kernel_refuses_the_invalid_code() -> None:
+    codec = get_codec("int8")
+    data = bytearray(codec.encode(torch.randn(1000)))
+    data[-5] = 0x80  # -128 as int8, in the last block
+    # The CRC covers the body: recompute it so the codes check is what refuses the payload.
+    import struct
+    import zlib
+
+    from farloco.optim.wire import HEADER_BYTES
+
+    crc = zlib.crc32(bytes(data[HEADER_BYTES:]), zlib.crc32(bytes(data[:24])))
+    struct.pack_into("<I", data, 24, crc)
+    with pytest.raises(CodecError, match="-128"):
+        codec.decode(bytes(data))
+
+
+def test_kernel_checks_buffer_sizes() -> None:
+    assert dense.KERNELS is not None
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="expected 10 float32 values"):
+        dense.KERNELS.quantize(
+            x.numpy(), 4, 127.0, torch.empty(2).numpy(), torch.empty(10, dtype=torch.int8).numpy(), None
+        )
+    with pytest.raises(ValueError, match="levels"):
+        dense.KERNELS.quantize(
+            x.numpy(), 4, 300.0, torch.empty(3).numpy(), torch.empty(10, dtype=torch.int8).numpy(), None
+        )
+    with pytest.raises(TypeError, match="writable"):
+        dense.KERNELS.quantize(
+            x.numpy(), 4, 127.0, bytes(12), torch.empty(10, dtype=torch.int8).numpy(), None
+        )
