@@ -64,7 +64,8 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 # before it votes, so that its vote can name a member that sent it bad data even when another member's abort
 # reached it first: the accusation then has a majority and the retry goes on without that member. Its own
 # pushes keep going meanwhile, for the same reason. Bounded by the data phase's deadline; it ends early once
-# every member's stream was seen and read to its end.
+# every member's stream was seen and read to its end and every push of ours ended. Not after a deadline, our own
+# bad input or a group mismatch. A crashed member's stream never ends, so a crash costs up to this much more.
 EVIDENCE_GRACE_SECONDS = 1.0
 
 
@@ -206,7 +207,6 @@ class _Attempt:
     outboxes: dict[int, asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[dict[str, Any]] | None = None
     consumers: set[asyncio.Task[None]] = field(default_factory=set)  # tasks reading the members' streams
-    pushed: set[int] = field(default_factory=set)  # members our push has sent its last chunk to
     grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
     data_deadline: float = math.inf
     bytes_sent: int = 0
@@ -216,16 +216,16 @@ class _Attempt:
     def member_ids(self) -> list[str]:
         return [m.peer_id for m in self.members]
 
-    def fail(self, reason: str, bad_peer: str | None = None, *, bad_data: bool = False) -> None:
-        """Mark the attempt failed (first reason wins) and tell every peer streaming to us. `bad_data` (or a
-        `bad_peer`): someone's data was refused, so evidence is gathered before voting (EVIDENCE_GRACE_SECONDS);
-        not after a crash, a mismatched group or a deadline, where it would only delay the vote."""
+    def fail(self, reason: str, bad_peer: str | None = None, *, evidence: bool = True) -> None:
+        """Mark the attempt failed (first reason wins) and tell every peer streaming to us. With `evidence`,
+        what the others still send is checked before voting (EVIDENCE_GRACE_SECONDS); not after a deadline, our
+        own bad input, a cancellation or a mismatched group, where it would only delay the vote."""
         if bad_peer is not None:
             self.bad.add(bad_peer)
         if self.finished.is_set():
             return
         self.failure = reason
-        if bad_data or bad_peer is not None:
+        if evidence:
             now = asyncio.get_running_loop().time()
             self.grace_until = min(now + EVIDENCE_GRACE_SECONDS, self.data_deadline)
         log.info("exchange attempt %s/%d failed: %s", self.key[:12], self.attempt_no, reason)
@@ -242,8 +242,8 @@ class _Attempt:
         self, consumer: asyncio.Task[None] | None = None, pushes: dict[int, asyncio.Task[None]] | None = None
     ) -> None:
         """Until the grace after a failure ends: wait for `consumer` (one stream) or, without it, for every other
-        member's stream to arrive and be read to its end and for each of our `pushes` to end or send its last
-        chunk."""
+        member's stream to arrive and be read to its end and for each of our `pushes` to end (its peer took every
+        chunk, or refused it)."""
         loop = asyncio.get_running_loop()
         while loop.time() < self.grace_until:
             if consumer is not None:
@@ -252,7 +252,7 @@ class _Attempt:
             elif (
                 len(self.streams_from) >= len(self.members) - 1
                 and all(c.done() for c in self.consumers)
-                and all(task.done() or j in self.pushed for j, task in (pushes or {}).items())
+                and all(task.done() for task in (pushes or {}).values())
             ):
                 return
             await asyncio.sleep(min(0.01, max(0.0, self.grace_until - loop.time())))
@@ -345,12 +345,9 @@ class Exchange:
                     f"{buffer.dtype} on {buffer.device} with {buffer.numel()} values "
                     f"(contiguous={buffer.is_contiguous()})"
                 )
-            if _overlaps(buffer, tensor) or (
-                buffer is transmitted_out and out is not None and _overlaps(buffer, out)
-            ):
-                raise ValueError(
-                    f"{name}: expected memory apart from the input and the other buffer, got an overlap"
-                )
+            others = [tensor] if name == "out" or out is None else [tensor, out]
+            if any(_overlaps(buffer, other) for other in others):
+                raise ValueError(f"{name}: expected memory apart from the input and from out, got an overlap")
         group.index_of(self.peer_id)  # ValueError naming the members if we are not one
         loop = asyncio.get_running_loop()
         started_at = loop.time()
@@ -486,7 +483,7 @@ class Exchange:
         try:
             await asyncio.wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
         except TimeoutError:
-            attempt.fail("DEADLINE: data phase did not complete in time")
+            attempt.fail("DEADLINE: data phase did not complete in time", evidence=False)
         if not attempt.ok:
             # The vote goes out after what the others are still sending was checked (EVIDENCE_GRACE_SECONDS).
             # Our own pushes go on meanwhile, so every owner sees our data and can vouch for it or name us.
@@ -501,7 +498,7 @@ class Exchange:
         # and raise the codec's error to our caller once the votes are out.
         attempt.local_error = exc
         attempt.bad.add(self.peer_id)
-        attempt.fail(f"LOCAL_ENCODE_FAILED: {type(exc).__name__}: {exc}")
+        attempt.fail(f"LOCAL_ENCODE_FAILED: {type(exc).__name__}: {exc}", evidence=False)
 
     def _reduce_alone(self, attempt: _Attempt) -> None:
         # A dense group of one (all others dropped): the mean is our own contribution, through the codec twice
@@ -572,7 +569,6 @@ class Exchange:
                     return
                 attempt.bytes_sent += len(data)
                 yield Frame({"k": k}, data)
-            attempt.pushed.add(j)
 
         async def sparse_frames() -> AsyncIterator[Frame]:
             payload = memoryview(attempt.payload)
@@ -582,7 +578,6 @@ class Exchange:
                 piece = payload[offset : offset + step]
                 attempt.bytes_sent += len(piece)
                 yield Frame({"o": offset}, piece)
-            attempt.pushed.add(j)
 
         received = 0
 
@@ -644,8 +639,8 @@ class Exchange:
         except RpcError as exc:
             attempt.fail(
                 f"push to {member.peer_id} failed: {exc.code.name} reason={exc.reason}",
-                # Someone's data was refused (ours, or the attempt failed on another member's report).
-                bad_data=exc.reason == "ATTEMPT_FAILED" or exc.code == grpc.StatusCode.INVALID_ARGUMENT,
+                # Not in another group: what we and the others still send is evidence worth a vote.
+                evidence=exc.code != grpc.StatusCode.FAILED_PRECONDITION,
             )
         except Reject as exc:
             attempt.fail(
@@ -653,7 +648,7 @@ class Exchange:
                 _blame(exc, member.peer_id),
             )
         except asyncio.CancelledError:
-            attempt.fail(f"push to {member.peer_id} cancelled")
+            attempt.fail(f"push to {member.peer_id} cancelled", evidence=False)
             raise
 
     async def _vote_phase(self, attempt: _Attempt, deadline: float) -> dict[str, dict[str, Any]]:
@@ -702,7 +697,7 @@ class Exchange:
 
     def _retire(self, attempt: _Attempt) -> None:
         if not attempt.finished.is_set():
-            attempt.fail("abandoned")
+            attempt.fail("abandoned", evidence=False)
         if attempt.status is not None and not attempt.status.done():
             vote = attempt.vote()
             attempt.status.set_result(vote)

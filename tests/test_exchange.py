@@ -295,6 +295,28 @@ def test_optim_lossy_codec_through_the_exchange(name: str) -> None:
                 assert torch.equal(result.transmitted, sent)
             err = float((results[0].averaged - torch.stack(inputs).mean(0)).abs().max())
             assert err <= tolerance("int8", inputs), err
+            # Again into caller-owned buffers (as the agent does): the same values, written in place.
+            outs = [torch.full((90_001,), float("nan")) for _ in nodes]
+            sents = [torch.full((90_001,), float("nan")) for _ in nodes]
+            again = await asyncio.gather(
+                *(
+                    node.exchange.average(
+                        group, inputs[i], codec, timeout=30, out=outs[i], transmitted_out=sents[i]
+                    )
+                    for i, node in enumerate(nodes)
+                )
+            )
+            for i, result in enumerate(again):
+                assert result.averaged.data_ptr() == outs[i].data_ptr()
+                assert result.transmitted.data_ptr() == sents[i].data_ptr()
+                assert torch.equal(outs[i], results[0].averaged)
+                assert torch.equal(sents[i], results[i].transmitted)
+            with pytest.raises(
+                ValueError, match="transmitted_out: expected memory apart from the input and from out"
+            ):
+                await nodes[0].exchange.average(
+                    group, inputs[0], codec, timeout=30, out=outs[0], transmitted_out=outs[0]
+                )
         finally:
             for node in nodes:
                 await node.stop()
