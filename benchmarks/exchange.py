@@ -4,7 +4,9 @@ DecentralizedAverager, each peer in its own process on 127.0.0.1.
     python benchmarks/exchange.py                       # every impl, 2 and 4 peers, 4 / 64 / 256 MiB fp32
     python benchmarks/exchange.py --impl farloco --peers 2 --mib 64 --codec int8 --markdown
 
-Every peer checks its result against the exact average (tolerance per codec) and the run fails if one is off.
+Every peer checks its result against the exact average (tolerance per codec): a wrong farloco or gloo result
+fails the run; a wrong hivemind result (its averager can return a partial average as success) is reported in
+its row as `wrong_result`.
 One JSON line per configuration: impl, peers, mib, codec, seconds_median, algbw_gbps (= payload MiB as GB / s,
 the usual all-reduce "algorithm bandwidth"). Peers talk only through stdin/stdout JSON and their own sockets;
 nothing is pickled across processes.
@@ -326,10 +328,15 @@ def run_config(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    wrong = ""
     for rank, report in enumerate(reports):
         err, tol = report["max_err"]
         if not err <= tol:
-            raise RuntimeError(f"{impl}/{codec} peer {rank}: max error {err:.3g} exceeds tolerance {tol:.3g}")
+            wrong = f"peer {rank}: max error {err:.3g} exceeds tolerance {tol:.3g}"
+            if impl != "hivemind":
+                raise RuntimeError(f"{impl}/{codec} {wrong}")
+            # hivemind's averager can return a partial average and call it success ("received 99.2% results");
+            # that is a finding about the alternative, reported in its row, not a reason to lose the run.
     # A collective is done when its slowest peer is done.
     per_rep = [max(times) for times in zip(*(r["times"] for r in reports), strict=True)]
     seconds = statistics.median(per_rep)
@@ -345,6 +352,7 @@ def run_config(
         "cpu_seconds_median": round(cpu_seconds, 4),
         "reps": len(per_rep),
         "max_err": max(r["max_err"][0] for r in reports),
+        **({"wrong_result": wrong} if wrong else {}),
     }
 
 
@@ -357,8 +365,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ref = gloo.get((r["peers"], r["mib"]))
         ratio = f"{ref / r['seconds_median']:.2f}x" if ref else "-"
+        wrong = f" (WRONG RESULT: {r['wrong_result']})" if "wrong_result" in r else ""
         lines.append(
-            f"| {r['impl']} | {r['codec']} | {r['peers']} | {r['mib']} | {r['seconds_median']:.3f} | "
+            f"| {r['impl']}{wrong} | {r['codec']} | {r['peers']} | {r['mib']} | {r['seconds_median']:.3f} | "
             f"{r['algbw_gbps']:.3f} | {ratio} | {r['cpu_seconds_median']:.3f} |"
         )
     return "\n".join(lines)
