@@ -619,6 +619,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--inner-lr", type=float, default=Setup.inner_lr)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--corpus",
+        choices=["pydoc", "stdlib"],
+        default="pydoc",
+        help="pydoc: the bundled corpus (default); stdlib: CPython's library sources, ~11 MB, for --long "
+        "runs that should not overfit (see benchmarks/stdlib_corpus.py)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "farloco-bench-data")
     # One thread: on a shared 2-core machine two OpenMP threads per process were 4x slower under load.
     parser.add_argument("--threads", type=int, default=1)
@@ -663,7 +670,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    bench = Bench(setup, open_dataset(builtin_dataset(args.cache_dir)), log)
+    if args.corpus == "stdlib":
+        from stdlib_corpus import stdlib_dataset  # benchmarks/ is on sys.path when this file is run
+
+        dataset_dir = stdlib_dataset(args.cache_dir)
+    else:
+        dataset_dir = builtin_dataset(args.cache_dir)
+    bench = Bench(setup, open_dataset(dataset_dir), log)
     log(f"tiny model: {bench.num_params} parameters; {NUM_WORKERS} workers x batch {BATCH_SIZE} x {SEQ_LEN}")
     results: list[RunResult] = []
 

@@ -152,3 +152,21 @@ def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleT
 def test_overlap_longer_than_the_sync_interval_is_refused(bench: ModuleType) -> None:
     with pytest.raises(ValueError, match="tau < sync_every"):
         bench.streaming_config(num_fragments=5, tau=2, alpha=0.5)
+
+
+def test_stdlib_corpus_is_large_enough_for_long_runs_and_is_reused(tmp_path: Path) -> None:
+    """`--corpus stdlib`: the library sources shipped with this CPython, about one DDP epoch at --long."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from stdlib_corpus import stdlib_dataset, stdlib_sources
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from farloco.node.data import open_dataset
+
+    sources = stdlib_sources()
+    assert sources == sorted(sources) and not any("test" in p.parts for p in sources)
+    first = stdlib_dataset(tmp_path)
+    dataset = open_dataset(first, verify=True)
+    # 2400 steps x 4 workers x 8 x 128 tokens = 9.8M: the train split must hold about that much.
+    assert dataset.num_tokens("train") > 8_000_000 and dataset.num_tokens("val") > 100_000
+    assert stdlib_dataset(tmp_path) == first  # reused, not rebuilt
