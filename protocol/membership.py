@@ -67,6 +67,9 @@ MAX_IGNORED_REMEMBERED = 4096
 
 
 STORE_ATTEMPTS = 3
+# A guard, in real seconds, on each awaited hivemind call: its own requests time out sooner, but a future that
+# never resolves (seen once under heavy load in a test) would otherwise freeze the node for good.
+DHT_CALL_TIMEOUT = 30.0
 
 
 class MembershipError(Exception):
@@ -578,7 +581,14 @@ class DHTMembership:
     async def _store(self, value: dict[str, Any], expiration: float) -> None:
         ok = False
         for attempt in range(STORE_ATTEMPTS):
-            ok = await self.dht.store(self.key, value, expiration, subkey=self.public_key, return_future=True)
+            try:
+                ok = await asyncio.wait_for(
+                    self.dht.store(self.key, value, expiration, subkey=self.public_key, return_future=True),
+                    DHT_CALL_TIMEOUT,
+                )
+            except TimeoutError:
+                logger.warning("DHT store under %s did not answer within %.0f s", self.key, DHT_CALL_TIMEOUT)
+                ok = False
             if ok or self.clock.now() + 0.25 * 2**attempt >= expiration:
                 break
             # No replica answered in time (a busy machine, a DHT still bootstrapping): a short retry usually
@@ -610,8 +620,19 @@ class DHTMembership:
 
     async def refresh(self) -> None:
         """Read the whole members dictionary (latest=True merges the sub-keys held by every replica)."""
-        result = await self.dht.get(self.key, latest=True, return_future=True)
-        self.core.observe_all(_unwrap_entries(result, self.key))
+        try:
+            result = await asyncio.wait_for(
+                self.dht.get(self.key, latest=True, return_future=True), DHT_CALL_TIMEOUT
+            )
+        except TimeoutError:
+            # Reads are advisory: keep the last view (pruned below) and read again next time.
+            logger.warning(
+                "DHT get of %s did not answer within %.0f s; keeping the last view",
+                self.key,
+                DHT_CALL_TIMEOUT,
+            )
+        else:
+            self.core.observe_all(_unwrap_entries(result, self.key))
         self.core.prune(self.clock.now())
 
     async def members(self) -> list[MemberRecord]:

@@ -166,7 +166,7 @@ class DhtPeer:
 
 # One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
 # its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
-RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign")
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign", "hang")
 
 
 @pytest.fixture(scope="module")
@@ -315,5 +315,33 @@ def test_heartbeat_republishes_on_the_clock_and_stops_on_remove(dht_swarm: Any) 
         clock.advance(1.0)
         await asyncio.sleep(0.2)
         assert await b.membership.members() == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_a_dht_call_that_never_answers_does_not_freeze_the_node(
+    dht_swarm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hivemind future that never resolves: a read keeps the last view, a store becomes a MembershipError
+    (which the agent survives), both after DHT_CALL_TIMEOUT real seconds instead of never."""
+    import farloco.protocol.membership as membership_module
+
+    a, b = dht_swarm(2, run_name="hang")
+
+    async def main() -> None:
+        await a.membership.publish(a.record(0))
+        for _ in range(200):
+            if [r.peer_id for r in await b.membership.members()] == [a.me.peer_id]:
+                break
+            await asyncio.sleep(0.02)
+        monkeypatch.setattr(membership_module, "DHT_CALL_TIMEOUT", 0.3)
+        loop = asyncio.get_running_loop()
+        # A fresh future per call, as hivemind returns, none of which ever resolves.
+        monkeypatch.setattr(b.membership.dht, "get", lambda *args, **kwargs: loop.create_future())
+        monkeypatch.setattr(a.membership.dht, "store", lambda *args, **kwargs: loop.create_future())
+        assert [r.peer_id for r in await asyncio.wait_for(b.membership.members(), 5)] == [a.me.peer_id]
+        with pytest.raises(membership_module.MembershipError, match="refused our entry"):
+            await asyncio.wait_for(a.membership.publish(a.record(0)), 10)
 
     asyncio.run(main())
