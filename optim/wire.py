@@ -107,11 +107,12 @@ class Codec(abc.ABC):
         receives the decoded values and is returned. Raises what `encode` raises.
         """
         data, sections, numel = self._encode_parts(tensor, checksum)
+        if out is not None:
+            _check_out(out, numel)  # before any codec writes into it
         decoded = self._decoded_from_sections(sections, numel, out) if numel else None
         if decoded is None:
             decoded = self.decode(data, checksum=checksum)
         if out is not None and decoded is not out:
-            _check_out(out, numel)
             out.copy_(decoded)
             return data, out
         return data, decoded

@@ -533,3 +533,6 @@ def test_decode_out_of_the_wrong_size_or_type_is_refused_before_writing() -> Non
         with pytest.raises(CodecError, match="out: expected a contiguous float32 CPU tensor of 100 values"):
             codec.decode(data, out=bad)
         assert torch.equal(bad, keep)
+        with pytest.raises(CodecError, match="out: expected a contiguous float32 CPU tensor of 100 values"):
+            codec.encode_decoded(torch.randn(100), out=bad)
+        assert torch.equal(bad, keep)
