@@ -42,6 +42,7 @@ import argparse
 import bisect
 import copy
 import json
+import math
 import sys
 import tempfile
 import time
@@ -75,10 +76,15 @@ class Setup:
     report_steps: tuple[int, ...] = (DEFAULT_STEPS,)
     """Steps at which the table's figures are taken (the last one is `steps`)."""
     inner_lr: float = 3e-3
-    """AdamW learning rate of every worker, of DDP and of the lone workers (constant after warm-up, so the
-    figures at 600 steps of a --long run are the ones a 600-step run gives)."""
+    """Peak AdamW learning rate of every worker, of DDP and of the lone workers."""
     warmup_steps: int = 20
     """Linear warm-up of the inner lr, as the trainer does."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant (so the figures at 600 steps of a --long run are the ones a 600-step run gives),
+    or a cosine decay to `min_lr_ratio` of the peak at the last step, as the DiLoCo papers train. The same
+    schedule drives every config: AdamW's lr for DDP, the lone and the inner workers, and DeMo's sign-SGD lr."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule's last lr, as a fraction of the peak."""
     weight_decay: float = 0.1
     """AdamW weight decay (betas 0.9/0.95 as in farloco.node.trainer)."""
     grad_clip: float = 1.0
@@ -93,11 +99,32 @@ class Setup:
             raise ValueError(
                 f"Setup: expected steps >= 1 ending report_steps, got {self.steps} {self.report_steps}"
             )
+        if self.schedule not in ("constant", "cosine") or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                "Setup: expected schedule constant|cosine and 0 <= min_lr_ratio <= 1, "
+                f"got {self.schedule!r} {self.min_lr_ratio}"
+            )
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule at 0-based `step`, as a fraction of the peak lr."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - 1 - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def learning_rate(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.inner_lr * (step + 1) / self.warmup_steps
-        return self.inner_lr
+        return self.inner_lr * self.lr_factor(step)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "inner_lr": self.inner_lr,
+            "warmup_steps": self.warmup_steps,
+            "schedule": self.schedule,
+            "min_lr_ratio": self.min_lr_ratio,
+        }
 
 
 @dataclass(frozen=True)
@@ -400,6 +427,10 @@ class Bench:
         sent = 0
         in_flight: tuple[int, Exchanged] | None = None  # (step it lands at, the exchanged round)
         for step in range(1, self.setup.steps + 1):
+            if sign_sgd:
+                # DeMo's sign-SGD step is its only lr: the shared schedule scales it as it scales AdamW's.
+                for s in strategies:
+                    s.hparams["lr"] = float(config.hparams["lr"]) * self.setup.lr_factor(step - 1)
             locals_: list[torch.Tensor | None] = [None] * NUM_WORKERS
             for w, (learner, sampler) in enumerate(zip(learners, self.samplers, strict=True)):
                 if sign_sgd:
@@ -555,7 +586,7 @@ def describe(config: RunConfig) -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, command: str, results: Sequence[RunResult]) -> None:
+def write_json(path: Path, command: str, setup: Setup, results: Sequence[RunResult]) -> None:
     rows = [
         {
             "config": describe(r.config),
@@ -568,7 +599,13 @@ def write_json(path: Path, command: str, results: Sequence[RunResult]) -> None:
         }
         for r in results
     ]
-    path.write_text(json.dumps({"command": command, "results": rows}, indent=1))
+    path.write_text(json.dumps({"command": command, "setup": setup.describe(), "results": rows}, indent=1))
+
+
+def read_schedule(path: Path) -> str:
+    """The lr schedule a --json file was run with (files from before --schedule existed ran constant)."""
+    data = json.loads(path.read_text())
+    return str(data.get("setup", {}).get("schedule", "constant")) if isinstance(data, dict) else "constant"
 
 
 def read_json(path: Path) -> list[RunResult]:
@@ -618,6 +655,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--merge", type=Path, nargs="+", default=None, metavar="JSON", help="print the tables of --json files"
     )
     parser.add_argument("--inner-lr", type=float, default=Setup.inner_lr)
+    parser.add_argument(
+        "--schedule",
+        choices=["constant", "cosine"],
+        default="constant",
+        help="lr after warm-up, for every config alike: constant (default; a --long run's figures at 1x are a "
+        "1x run's), or cosine decay to 10%% of the peak at the last step (as the DiLoCo papers train)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--corpus",
@@ -640,6 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=steps,
         report_steps=report_steps,
         inner_lr=args.inner_lr,
+        schedule=args.schedule,
         num_eval_batches=1 if args.quick else Setup.num_eval_batches,
     )
     configs = default_configs()
@@ -654,6 +699,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [c for c in every if c.name in args.only]
 
     if args.merge:
+        schedules = {path: read_schedule(path) for path in args.merge}
+        if len(set(schedules.values())) > 1:
+            parser.error(f"--merge: expected runs of one lr schedule, got {schedules}")
         order = {c.name: i for i, c in enumerate(every)}
         merged = sorted(
             (r for path in args.merge for r in read_json(path)),
@@ -683,7 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def save(partial: RunResult) -> None:
         # After every report step, so a long run interrupted keeps what it measured (its 600-step figures).
         if args.json is not None:
-            write_json(args.json, command, [*results, partial])
+            write_json(args.json, command, setup, [*results, partial])
 
     for config in configs:
         log(f"{config.name} ...")

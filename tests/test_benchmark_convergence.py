@@ -8,6 +8,7 @@ round-trips into the same table, and DDP's loss at a given number of bytes is re
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -170,3 +171,49 @@ def test_stdlib_corpus_is_large_enough_for_long_runs_and_is_reused(tmp_path: Pat
     # 2400 steps x 4 workers x 8 x 128 tokens = 9.8M: the train split must hold about that much.
     assert dataset.num_tokens("train") > 8_000_000 and dataset.num_tokens("val") > 100_000
     assert stdlib_dataset(tmp_path) == first  # reused, not rebuilt
+
+
+def test_cosine_schedule_drives_every_config_and_runs_of_two_schedules_do_not_merge(
+    bench: ModuleType, tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--schedule cosine: warm-up, then a decay from the peak to 10% at the last step, applied to AdamW and to
+    DeMo's sign-SGD lr alike; the JSON records the schedule and --merge refuses to mix schedules."""
+    setup = bench.Setup(steps=120, report_steps=(30, 120), schedule="cosine")
+    assert setup.lr_factor(0) == pytest.approx(1 / 20) and setup.lr_factor(20) == pytest.approx(1.0)
+    assert setup.lr_factor(119) == pytest.approx(0.1)
+    factors = [setup.lr_factor(step) for step in range(20, 120)]
+    assert all(a >= b for a, b in itertools.pairwise(factors)) and factors[50] == pytest.approx(
+        0.55, abs=0.01
+    )
+    assert bench.Setup(steps=120, report_steps=(120,)).lr_factor(119) == 1.0  # constant is the default
+    with pytest.raises(ValueError, match=r"expected schedule constant\|cosine"):
+        bench.Setup(steps=10, report_steps=(10,), schedule="linear")
+
+    from farloco.node.data import builtin_dataset, open_dataset
+
+    dataset = open_dataset(builtin_dataset(cache_dir))
+    demo = next(c for c in bench.default_configs() if c.kind == "outer" and c.strategy == "demo")
+    losses = {}
+    for schedule in ("constant", "cosine"):
+        short = bench.Setup(steps=3, report_steps=(3,), warmup_steps=0, num_eval_batches=1, schedule=schedule)
+        losses[schedule] = bench.Bench(short, dataset, lambda _: None).run(demo).eval_loss[3]
+    assert losses["constant"] != losses["cosine"]  # DeMo's sign-SGD lr followed the schedule
+
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for schedule in ("constant", "cosine"):
+            runs[schedule] = tmp_path / f"{schedule}.json"
+            argv = ["--quick", "--steps", "2", "--schedule", schedule, "--json", str(runs[schedule])]
+            argv += ["--cache-dir", str(cache_dir), "--only", "ddp"]
+            assert bench.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    capsys.readouterr()
+    assert (
+        bench.read_schedule(runs["cosine"]) == "cosine"
+        and bench.read_schedule(runs["constant"]) == "constant"
+    )
+    with pytest.raises(SystemExit):
+        bench.main(["--merge", str(runs["constant"]), str(runs["cosine"])])
+    assert "one lr schedule" in capsys.readouterr().err
