@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import farloco.protocol.membership as membership_module
 from farloco.protocol.clock import Clock, DHTClock
 from farloco.protocol.membership import DHTMembership, members_key
 from farloco.protocol.types import Group, GroupMember
@@ -67,7 +68,7 @@ class LateForRound(Exception):
 
 
 class MatchmakingError(Exception):
-    """The DHT refused one of our matchmaking records."""
+    """The DHT refused one of our matchmaking records, or did not answer a read in time."""
 
 
 def round_key(run_name: str, round_id: int) -> str:
@@ -407,13 +408,27 @@ class DHTMatchmaker:
         members_key(run_name)  # validates run_name early
 
     async def _store(self, key: str, value: dict[str, Any], expiration: float) -> bool:
-        ok = await self.dht.store(
-            key, value, expiration, subkey=self.membership.public_key, return_future=True
-        )
+        # Every DHT call is bounded (membership.DHT_CALL_TIMEOUT): a hivemind future that never resolves would
+        # otherwise hold the round, and the node, for good. A store that does not answer counts as refused.
+        timeout = membership_module.DHT_CALL_TIMEOUT
+        try:
+            ok = await asyncio.wait_for(
+                self.dht.store(key, value, expiration, subkey=self.membership.public_key, return_future=True),
+                timeout,
+            )
+        except TimeoutError:
+            logger.warning("DHT store under %s did not answer within %.0f s", key, timeout)
+            return False
         return bool(ok)
 
     async def _get(self, key: str) -> dict[bytes, Any]:
-        return _entries(await self.dht.get(key, latest=True, return_future=True))
+        timeout = membership_module.DHT_CALL_TIMEOUT
+        try:
+            result = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), timeout)
+        except TimeoutError as exc:
+            # No view of the round to decide on: the agent catches up from the others (as for a refused store).
+            raise MatchmakingError(f"the DHT did not answer a read of {key} within {timeout:.0f} s") from exc
+        return _entries(result)
 
     def _from_members(self, raw: Mapping[bytes, Any], key: str, now: float) -> dict[bytes, Any]:
         """The entries of `raw` signed by a current member's key and speaking for that member's peer id."""
