@@ -217,11 +217,25 @@ def default_configs() -> list[RunConfig]:
 
 
 def sweep_configs() -> list[RunConfig]:
-    """DeMo's tuning sweep around the default (600 steps each; BENCHMARKS.md gives what each measured).
+    """Tuning sweeps around the defaults (BENCHMARKS.md gives what each measured).
 
-    Bytes cap the codec: >= 30x under DDP means a payload of <= 67.8 KB per step, i.e. k <= 16 of 1024
-    (4 bytes per kept coefficient + 4 per chunk), k <= 7 of 512 or k <= 4 of 256 (1-byte indices)."""
+    DiLoCo's outer lr at --long (the default 0.5 is the reference's, set at 600 steps). DeMo's codec and lr at
+    600 steps: bytes cap the codec, >= 30x under DDP means a payload of <= 67.8 KB per step, i.e. k <= 16 of
+    1024 (4 bytes per kept coefficient + 4 per chunk), k <= 7 of 512 or k <= 4 of 256 (1-byte indices)."""
+    outer_lrs = [
+        RunConfig(
+            f"diloco-h10-int8-olr{lr:g}",
+            "outer",
+            "diloco",
+            "int8",
+            hparams={"lr": lr, "momentum": 0.9},
+            sync_every=10,
+            note=f"outer lr {lr:g}",
+        )
+        for lr in (0.7, 1.0)
+    ]
     return [
+        *outer_lrs,
         demo_config(k=12, chunk=1024, lr=3e-3, beta=0.999, name="demo-top12of1024"),  # the untuned start
         demo_config(k=12, chunk=1024, lr=3e-3, beta=0.99),
         demo_config(k=12, chunk=1024, lr=3e-4, beta=0.999),
