@@ -22,7 +22,8 @@ References, in the same run: DDP (one model, the 4 workers' batches together = g
 and lone workers (the 4 workers with no communication; reported as the mean over slots, with the range).
 
 Hyper-parameters: the inner AdamW is the trainer's default for everyone and was not tuned (lr 3e-3 constant
-after 20 warm-up steps, betas 0.9/0.95, wd 0.1, clip 1), nor were DiLoCo's outer lr 0.5 / momentum 0.9 (the
+after 20 warm-up steps, or with --schedule cosine decayed to 3e-4 at the last step; betas 0.9/0.95, wd 0.1,
+clip 1), nor were DiLoCo's outer lr 0.5 / momentum 0.9 (the
 reference's), SparseLoCo's top-64 of 4096 with 2-bit values, beta 0.95, lr 1 (paper's) or Streaming DiLoCo's
 alpha 0.5 (paper's) and tau 1 (the daemon's default). DeMo alone was tuned, by the small sweep of
 `sweep_configs()` (--sweep): k 12 of 1024-value DCT chunks (about the paper's density while >= 30x under DDP),
@@ -31,8 +32,9 @@ takes the loss gradient at theta_outer as its pseudo-gradient (one SGD step with
 
     .venv/bin/python benchmarks/convergence.py                 # default configs, 600 steps per worker
     .venv/bin/python benchmarks/convergence.py --long          # 2400 steps, figures at 600 and at 2400
+    .venv/bin/python benchmarks/convergence.py --corpus stdlib --long --schedule cosine   # what BENCHMARKS.md runs
     .venv/bin/python benchmarks/convergence.py --quick         # a few steps of every code path (smoke run)
-    .venv/bin/python benchmarks/convergence.py --sweep         # DeMo's tuning sweep, 600 steps
+    .venv/bin/python benchmarks/convergence.py --sweep         # the tuning sweeps (DeMo: 600 steps; DiLoCo outer lr: with --long)
     .venv/bin/python benchmarks/convergence.py --only diloco-h10-int8 --steps 300
 """
 
@@ -660,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 steps, 1 eval batch")
     parser.add_argument(
-        "--sweep", action="store_true", help="run DeMo's tuning sweep instead of the defaults"
+        "--sweep", action="store_true", help="run the tuning sweeps (sweep_configs) instead of the defaults"
     )
     parser.add_argument(
         "--only", action="append", default=[], metavar="NAME", help="run only these configs (repeatable)"
