@@ -559,15 +559,18 @@ def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
     per_step = ddp_bytes_per_step(num_params)
     ddp_bytes = step * per_step
     lines = [
-        f"| config (at {step} steps/worker) | eval loss | gap closed | MB sent/worker | DDP bytes / these "
+        f"| config (at {step} steps/worker) | eval loss | vs DDP | gap closed | MB sent/worker | DDP bytes / these "
         "| peak KB/sync | DDP loss at equal bytes | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if step not in r.eval_loss:
             continue
         loss = r.eval_loss[step]
         closed = "n/a"
+        versus = "-" if ddp is None or step not in ddp.eval_loss or r is ddp else "n/a"
+        if versus == "n/a" and ddp is not None:
+            versus = f"{100 * (loss / ddp.eval_loss[step] - 1):+.1f}%"
         if ddp is not None and lone is not None and step in ddp.eval_loss and step in lone.eval_loss:
             gap = lone.eval_loss[step] - ddp.eval_loss[step]
             closed = f"{100 * (lone.eval_loss[step] - loss) / gap:.0f}%"
@@ -582,7 +585,7 @@ def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
             note = f"slots {', '.join(f'{x:.3f}' for x in r.worker_losses[step])}"
         peak = "-" if r.peak_bytes_per_sync == 0 else f"{r.peak_bytes_per_sync / 1e3:.1f}"
         lines.append(
-            f"| {r.config.name} | {loss:.3f} | {closed} | {sent / 1e6:.2f} | {ratio} | {peak} | {at_bytes} "
+            f"| {r.config.name} | {loss:.3f} | {versus} | {closed} | {sent / 1e6:.2f} | {ratio} | {peak} | {at_bytes} "
             f"| {note} |"
         )
     return "\n".join(lines)
