@@ -234,7 +234,7 @@ def sweep_configs() -> list[RunConfig]:
             sync_every=10,
             note=f"outer lr {lr:g}",
         )
-        for lr in (0.7, 1.0)
+        for lr in (0.3, 0.4, 0.7, 1.0)
     ]
     return [
         *outer_lrs,
