@@ -568,8 +568,8 @@ def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
             continue
         loss = r.eval_loss[step]
         closed = "n/a"
-        versus = "-" if ddp is None or step not in ddp.eval_loss or r is ddp else "n/a"
-        if versus == "n/a" and ddp is not None:
+        versus = "-"
+        if ddp is not None and r is not ddp and step in ddp.eval_loss:
             versus = f"{100 * (loss / ddp.eval_loss[step] - 1):+.1f}%"
         if ddp is not None and lone is not None and step in ddp.eval_loss and step in lone.eval_loss:
             gap = lone.eval_loss[step] - ddp.eval_loss[step]
