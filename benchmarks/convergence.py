@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -554,8 +554,10 @@ def ddp_loss_at_bytes(ddp: RunResult, num_bytes: int, per_step: int) -> tuple[fl
 
 def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
     """The markdown table of the figures at `step`."""
-    by_name = {r.config.name: r for r in results}
-    ddp, lone = by_name.get("ddp"), by_name.get("lone")
+    # The references: with DDP run at several inner lrs, the best one at this step (the strongest reference).
+    ddps = [r for r in results if r.config.kind == "ddp" and step in r.eval_loss]
+    ddp = min(ddps, key=lambda r: r.eval_loss[step], default=None)
+    lone = next((r for r in results if r.config.kind == "lone"), None)
     per_step = ddp_bytes_per_step(num_params)
     ddp_bytes = step * per_step
     lines = [
@@ -636,9 +638,14 @@ def read_json(path: Path) -> list[RunResult]:
     def by_step(values: dict[str, Any]) -> dict[int, Any]:
         return {int(step): value for step, value in values.items()}
 
+    # A run at another inner lr than the default is labelled so, so a merged table can show both (e.g. each
+    # strategy at its own best inner lr beside DDP at its own).
+    inner_lr = float(data.get("setup", {}).get("inner_lr", Setup.inner_lr))
     results = []
     for row in data["results"]:
         config = RunConfig(**row["config"])
+        if inner_lr != Setup.inner_lr:
+            config = replace(config, name=f"{config.name}@ilr{inner_lr:g}")
         results.append(
             RunResult(
                 config,
@@ -664,6 +671,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--long", action="store_true", help=f"{LONG_FACTOR}x the steps; figures at 1x and {LONG_FACTOR}x"
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 steps, 1 eval batch")
+    parser.add_argument(
+        "--report-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also take the figures every N steps (a table each; the JSON is saved at each, to watch long runs)",
+    )
     parser.add_argument(
         "--sweep", action="store_true", help="run the tuning sweeps (sweep_configs) instead of the defaults"
     )
@@ -699,6 +713,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--steps: expected >= 1, got {base}")
     steps = base * LONG_FACTOR if args.long else base
     report_steps = (base, steps) if args.long else (steps,)
+    if args.report_every < 0:
+        parser.error(f"--report-every: expected >= 0, got {args.report_every}")
+    if args.report_every:
+        report_steps = tuple(sorted({*report_steps, *range(args.report_every, steps, args.report_every)}))
     setup = Setup(
         steps=steps,
         report_steps=report_steps,

@@ -217,3 +217,34 @@ def test_cosine_schedule_drives_every_config_and_runs_of_two_schedules_do_not_me
     with pytest.raises(SystemExit):
         bench.main(["--merge", str(runs["constant"]), str(runs["cosine"])])
     assert "one lr schedule" in capsys.readouterr().err
+
+
+def test_runs_at_two_inner_lrs_merge_labelled_against_the_stronger_ddp(
+    bench: ModuleType, tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--inner-lr runs read back labelled with their lr; a merged table's "vs DDP" is against the best DDP at
+    that step; --report-every adds intermediate report steps (saved in the JSON as the run goes)."""
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for lr in ("3e-3", "1e-2"):
+            runs[lr] = tmp_path / f"ilr{lr}.json"
+            argv = ["--quick", "--steps", "4", "--inner-lr", lr, "--report-every", "2"]
+            argv += ["--json", str(runs[lr]), "--cache-dir", str(cache_dir)]
+            argv += ["--only", "ddp", "--only", "diloco-h10-int8"]
+            assert bench.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    default, other = bench.read_json(runs["3e-3"]), bench.read_json(runs["1e-2"])
+    assert [r.config.name for r in default] == ["ddp", "diloco-h10-int8"]
+    assert [r.config.name for r in other] == ["ddp@ilr0.01", "diloco-h10-int8@ilr0.01"]
+    assert all(sorted(r.eval_loss) == [2, 4] for r in default + other)
+    best = min((default[0], other[0]), key=lambda r: r.eval_loss[4])
+    row = bench.table(default + other, 4, 1_016_960).splitlines()[3]  # diloco at the default lr
+    assert row.startswith("| diloco-h10-int8 |")
+    expected = 100 * (default[1].eval_loss[4] / best.eval_loss[4] - 1)
+    assert f"{expected:+.1f}%" in row
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--report-every", "-1", "--only", "ddp"])
+    assert "--report-every: expected >= 0" in capsys.readouterr().err
