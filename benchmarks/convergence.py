@@ -580,7 +580,10 @@ def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
         ratio = "-" if sent == 0 else f"{ddp_bytes / sent:.0f}x"
         at_bytes = "-"
         if ddp is not None and r.config.kind == "outer":
-            ddp_step, ddp_loss = ddp_loss_at_bytes(ddp, sent, per_step)
+            # DDP at its best at that many bytes (with DDP run at several inner lrs, the lowest of them).
+            ddp_step, ddp_loss = min(
+                (ddp_loss_at_bytes(d, sent, per_step) for d in ddps or [ddp]), key=lambda x: x[1]
+            )
             at_bytes = f"{ddp_loss:.3f} (step {ddp_step:.1f})"
         note = r.config.note
         if r.config.kind == "lone":
