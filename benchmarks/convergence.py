@@ -581,9 +581,7 @@ def table(results: Sequence[RunResult], step: int, num_params: int) -> str:
         at_bytes = "-"
         if ddp is not None and r.config.kind == "outer":
             # DDP at its best at that many bytes (with DDP run at several inner lrs, the lowest of them).
-            ddp_step, ddp_loss = min(
-                (ddp_loss_at_bytes(d, sent, per_step) for d in ddps or [ddp]), key=lambda x: x[1]
-            )
+            ddp_step, ddp_loss = min((ddp_loss_at_bytes(d, sent, per_step) for d in ddps), key=lambda x: x[1])
             at_bytes = f"{ddp_loss:.3f} (step {ddp_step:.1f})"
         note = r.config.note
         if r.config.kind == "lone":
