@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import farloco.protocol.membership as membership_module
+from farloco.protocol import dhtcall
 from farloco.protocol.clock import Clock, DHTClock
 from farloco.protocol.membership import DHTMembership, members_key
 from farloco.protocol.types import Group, GroupMember
@@ -408,26 +408,23 @@ class DHTMatchmaker:
         members_key(run_name)  # validates run_name early
 
     async def _store(self, key: str, value: dict[str, Any], expiration: float) -> bool:
-        # Every DHT call is bounded (membership.DHT_CALL_TIMEOUT): a hivemind future that never resolves would
+        # Every DHT call is bounded (dhtcall.DHT_CALL_TIMEOUT): a hivemind future that never resolves would
         # otherwise hold the round, and the node, for good. A store that does not answer counts as refused.
-        timeout = membership_module.DHT_CALL_TIMEOUT
         try:
-            ok = await asyncio.wait_for(
-                self.dht.store(key, value, expiration, subkey=self.membership.public_key, return_future=True),
-                timeout,
-            )
+            ok = await dhtcall.call(self.dht.store, key, value, expiration, subkey=self.membership.public_key)
         except TimeoutError:
-            logger.warning("DHT store under %s did not answer within %.0f s", key, timeout)
+            logger.warning("DHT store under %s did not answer within %.0f s", key, dhtcall.DHT_CALL_TIMEOUT)
             return False
         return bool(ok)
 
     async def _get(self, key: str) -> dict[bytes, Any]:
-        timeout = membership_module.DHT_CALL_TIMEOUT
         try:
-            result = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), timeout)
+            result = await dhtcall.call(self.dht.get, key, latest=True)
         except TimeoutError as exc:
             # No view of the round to decide on: the agent catches up from the others (as for a refused store).
-            raise MatchmakingError(f"the DHT did not answer a read of {key} within {timeout:.0f} s") from exc
+            raise MatchmakingError(
+                f"the DHT did not answer a read of {key} within {dhtcall.DHT_CALL_TIMEOUT:.0f} s"
+            ) from exc
         return _entries(result)
 
     def _from_members(self, raw: Mapping[bytes, Any], key: str, now: float) -> dict[bytes, Any]:
@@ -473,7 +470,7 @@ class DHTMatchmaker:
             logger.warning(
                 "the DHT refused our ready record for round %d (attempt %d)", round_id, attempt + 1
             )
-            await self.clock.sleep(0.25 * 2**attempt)
+            await asyncio.sleep(0.25 * 2**attempt)  # real time: the DHT's own speed
         else:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
 

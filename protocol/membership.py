@@ -9,8 +9,13 @@ Two layers:
 - `Membership` is the sans-IO core: a table of records keyed by owner, queried with an explicit `now`
   (TTL expiry, run-hash filtering, state/round queries, slot choice). Tests drive it with plain numbers.
 - `DHTMembership` is the async IO side: it publishes our record (plus a heartbeat task), reads the table
-  back with `DHT.get(..., latest=True)` and graceful leave. Every hivemind call uses `return_future=True` and
-  awaits the MPFuture, so the caller's event loop never blocks on the DHT process.
+  back with `DHT.get(..., latest=True)` and graceful leave. Every hivemind call goes through
+  `farloco.protocol.dhtcall` (bounded, cancellable, never touching our event loop from hivemind's thread). A
+  store we need (a record, a slot claim, a tombstone) is retried with back-off for `retry_seconds` of real time
+  and re-stamped on each try, so a retry never carries an expired entry; only a refusal that outlasts that
+  deadline raises `MembershipError`, naming the key, the attempts and what to check. A heartbeat is tried once
+  (the next beat is its retry). Times in records (heartbeats, TTLs) come from the injected `Clock`; waits that
+  are about the DHT's own speed (back-off, claim settling) are real time.
 
 Binding signers to members. The signature validator only proves *which key* wrote a sub-key; anyone can run a
 DHT node with a key of their own. So a record of our run must carry `proof`, an HMAC of the run secret over
@@ -25,14 +30,14 @@ the run-mismatch diagnostics, never the member list.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
 import math
 import re
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -51,7 +56,9 @@ from pydantic.v1 import (
     create_model,
 )
 
+from farloco.protocol import dhtcall
 from farloco.protocol.clock import Clock, DHTClock
+from farloco.protocol.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +72,14 @@ MAX_MADDRS = 16
 # Distinct (reason, owner, where) triples remembered so a record re-read every poll is logged and counted once.
 MAX_IGNORED_REMEMBERED = 4096
 
-
-STORE_ATTEMPTS = 3
-# A guard, in real seconds, on each awaited hivemind call: its own requests time out sooner, but a future that
-# never resolves (seen once under heavy load in a test) would otherwise freeze the node for good.
-DHT_CALL_TIMEOUT = 30.0
+# How long a store we need (a record, a tombstone) is retried with back-off by default (the agent passes
+# timeouts.dht_retry). A heartbeat is tried once: the next beat is its retry.
+DEFAULT_RETRY_SECONDS = 60.0
+STORE_HINT = (
+    "check that network.initial_peers are reachable from this host, that the other members can reach this "
+    "node's DHT port (network.dht_port, network.announce_host), that this host's clock agrees with theirs "
+    "(hivemind refuses an entry whose expiration has passed), and that the DHT process is not starved of CPU"
+)
 
 
 class MembershipError(Exception):
@@ -555,6 +565,7 @@ class DHTMembership:
         public_key: bytes | None = None,
         claim_settle: float = 0.5,
         auth: MemberAuth | None = None,
+        retry_seconds: float = DEFAULT_RETRY_SECONDS,
     ) -> None:
         if not 0 < heartbeat_interval < ttl:
             raise ValueError(
@@ -566,6 +577,9 @@ class DHTMembership:
         self.auth = auth
         self.heartbeat_interval = heartbeat_interval
         self.claim_settle = claim_settle
+        if not retry_seconds >= 0:
+            raise ValueError(f"retry_seconds must be >= 0, got {retry_seconds}")
+        self.retry_seconds = retry_seconds
         self.clock: Clock = clock if clock is not None else DHTClock()
         # Sub-key = our public key: the signature validator signs what we store under it.
         self.public_key = public_key if public_key is not None else RSASignatureValidator().local_public_key
@@ -578,42 +592,59 @@ class DHTMembership:
         """The record we last published (None before the first publish or after remove)."""
         return self._record
 
-    async def _store(self, value: dict[str, Any], expiration: float) -> None:
-        ok = False
-        for attempt in range(STORE_ATTEMPTS):
-            try:
-                ok = await asyncio.wait_for(
-                    self.dht.store(self.key, value, expiration, subkey=self.public_key, return_future=True),
-                    DHT_CALL_TIMEOUT,
-                )
-            except TimeoutError:
-                logger.warning("DHT store under %s did not answer within %.0f s", self.key, DHT_CALL_TIMEOUT)
-                ok = False
-            if ok or self.clock.now() + 0.25 * 2**attempt >= expiration:
-                break
-            # No replica answered in time (a busy machine, a DHT still bootstrapping): a short retry usually
-            # gets through, and the entry is still valid when it does.
-            await self.clock.sleep(0.25 * 2**attempt)
-        if not ok:
-            raise MembershipError(
-                f"the DHT refused our entry under {self.key} (expiration {expiration:.3f}, now "
-                f"{self.clock.now():.3f}): no peer answered, a newer entry exists, or the schema check failed"
-            )
-        self._last_expiration = max(self._last_expiration, expiration)
+    async def _store(
+        self, make: Callable[[], tuple[dict[str, Any], float]], what: str, retry_seconds: float
+    ) -> None:
+        """Store `make()`'s (value, expiration) under our sub-key, retried with back-off for `retry_seconds`
+        (real time); `make` is called afresh for each attempt, so a retry never sends an expired entry.
+        MembershipError, naming the key, the attempts and what to check, once the deadline has passed."""
 
-    async def publish(self, record: MemberRecord) -> MemberRecord:
-        """Store `record` (heartbeat set to now) under our sub-key; returns what was stored."""
+        async def attempt(timeout: float) -> bool:
+            value, expiration = make()
+            ok = bool(
+                await dhtcall.call(
+                    self.dht.store, self.key, value, expiration, subkey=self.public_key, timeout=timeout
+                )
+            )
+            if ok:
+                self._last_expiration = max(self._last_expiration, expiration)
+            return ok
+
+        try:
+            await dhtcall.retry(
+                attempt, deadline=time.monotonic() + retry_seconds, key=self.key, what=what, hint=STORE_HINT
+            )
+        except dhtcall.DHTRefusedError as exc:
+            raise MembershipError(str(exc)) from exc
+
+    def _stamp(self, record: MemberRecord) -> MemberRecord:
+        """`record` with heartbeat = now (strictly after anything we stored before) and our proof."""
+        now = self.clock.now()
+        # Heartbeats must be strictly increasing: the DHT keeps the entry with the latest expiration.
+        heartbeat = max(now, self._last_expiration - self.core.ttl + self.REMOVE_MARGIN)
+        proof = self.auth.member_proof(record.peer_id, self.public_key) if self.auth else record.proof
+        return dataclasses.replace(record, heartbeat=float(heartbeat), proof=proof)
+
+    async def publish(self, record: MemberRecord, *, retry_seconds: float | None = None) -> MemberRecord:
+        """Store `record` (heartbeat set to now) under our sub-key; returns what was stored.
+
+        A refused store is retried, re-stamped, for `retry_seconds` (default: the membership's
+        `retry_seconds`; 0: one attempt, as a heartbeat does); MembershipError after that.
+        """
         if record.run_hash != self.core.run_hash:
             raise ValueError(
                 f"publish() got a record of run_hash={record.run_hash[:16]}, this membership is for "
                 f"run_hash={self.core.run_hash[:16]}"
             )
-        now = self.clock.now()
-        # Heartbeats must be strictly increasing: the DHT keeps the entry with the latest expiration.
-        heartbeat = max(now, self._last_expiration - self.core.ttl + self.REMOVE_MARGIN)
-        proof = self.auth.member_proof(record.peer_id, self.public_key) if self.auth else record.proof
-        stamped = dataclasses.replace(record, heartbeat=float(heartbeat), proof=proof)
-        await self._store(stamped.to_wire(), stamped.heartbeat + self.core.ttl)
+        stamped = record
+
+        def make() -> tuple[dict[str, Any], float]:
+            nonlocal stamped
+            stamped = self._stamp(record)
+            return stamped.to_wire(), stamped.heartbeat + self.core.ttl
+
+        seconds = self.retry_seconds if retry_seconds is None else retry_seconds
+        await self._store(make, "our member record", seconds)
         self._record = stamped
         self.core.observe(self.public_key, stamped)
         return stamped
@@ -621,15 +652,13 @@ class DHTMembership:
     async def refresh(self) -> None:
         """Read the whole members dictionary (latest=True merges the sub-keys held by every replica)."""
         try:
-            result = await asyncio.wait_for(
-                self.dht.get(self.key, latest=True, return_future=True), DHT_CALL_TIMEOUT
-            )
+            result = await dhtcall.call(self.dht.get, self.key, latest=True)
         except TimeoutError:
             # Reads are advisory: keep the last view (pruned below) and read again next time.
             logger.warning(
                 "DHT get of %s did not answer within %.0f s; keeping the last view",
                 self.key,
-                DHT_CALL_TIMEOUT,
+                dhtcall.DHT_CALL_TIMEOUT,
             )
         else:
             self.core.observe_all(_unwrap_entries(result, self.key))
@@ -647,8 +676,9 @@ class DHTMembership:
     async def claim_slot(self, peer_id: str, num_slots: int) -> int:
         """Claim a data slot (rule in `Membership`), publish it, and return it once no lower peer id holds it.
 
-        Needs a published record (the claim travels in it). Each attempt waits `claim_settle` seconds so a
-        simultaneous joiner's claim becomes visible; n simultaneous joiners settle in at most n attempts.
+        Needs a published record (the claim travels in it). Each attempt waits `claim_settle` real seconds so
+        a simultaneous joiner's claim becomes visible; n simultaneous joiners settle in at most n attempts. A
+        refused store of the claim is retried like any publish (MembershipError only after `retry_seconds`).
         """
         if self._record is None or self._record.peer_id != peer_id:
             raise MembershipError(
@@ -667,30 +697,39 @@ class DHTMembership:
                 if not any(r.slot == current and r.peer_id != peer_id for r in self.core.live(now)):
                     return current
                 # Only higher peer ids share our slot: they move, we keep it. Look again after they did.
-                await self.clock.sleep(self.claim_settle)
+                await asyncio.sleep(self.claim_settle)  # real time: the DHT's own propagation
                 continue
             slot = self.core.free_slot(peer_id, num_slots, now)
             await self.publish(dataclasses.replace(self._record, slot=slot))
-            await self.clock.sleep(self.claim_settle)
+            await asyncio.sleep(self.claim_settle)  # real time: the DHT's own propagation
         raise MembershipError(f"slot claims of {peer_id} did not settle after {4 * num_slots + 4} attempts")
 
-    async def remove(self) -> None:
+    async def remove(self, *, retry_seconds: float | None = None) -> None:
         """Graceful leave: stop heartbeats and store a tombstone over our record, hiding it at once.
 
         hivemind refuses stores whose expiration is already past and keeps, per sub-key, the entry with the
-        latest expiration, so the tombstone expires one TTL from now and strictly after our last record.
+        latest expiration, so the tombstone expires one TTL from now and strictly after our last record. A
+        refused tombstone is retried for `retry_seconds` (default: the membership's); MembershipError after
+        that (the record then simply expires after its TTL).
         """
         await self.stop_heartbeat()
-        if self._record is None:
+        record = self._record
+        if record is None:
             return
-        now = self.clock.now()
-        departure = Departure(
-            self._record.peer_id,
-            float(max(now, self._record.heartbeat + self.REMOVE_MARGIN)),
-            self._record.proof,
-        )
-        expiration = max(departure.heartbeat + self.core.ttl, self._last_expiration + self.REMOVE_MARGIN)
-        await self._store(departure.to_wire(), expiration)
+        departure = Departure(record.peer_id, record.heartbeat, record.proof)
+
+        def make() -> tuple[dict[str, Any], float]:
+            nonlocal departure
+            departure = Departure(
+                record.peer_id,
+                float(max(self.clock.now(), record.heartbeat + self.REMOVE_MARGIN)),
+                record.proof,
+            )
+            expiration = max(departure.heartbeat + self.core.ttl, self._last_expiration + self.REMOVE_MARGIN)
+            return departure.to_wire(), expiration
+
+        seconds = self.retry_seconds if retry_seconds is None else retry_seconds
+        await self._store(make, "our departure", seconds)
         self.core.observe(self.public_key, departure)
         self._record = None
 
@@ -703,10 +742,7 @@ class DHTMembership:
 
     async def stop_heartbeat(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -714,7 +750,7 @@ class DHTMembership:
             if self._record is None:
                 continue
             try:
-                await self.publish(self._record)
+                await self.publish(self._record, retry_seconds=0)
             except MembershipError as error:
                 # A missed heartbeat is survivable (ttl spans several intervals); the next one retries.
                 logger.warning("membership heartbeat failed: %s", error)

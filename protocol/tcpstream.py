@@ -39,6 +39,7 @@ import msgpack
 import torch
 
 from farloco.protocol.errors import FrameError, Reject, RpcError
+from farloco.protocol.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -249,9 +250,7 @@ class DataServer:
 
     async def stop(self) -> None:
         if self._accepting is not None:
-            self._accepting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accepting
+            await cancel_and_wait(self._accepting)
             self._accepting = None
         if self._listener is not None:
             self._listener.close()
@@ -259,7 +258,8 @@ class DataServer:
         tasks, self._connections = self._connections, set()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # bounded: a connection that ignored cancellation must not hold the node's shutdown
+            await asyncio.wait(tasks, timeout=5.0)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

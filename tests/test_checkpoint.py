@@ -269,11 +269,15 @@ def test_a_real_outer_strategy_state_round_trips(tmp_path: Path, strategy: str, 
 
 
 # ---- the ranks' inner state (torch.distributed.checkpoint), in a one-rank gloo group of this process ----------
-@pytest.fixture
-def one_rank_group(tmp_path: Path):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One gloo group for the module. Module-scoped because of its listening socket: once FSDP2 has run a
+    backward on a group, torch keeps gloo's listener open after destroy_process_group until the process exits,
+    so it belongs to the module, not to the test that happened to use the group first."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:

@@ -317,18 +317,19 @@ def test_a_dht_that_never_answers_ends_matchmaking_with_an_error(
 ) -> None:
     """A hivemind future that never resolves: a read or a store gives MatchmakingError (the agent catches up
     from the others) after DHT_CALL_TIMEOUT real seconds, instead of holding the round forever."""
-    import farloco.protocol.membership as membership_module
+    import concurrent.futures
+
+    import farloco.protocol.dhtcall as dhtcall_module
     from farloco.protocol.matchmaking import DHTMatchmaker, MatchmakingError
 
     (peer,) = dht_swarm(1)
-    monkeypatch.setattr(membership_module, "DHT_CALL_TIMEOUT", 0.3)
+    monkeypatch.setattr(dhtcall_module, "DHT_CALL_TIMEOUT", 0.3)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
         maker = DHTMatchmaker(peer.dht, "mm", peer.membership, poll_interval=0.1)
         await peer.membership.publish(peer.record(7))
         with monkeypatch.context() as patch:
-            patch.setattr(peer.dht, "get", lambda *args, **kwargs: loop.create_future())
+            patch.setattr(peer.dht, "get", lambda *args, **kwargs: concurrent.futures.Future())
             started = time.perf_counter()
             with pytest.raises(MatchmakingError, match="did not answer a read"):
                 await asyncio.wait_for(
@@ -336,7 +337,7 @@ def test_a_dht_that_never_answers_ends_matchmaking_with_an_error(
                 )
             assert time.perf_counter() - started < 3.0
         with monkeypatch.context() as patch:
-            patch.setattr(peer.dht, "store", lambda *args, **kwargs: loop.create_future())
+            patch.setattr(peer.dht, "store", lambda *args, **kwargs: concurrent.futures.Future())
             with pytest.raises(MatchmakingError, match="refused our ready record for round 8"):
                 await asyncio.wait_for(
                     maker.form_group(8, peer.me, match_timeout=5.0, leader_timeout=2.0), 15

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from farloco.protocol.membership import (
     DHTMembership,
     MemberRecord,
     Membership,
+    MembershipError,
     RunMismatchError,
     SlotsExhaustedError,
     config_differences,
@@ -166,7 +168,7 @@ class DhtPeer:
 
 # One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
 # its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
-RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign", "hang")
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign", "hang", "flaky")
 
 
 @pytest.fixture(scope="module")
@@ -292,8 +294,11 @@ def test_simultaneous_joiners_claim_distinct_slots(dht_swarm: Any) -> None:
 
 @pytest.mark.dht
 def test_heartbeat_republishes_on_the_clock_and_stops_on_remove(dht_swarm: Any) -> None:
+    # The fake clock drives the heartbeat schedule; the DHT itself checks expirations against real time, and the
+    # fake clock falls behind it by however long the test takes. A TTL far longer than the test keeps every
+    # record stamped by the fake clock valid on the DHT (with ttl=5 a loaded run saw its tombstone refused).
     clock = FakeClock(get_dht_time())
-    a, b = dht_swarm(2, run_name="beat", ttl=5.0, heartbeat_interval=1.0, clock=clock)
+    a, b = dht_swarm(2, run_name="beat", ttl=120.0, heartbeat_interval=1.0, clock=clock)
 
     async def republished(after: float) -> float:
         for _ in range(
@@ -325,6 +330,9 @@ def test_a_dht_call_that_never_answers_does_not_freeze_the_node(
 ) -> None:
     """A hivemind future that never resolves: a read keeps the last view, a store becomes a MembershipError
     (which the agent survives), both after DHT_CALL_TIMEOUT real seconds instead of never."""
+    import concurrent.futures
+
+    import farloco.protocol.dhtcall as dhtcall_module
     import farloco.protocol.membership as membership_module
 
     a, b = dht_swarm(2, run_name="hang")
@@ -335,13 +343,58 @@ def test_a_dht_call_that_never_answers_does_not_freeze_the_node(
             if [r.peer_id for r in await b.membership.members()] == [a.me.peer_id]:
                 break
             await asyncio.sleep(0.02)
-        monkeypatch.setattr(membership_module, "DHT_CALL_TIMEOUT", 0.3)
-        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(dhtcall_module, "DHT_CALL_TIMEOUT", 0.3)
         # A fresh future per call, as hivemind returns, none of which ever resolves.
-        monkeypatch.setattr(b.membership.dht, "get", lambda *args, **kwargs: loop.create_future())
-        monkeypatch.setattr(a.membership.dht, "store", lambda *args, **kwargs: loop.create_future())
+        monkeypatch.setattr(b.membership.dht, "get", lambda *args, **kwargs: concurrent.futures.Future())
+        monkeypatch.setattr(a.membership.dht, "store", lambda *args, **kwargs: concurrent.futures.Future())
         assert [r.peer_id for r in await asyncio.wait_for(b.membership.members(), 5)] == [a.me.peer_id]
-        with pytest.raises(membership_module.MembershipError, match="refused our entry"):
-            await asyncio.wait_for(a.membership.publish(a.record(0)), 10)
+        with pytest.raises(membership_module.MembershipError, match="refused our member record"):
+            await asyncio.wait_for(a.membership.publish(a.record(0), retry_seconds=1.0), 10)
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_refused_stores_are_retried_at_every_stage_until_the_deadline(dht_swarm: Any) -> None:
+    """A real DHT behind FlakyDHT: the first stores of a record, of a slot claim and of a tombstone are
+    refused and each gets through on a retry; a DHT that keeps refusing past retry_seconds ends in one
+    MembershipError naming the key and the attempts."""
+    from farloco.protocol.faults import FlakyDHT
+
+    a, b = dht_swarm(2, run_name="flaky")
+    flaky = FlakyDHT(a.dht, refuse_stores=3)
+    member = DHTMembership(flaky, "flaky", "h1", CONFIG, public_key=a.membership.public_key, retry_seconds=30)
+
+    async def seen_by_b() -> dict[str, MemberRecord]:
+        for _ in range(200):
+            seen = {r.peer_id: r for r in await b.membership.members()}
+            if a.me.peer_id in seen:
+                return seen
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"b never saw {a.me.peer_id}")
+
+    async def main() -> None:
+        await member.publish(a.record(0))  # join: 3 refusals, then stored
+        assert flaky.refused == 3 and (await seen_by_b())[a.me.peer_id].slot == NO_SLOT
+        flaky.refuse_stores = 2
+        assert await member.claim_slot(a.me.peer_id, 4) == 0  # the slot claim is retried too
+        assert flaky.refused == 5 and (await seen_by_b())[a.me.peer_id].slot == 0
+        flaky.refuse_stores = 2
+        await member.remove()  # leaving: the tombstone is retried
+        assert flaky.refused == 7
+        for _ in range(100):
+            if a.me.peer_id not in {r.peer_id for r in await b.membership.members()}:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the tombstone never hid the record")
+        flaky.refuse_stores = 10**6
+        started = time.monotonic()
+        with pytest.raises(
+            MembershipError, match=r"refused our member record under farloco/flaky/members"
+        ) as err:
+            await member.publish(a.record(1), retry_seconds=1.5)
+        assert 1.0 < time.monotonic() - started < 10.0
+        assert "attempts" in str(err.value) and "initial_peers" in str(err.value)
 
     asyncio.run(main())

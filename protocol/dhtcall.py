@@ -1,0 +1,172 @@
+"""Calling hivemind's DHT from asyncio: every call bounded, cancellable, and retried until a deadline.
+
+hivemind's `DHT.store/get(..., return_future=True)` return an `MPFuture` that a background thread of hivemind's
+resolves when the DHT process answers. Awaiting that future directly, or through `asyncio.wait_for`, is unsafe:
+- The MPFuture remembers the event loop it was made on. If it is resolved while that loop is not running (between
+  two `run_until_complete` calls, as during `asyncio.run`'s clean-up, which is exactly when a timed-out or
+  cancelled call's late answer tends to arrive), hivemind's thread calls `run_until_complete` on *our* loop from
+  its own thread. The loop's callbacks then run in the wrong thread, a wake-up can be lost, and a task waiting on
+  it never runs again: `asyncio.run` then waits for it forever.
+- Cancelling the task that awaits it (a timeout, a shutdown) leaves the MPFuture pending in the DHT process.
+
+`call()` therefore detaches each MPFuture from hivemind's loop machinery at once (it becomes a plain
+`concurrent.futures.Future`, resolved by hivemind's thread), bridges its result into an asyncio future with
+`loop.call_soon_threadsafe` (safe whatever state the loop is in, a no-op once it is closed), bounds the wait, and
+cancels the MPFuture when the wait ends early. A cancelled or timed-out `call()` returns at once.
+
+`retry()` runs an operation that must eventually succeed (a member record, a tombstone) with jittered
+exponential back-off until a deadline, logging what it waits for; only a refusal that outlasts the deadline
+raises, as `DHTRefusedError` naming the key, the attempts and the time spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A guard, in real seconds, on each awaited hivemind call: hivemind's own requests time out sooner (its
+# wait_timeout), but a future that never resolves would otherwise freeze the caller for good.
+DHT_CALL_TIMEOUT = 30.0
+# Each attempt of a retried operation waits at least this long for its answer (hivemind's own per-request
+# timeout, wait_timeout, is 8 s in farloco's DHT nodes), at most DHT_CALL_TIMEOUT.
+MIN_CALL_TIMEOUT = 10.0
+FIRST_DELAY = 0.25
+MAX_DELAY = 4.0
+# A failed attempt is logged at once, then at most every this many seconds while retries go on.
+LOG_EVERY = 10.0
+
+
+class DHTRefusedError(Exception):
+    """A DHT operation kept failing until its deadline; the message names the key, attempts and time spent."""
+
+    def __init__(self, key: str, what: str, attempts: int, seconds: float, hint: str) -> None:
+        super().__init__(
+            f"the DHT refused {what} under {key} for {seconds:.1f} s ({attempts} attempts): {hint}"
+        )
+        self.key = key
+        self.what = what
+        self.attempts = attempts
+        self.seconds = seconds
+
+
+class _AlreadySet:
+    """Stands in for an MPFuture's asyncio.Event: 'already set', so hivemind never wakes a loop for it."""
+
+    def is_set(self) -> bool:
+        return True
+
+    def set(self) -> None:
+        pass
+
+
+def _detach(future: Any) -> None:
+    """Make a hivemind MPFuture a plain concurrent future: it no longer touches any asyncio loop itself.
+
+    MPFuture (hivemind 1.1) keeps an asyncio.Event to wake `await future`, and its state setter, in hivemind's
+    thread, wakes the loop only while that event is not set. One attribute store replaces it with one that
+    is always set, so whichever event the thread reads, it never runs our loop (the old one can only be read
+    while the loop is still running this very call). We never `await` the MPFuture itself.
+    """
+    if hasattr(future, "_aio_event"):
+        future._aio_event = _AlreadySet()
+
+
+async def await_future(future: concurrent.futures.Future[T], timeout: float) -> T:
+    """Wait at most `timeout` seconds for a future resolved by another thread; TimeoutError after that.
+
+    The wait is cancellable at any point, and an unfinished `future` is cancelled when the wait ends early.
+    """
+    _detach(future)
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def settle(source: concurrent.futures.Future[T]) -> None:
+        if waiter.done():
+            return
+        if source.cancelled():
+            waiter.cancel()
+        elif source.exception() is not None:
+            waiter.set_exception(source.exception())  # type: ignore[arg-type]
+        else:
+            waiter.set_result(source.result())
+
+    def resolved(source: concurrent.futures.Future[T]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this answer any more
+            loop.call_soon_threadsafe(settle, source)
+
+    future.add_done_callback(resolved)
+    try:
+        return await asyncio.wait_for(waiter, timeout)
+    finally:
+        if not future.done():
+            future.cancel()
+
+
+async def call(method: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    """`method(*args, **kwargs, return_future=True)` (a hivemind DHT call), awaited for at most `timeout`
+    seconds (default DHT_CALL_TIMEOUT); TimeoutError after that."""
+    future = method(*args, **kwargs, return_future=True)
+    return await await_future(future, DHT_CALL_TIMEOUT if timeout is None else timeout)
+
+
+async def retry(
+    attempt: Callable[[float], Awaitable[bool]],
+    *,
+    deadline: float,
+    key: str,
+    what: str,
+    hint: str,
+) -> int:
+    """Run `attempt(call_timeout)` until it returns True; back off between tries; give up at `deadline`.
+
+    `deadline` is a `time.monotonic()` value; at least one attempt is made even if it has passed. Each attempt
+    gets `call_timeout`: the time left, at least MIN_CALL_TIMEOUT and at most DHT_CALL_TIMEOUT. Returns the
+    number of attempts; raises DHTRefusedError after the deadline. A TimeoutError from an attempt counts as a
+    refusal.
+    """
+    started = time.monotonic()
+    attempts = 0
+    delay = FIRST_DELAY
+    last_log = -float("inf")
+    while True:
+        attempts += 1
+        left = deadline - time.monotonic()
+        try:
+            ok = await attempt(min(DHT_CALL_TIMEOUT, max(MIN_CALL_TIMEOUT, left)))
+        except TimeoutError:
+            ok = False
+        if ok:
+            if attempts > 1:
+                logger.info(
+                    "the DHT took %s under %s after %d attempts (%.1f s)",
+                    what,
+                    key,
+                    attempts,
+                    time.monotonic() - started,
+                )
+            return attempts
+        now = time.monotonic()
+        if now >= deadline:
+            raise DHTRefusedError(key, what, attempts, now - started, hint)
+        if now - last_log >= LOG_EVERY:
+            last_log = now
+            logger.warning(
+                "the DHT refused %s under %s (attempt %d); retrying for up to %.0f s more",
+                what,
+                key,
+                attempts,
+                deadline - now,
+            )
+        # The last try comes at the deadline itself.
+        await asyncio.sleep(min(delay * random.uniform(0.8, 1.2), deadline - now))
+        delay = min(2 * delay, MAX_DELAY)
