@@ -42,7 +42,16 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+from farloco.protocol.rpc import (
+    CallContext,
+    Frame,
+    Reject,
+    RpcClient,
+    RpcError,
+    RpcServer,
+    encode_frame_header,
+)
+from farloco.protocol.tasks import cancel_and_wait
 from farloco.protocol.types import Group, GroupMember, group_id_of
 
 __all__ = ["AverageResult", "Exchange", "ExchangeAborted", "TensorCodec"]
@@ -106,18 +115,30 @@ class AverageResult:
     # the (flattened) input tensor itself, not a copy.
     transmitted: torch.Tensor
     contributors: tuple[str, ...]  # peer ids whose contribution is in the mean (sorted)
+    # Bytes of farloco frames (headers and payloads) this member sent and received over every attempt,
+    # failed ones included; the transport's own framing (HTTP/2, TCP/IP, a data-plane preamble) is not counted.
     bytes_sent: int
     bytes_received: int
     seconds: float
+    # What a dense fp32 all-reduce of the same work would have sent from this member: 4 bytes per value sent
+    # (dense codecs: the chunks pushed and the means returned; sparse codecs: the ring all-reduce's
+    # 2(k-1)/k * 4 bytes per value of each attempt, pro rata of the payload sent). Raw fp32 sends 4 bytes per
+    # value plus frame headers, so bytes_sent >= fp32_bytes for it: its compression ratio never exceeds 1.
+    fp32_bytes: int = 0
 
 
 class ExchangeAborted(Exception):
-    """The round cannot produce a mean that is consistent across the survivors."""
+    """The round cannot produce a mean that is consistent across the survivors.
+
+    Carries the bytes the failed attempts moved anyway (same meaning as AverageResult's fields)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"exchange aborted, reason={reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.fp32_bytes = 0
 
 
 def _invalid(reason: str, detail: str) -> Reject:
@@ -211,6 +232,7 @@ class _Attempt:
     data_deadline: float = math.inf
     bytes_sent: int = 0
     bytes_received: int = 0
+    fp32_sent: float = 0.0  # see AverageResult.fp32_bytes
 
     @property
     def member_ids(self) -> list[str]:
@@ -356,6 +378,7 @@ class Exchange:
         flat = tensor.detach().reshape(-1).contiguous()
         members = group.members
         bytes_sent = bytes_received = 0
+        fp32_sent = 0.0
         attempt_no = 0
         while True:
             key = (
@@ -382,6 +405,7 @@ class Exchange:
                 self._retire(attempt)
             bytes_sent += attempt.bytes_sent
             bytes_received += attempt.bytes_received
+            fp32_sent += attempt.fp32_sent
             if attempt.local_error is not None:
                 raise attempt.local_error
             alive = [m for m in members if m.peer_id in votes]
@@ -393,6 +417,7 @@ class Exchange:
                     bytes_sent=bytes_sent,
                     bytes_received=bytes_received,
                     seconds=loop.time() - started_at,
+                    fp32_bytes=round(fp32_sent),
                 )
             excluded = _excluded(alive, votes)
             survivors = tuple(m for m in alive if m.peer_id not in excluded)
@@ -401,12 +426,19 @@ class Exchange:
                 f"({attempt.failure or 'a peer failed'}); answered: {[m.peer_id for m in alive]}, "
                 f"excluded: {sorted(excluded)}"
             )
+            aborted: ExchangeAborted | None = None
             if self.peer_id in excluded:
-                raise ExchangeAborted("EXCLUDED", detail)
-            if len(survivors) == len(members):
-                raise ExchangeAborted("NO_PROGRESS", detail + "; nobody to drop, so a retry would fail alike")
-            if loop.time() >= deadline:
-                raise ExchangeAborted("DEADLINE", detail + f"; no time left of {timeout}s")
+                aborted = ExchangeAborted("EXCLUDED", detail)
+            elif len(survivors) == len(members):
+                aborted = ExchangeAborted(
+                    "NO_PROGRESS", detail + "; nobody to drop, so a retry would fail alike"
+                )
+            elif loop.time() >= deadline:
+                aborted = ExchangeAborted("DEADLINE", detail + f"; no time left of {timeout}s")
+            if aborted is not None:
+                aborted.bytes_sent, aborted.bytes_received = bytes_sent, bytes_received
+                aborted.fp32_bytes = round(fp32_sent)
+                raise aborted
             log.warning("%s; retrying among %s", detail, [m.peer_id for m in survivors])
             members = survivors
             attempt_no += 1
@@ -481,17 +513,23 @@ class Exchange:
             if j != attempt.me
         }
         try:
-            await asyncio.wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            attempt.fail("DEADLINE: data phase did not complete in time", evidence=False)
-        if not attempt.ok:
-            # The vote goes out after what the others are still sending was checked (EVIDENCE_GRACE_SECONDS).
-            # Our own pushes go on meanwhile, so every owner sees our data and can vouch for it or name us.
-            await attempt.gather_evidence(pushes=pushes)
+            try:
+                await asyncio.wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                attempt.fail("DEADLINE: data phase did not complete in time", evidence=False)
+            if not attempt.ok:
+                # The vote goes out after what the others are still sending was checked (EVIDENCE_GRACE_SECONDS).
+                # Our own pushes go on meanwhile, so every owner sees our data and can vouch for it or name us.
+                await attempt.gather_evidence(pushes=pushes)
+                for task in pushes.values():
+                    task.cancel()
+            # A push finishing late cannot change the outcome; its errors were already recorded in `attempt`.
+            await asyncio.gather(*pushes.values(), return_exceptions=True)
+        finally:
+            # Cancelled ourselves (leave --now, a shutdown): no push may outlive the exchange.
             for task in pushes.values():
-                task.cancel()
-        # A push finishing late cannot change the outcome; its errors were already recorded in `attempt`.
-        await asyncio.gather(*pushes.values(), return_exceptions=True)
+                if not task.done():
+                    await cancel_and_wait(task)
 
     def _local_failure(self, attempt: _Attempt, exc: Exception) -> None:
         # Our own tensor cannot be encoded (e.g. NaN): exclude ourselves so the others go on without us,
@@ -543,6 +581,7 @@ class Exchange:
         chunks = attempt.plan.chunks(j)
 
         async def dense_frames() -> AsyncIterator[Frame]:
+            attempt.bytes_sent += _wire_size(hello)
             yield hello
             for k, (a, b) in enumerate(chunks):
                 if attempt.raw:
@@ -553,9 +592,10 @@ class Exchange:
                         self._local_failure(attempt, error)
                         return
                     # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
-                    view = _raw_bytes(attempt.flat[a:b])
-                    attempt.bytes_sent += len(view)
-                    yield Frame({"k": k}, view)
+                    frame = Frame({"k": k}, _raw_bytes(attempt.flat[a:b]))
+                    attempt.bytes_sent += _wire_size(frame)
+                    attempt.fp32_sent += 4 * (b - a)
+                    yield frame
                     continue
                 try:
                     if attempt.lossless:
@@ -567,17 +607,26 @@ class Exchange:
                 except Exception as exc:
                     self._local_failure(attempt, exc)
                     return
-                attempt.bytes_sent += len(data)
-                yield Frame({"k": k}, data)
+                frame = Frame({"k": k}, data)
+                attempt.bytes_sent += _wire_size(frame)
+                attempt.fp32_sent += 4 * (b - a)
+                yield frame
 
         async def sparse_frames() -> AsyncIterator[Frame]:
             payload = memoryview(attempt.payload)
-            yield Frame({**hello.header, "len": len(payload)})
+            first = Frame({**hello.header, "len": len(payload)})
+            attempt.bytes_sent += _wire_size(first)
+            yield first
             step = self.chunk_elems * 4
+            # The dense equivalent of one attempt is a ring all-reduce, 2(k-1)/k * 4 bytes per value, spread over
+            # the k-1 copies of our payload we send.
+            members = len(attempt.members)
+            dense_per_byte = 8 * attempt.plan.numel / (members * max(1, len(payload)))
             for offset in range(0, len(payload), step):
-                piece = payload[offset : offset + step]
-                attempt.bytes_sent += len(piece)
-                yield Frame({"o": offset}, piece)
+                frame = Frame({"o": offset}, payload[offset : offset + step])
+                attempt.bytes_sent += _wire_size(frame)
+                attempt.fp32_sent += len(frame.payload) * dense_per_byte
+                yield frame
 
         received = 0
 
@@ -602,6 +651,7 @@ class Exchange:
             )
             async for frame in answers:
                 if not attempt.dense:
+                    attempt.bytes_received += _wire_size(frame)
                     if frame.header.get("done") is not True:
                         raise _invalid("BAD_HEADER", f"expected a done frame from {member.peer_id}")
                     received = 1
@@ -616,7 +666,7 @@ class Exchange:
                     raise _invalid(
                         "SIZE_MISMATCH", f"mean chunk of {len(frame.payload)} bytes for {b - a} elements"
                     )
-                attempt.bytes_received += len(frame.payload)
+                attempt.bytes_received += _wire_size(frame)
                 what = f"mean of part {j} chunk {received}"
                 if attempt.raw:
                     target = attempt.result[a:b]
@@ -803,6 +853,8 @@ class Exchange:
             raise
         attempt.streams_from.add(sender)
         attempt.weights[sender] = weight
+        if attempt.dense:  # a sparse hello is counted with its payload (_receive_sparse)
+            attempt.bytes_received += _wire_size(hello)
         outbox = attempt.outboxes[sender]
         receive = self._receive_dense if attempt.dense else self._receive_sparse
         consumer = asyncio.create_task(receive(attempt, sender, hello, incoming))
@@ -818,6 +870,10 @@ class Exchange:
                         await attempt.gather_evidence(consumer)
                         item = _specific_rejection(outbox) or item
                     raise item
+                attempt.bytes_sent += _wire_size(item)
+                if attempt.dense:
+                    a, b = attempt.plan.chunks(attempt.me)[item.header["k"]]
+                    attempt.fp32_sent += 4 * (b - a)
                 yield item
             # Every answer went out, so every chunk from this sender was already taken in.
             await consumer
@@ -847,7 +903,7 @@ class Exchange:
                         "SIZE_MISMATCH",
                         f"{peer}: chunk {k} of {b - a} elements came as {len(frame.payload)} bytes",
                     )
-                attempt.bytes_received += len(frame.payload)
+                attempt.bytes_received += _wire_size(frame)
                 what = f"chunk {k} from {peer}"
                 if attempt.raw:
                     # A view of the received message, summed from in place. Checked on arrival (one pass over a
@@ -922,9 +978,9 @@ class Exchange:
         self._send_mean(attempt, Frame({"k": k}, mean))
 
     def _send_mean(self, attempt: _Attempt, frame: Frame) -> None:
+        # Counted as sent when the member's stream takes it (_on_push), not when queued.
         for outbox in attempt.outboxes.values():
             outbox.put_nowait(frame)
-            attempt.bytes_sent += len(frame.payload)
         attempt.chunks_reduced += 1
         if attempt.chunks_reduced == len(attempt.plan.chunks(attempt.me)):
             attempt.part_done()
@@ -950,6 +1006,7 @@ class Exchange:
                     "SIZE_MISMATCH",
                     f"{peer}: expected a payload of 0..{self.max_payload_bytes} bytes, got {total!r}",
                 )
+            attempt.bytes_received += _wire_size(hello)
             buffer = bytearray(total)
             filled = 0
             while filled < total:
@@ -966,7 +1023,7 @@ class Exchange:
                     )
                 buffer[filled : filled + size] = frame.payload
                 filled += size
-            attempt.bytes_received += total
+                attempt.bytes_received += _wire_size(frame)
             attempt.decoded[sender] = _decode(
                 attempt.codec, memoryview(buffer), attempt.plan.numel, f"payload of {peer}", attempt.fast
             )
@@ -1059,6 +1116,11 @@ def _encode_decoded(
         out.copy_(decoded)
         return data, out
     return data, decoded
+
+
+def _wire_size(frame: Frame) -> int:
+    """Bytes `frame` takes on the wire: length prefix, msgpack header, payload."""
+    return len(encode_frame_header(frame)) + len(frame.payload)
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

@@ -262,9 +262,12 @@ def test_raw_path_with_optim_fp32_is_exact_and_never_calls_the_codec(
             # The owner's arithmetic, spelled out: sum in member order, then divide by the weight total.
             exact = (inputs[0] * 1.0 + inputs[1] * 2.0 + inputs[2] * 0.5) / 3.5
             assert float((results[0].averaged - exact).abs().max()) <= 1e-6
-            sizes = [r.bytes_sent for r in results]
-            # Raw chunks: no codec header or CRC, exactly 4 bytes per value sent (contributions + means).
-            assert sum(sizes) == 2 * 2 * 4 * 70_001
+            # Raw chunks: no codec header or CRC, exactly 4 bytes per value sent (contributions + means), plus
+            # each frame's small msgpack header: the fp32 baseline is exact and the ratio just under 1.
+            assert sum(r.fp32_bytes for r in results) == 2 * 2 * 4 * 70_001
+            for r in results:
+                assert r.fp32_bytes < r.bytes_sent < 1.001 * r.fp32_bytes
+                assert r.fp32_bytes < r.bytes_received < 1.001 * r.fp32_bytes
         finally:
             for node in nodes:
                 await node.stop()
@@ -741,6 +744,12 @@ def test_sigkill_member_mid_exchange(codec: str, die_at: int, tmp_path: Path) ->
     procs, reports = run_workers(3, numel, codec, tmp_path, die={1: die_at})
     assert procs[1].returncode == -signal.SIGKILL
     survivors = [reports[0], reports[2]]
+    # Whatever happened, the bytes of the failed attempt are counted and never beat their fp32 equivalent
+    # for fp32 (a member dropped mid-round once made the ratio 8/7).
+    for report in survivors:
+        assert report["bytes_sent"] > 0, report
+        if codec == "fp32":
+            assert report["fp32_bytes"] <= report["bytes_sent"], report
     if all(r.get("ok") for r in survivors):
         assert survivors[0]["contributors"] == survivors[1]["contributors"]
         assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
@@ -790,6 +799,11 @@ def test_parent_sigkill_mid_exchange_keeps_survivors_consistent(tmp_path: Path) 
     assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
     exact = (make_input(0, numel) + make_input(2, numel)) / 2
     assert torch.allclose(load_result(tmp_path, 0), exact, atol=1e-6)
+    for report in reports:
+        # Two attempts: the re-run among the two survivors alone sends 2 * 1/2 * 4 bytes per value (its part
+        # out, the mean of its part back); the failed attempt of three came on top, and fp32 never beats itself.
+        assert report["fp32_bytes"] > 4 * numel, report
+        assert report["fp32_bytes"] <= report["bytes_sent"] < 1.001 * report["fp32_bytes"], report
 
 
 @pytest.mark.slow
@@ -847,12 +861,23 @@ async def worker(
         timeout = float(os.environ.get("EXCHANGE_TEST_TIMEOUT", "40"))
         result = await node.exchange.average(group, make_input(index, numel), codec, timeout=timeout)
     except ExchangeAborted as exc:
-        return {"aborted": exc.reason, "detail": exc.detail}
+        return {
+            "aborted": exc.reason,
+            "detail": exc.detail,
+            "bytes_sent": exc.bytes_sent,
+            "fp32_bytes": exc.fp32_bytes,
+        }
     finally:
         await asyncio.sleep(0.5)  # keep serving a moment: peers may still be fetching our part's mean
         await node.stop()
     (out_dir / f"averaged-{index}.f32").write_bytes(result.averaged.numpy().astype("<f4").tobytes())
-    return {"ok": True, "contributors": list(result.contributors), "seconds": result.seconds}
+    return {
+        "ok": True,
+        "contributors": list(result.contributors),
+        "seconds": result.seconds,
+        "bytes_sent": result.bytes_sent,
+        "fp32_bytes": result.fp32_bytes,
+    }
 
 
 if __name__ == "__main__":
@@ -860,3 +885,52 @@ if __name__ == "__main__":
     name, idx, size, codec_arg, die, out = sys.argv[1:7]
     report = asyncio.run(worker(name, int(idx), int(size), codec_arg, int(die), Path(out)))
     print(json.dumps(report), flush=True)
+
+
+def test_byte_accounting_per_path() -> None:
+    """bytes_sent / fp32_bytes on each path: dense lossless and lossy, sparse, a group of one, an abort."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            numel = 50_001
+            inputs = [make_input(i, numel) for i in range(3)]
+            for name, low, high in (("raw", 0.995, 1.0), ("fp32", 0.99, 1.0), ("int8", 3.5, 4.0)):
+                results = await asyncio.gather(
+                    *(
+                        n.exchange.average(group, inputs[i], CODECS[name](), timeout=30)
+                        for i, n in enumerate(nodes)
+                    )
+                )
+                for r in results:
+                    # Dense, 3 members: 2/3 of the values out as contributions, 2/3 back out as means.
+                    assert r.fp32_bytes == pytest.approx(2 * 2 / 3 * 4 * numel, rel=1e-3), name
+                    assert low <= r.fp32_bytes / r.bytes_sent <= high, (name, r.fp32_bytes, r.bytes_sent)
+            sparse = await asyncio.gather(
+                *(
+                    n.exchange.average(group, inputs[i], TopKCodec(0.01), timeout=30)
+                    for i, n in enumerate(nodes)
+                )
+            )
+            for r in sparse:
+                # A ring all-reduce's worth for the dense baseline; 1% top-k at 12 bytes per entry sent twice.
+                assert r.fp32_bytes == pytest.approx(2 * 2 / 3 * 4 * numel, rel=1e-3)
+                assert 2 * 12 * 500 < r.bytes_sent < 2 * 12 * 500 + 4096
+            alone = Group.make(11, [group.members[0]])
+            lone = await nodes[0].exchange.average(alone, inputs[0], CODECS["raw"](), timeout=30)
+            assert (lone.bytes_sent, lone.bytes_received, lone.fp32_bytes) == (0, 0, 0)
+            pair = Group.make(12, list(group.members[:2]))
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(pair, inputs[0], CODECS["raw"](), timeout=30),
+                nodes[1].exchange.average(pair, inputs[1][:1000], CODECS["raw"](), timeout=30),
+                return_exceptions=True,
+            )
+            for outcome in outcomes:
+                assert isinstance(outcome, ExchangeAborted), outcome
+                assert outcome.bytes_sent >= outcome.fp32_bytes >= 0
+                assert outcome.bytes_sent > 0  # its hello, at least, crossed the wire
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
