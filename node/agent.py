@@ -41,6 +41,9 @@ from farloco.node.dhtnode import make_dht
 from farloco.node.handoff import Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
+from farloco.protocol.faults import FlakyDHT, parse_dht_faults
+from farloco.protocol.tasks import cancel_and_wait
+from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
 
 log = logging.getLogger("farloco.agent")
@@ -173,6 +176,7 @@ class Agent:
         self.eval_loss = math.nan
         self.train_loss = math.nan
         self.leave_mode: str | None = None
+        self._leave_requested_at: float | None = None  # monotonic time of the first non-drain leave request
         self.error: str | None = None
         self.peer_id = ""
         self.multiaddrs: list[str] = []
@@ -212,6 +216,7 @@ class Agent:
         self.sync_progress: SyncProgress | None = None  # while a state sync runs
         self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
         self._inner_load_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
 
     # ---- public, thread-safe views ----------------------------------------------------------------------------
     def status_dict(self) -> dict[str, Any]:
@@ -276,6 +281,9 @@ class Agent:
         """Thread-safe: ask the node to leave ('graceful', 'drain' or 'now')."""
         if self.leave_mode is None or mode == "now":
             self.leave_mode = mode
+        if mode != "drain" and self._leave_requested_at is None:
+            # A drain finishes its round first; every other leave is bounded by timeouts.leave_timeout from here.
+            self._leave_requested_at = time.monotonic()
         if self._loop is not None and self._leave_event is not None:
             self._loop.call_soon_threadsafe(self._leave_event.set)
 
@@ -366,7 +374,8 @@ class Agent:
         # every later collection (full collections walking them cost ~5% of a 64 MiB exchange's CPU).
         gc.freeze()
         try:
-            asyncio.run(self._main())
+            # asyncio.run would wait without bound for a task that ignores cancellation; leaving is bounded.
+            run_bounded(self._main(), cleanup_timeout=3.0)
         except AgentError as exc:
             self.error = str(exc)
             self.status = Status.FAILED
@@ -402,6 +411,10 @@ class Agent:
             identity_path=str(identity),
             start=True,
         )
+        faults = parse_dht_faults(os.environ.get("FARLOCO_FAULTS", ""))
+        if faults:  # test and chaos hook: a real DHT that refuses or stops answering some calls
+            log.warning("fault injected: the DHT misbehaves on purpose (%s)", faults)
+            self.dht = FlakyDHT(self.dht, **faults)
         try:
             await self._serve(DHTMembership)
         finally:
@@ -444,6 +457,7 @@ class Agent:
             ttl=self.config.timeouts.member_ttl,
             heartbeat_interval=self.config.timeouts.heartbeat_interval,
             auth=auth,  # binds our peer id to our DHT key; records of keys without the run secret are ignored
+            retry_seconds=self.config.timeouts.dht_retry,
         )
         self.matchmaker = DHTMatchmaker(self.dht, run.name, self.membership)
         self.control = ControlServer(
@@ -469,34 +483,97 @@ class Agent:
         print(f"farloco node {self.peer_id} listening", flush=True)
         for maddr in self.multiaddrs:
             print(f"multiaddr {maddr}", flush=True)
-        heartbeat: asyncio.Task[None] | None = None
+        work = asyncio.create_task(self._work(), name="farloco-node")
         try:
-            await self._join()
-            heartbeat = asyncio.create_task(self._heartbeat_loop())
-            self._start_trainers()
-            self._request_inner_load()
-            await self._round_loop()
+            await self._until_left(work)
             self.status = Status.STOPPED
         finally:
-            self.status = Status.LEAVING if self.status is not Status.FAILED else self.status
-            if heartbeat is not None:
-                heartbeat.cancel()
-            if self._inner_load_task is not None:
-                self._inner_load_task.cancel()
-            with contextlib.suppress(Exception):
-                await self.membership.remove()
-            self._stop_trainers()
-            await self.client.close()
-            await self.server.stop(grace=1.0)
-            self.control.stop()
-            if self._checkpoint_task is not None:
-                with contextlib.suppress(Exception):
-                    await self._checkpoint_task
-            if self.status is not Status.FAILED:
-                self.status = Status.STOPPED
-            self.events.write("stopped", round_id=self.round_id, error=self.error)
-            if getattr(self, "handoff", None) is not None:
-                self.handoff.close()
+            await self._shut_down()
+
+    async def _work(self) -> None:
+        """What the node does until it leaves: join, start the ranks, run rounds."""
+        await self._join()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="farloco-heartbeat")
+        self._start_trainers()
+        self._request_inner_load()
+        await self._round_loop()
+
+    def _leave_grace(self) -> float:
+        """Seconds, from the leave request, that the node's own work may take to wind down by itself."""
+        if self.leave_mode == "now":
+            return 2.0  # the round loop abandons its exchange itself and writes what it withdrew from
+        if self.status in (Status.STARTING, Status.SYNCING):
+            return 0.0  # joining or fetching state: nothing to finish
+        return self.config.timeouts.leave_timeout / 2  # finish the round in flight if it ends in time
+
+    async def _until_left(self, work: asyncio.Task[None]) -> None:
+        """Wait for `work` to end. Once a leave (not a drain) is asked for, it gets `_leave_grace()` seconds
+        to end by itself, then it is cancelled, so leaving takes at most timeouts.leave_timeout."""
+        assert self._leave_event is not None
+        while not work.done():
+            waiter = asyncio.ensure_future(self._leave_event.wait())
+            try:
+                await asyncio.wait({work, waiter}, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_and_wait(waiter)
+            if work.done() or self._leave_requested_at is None:
+                continue
+            if time.monotonic() - self._leave_requested_at >= self._leave_grace():
+                log.warning(
+                    "leaving now: %s did not wind down within %.1f s of the leave request",
+                    self.status.value,
+                    self._leave_grace(),
+                )
+                self.events.write("withdrew", round_id=self.round_id, state=self.status.value, bounded=True)
+                await cancel_and_wait(work, timeout=3.0)
+                return
+        work.result()  # the node's own error, if it failed
+
+    async def _shut_down(self) -> None:
+        """Deregister, stop the ranks and the servers; each step bounded, all within timeouts.leave_timeout of
+        the leave request (or of now, when the node stops for another reason)."""
+        from farloco.protocol.membership import MembershipError
+
+        timeouts = self.config.timeouts
+        start = self._leave_requested_at if self._leave_requested_at is not None else time.monotonic()
+        # What is left after this method: stopping the DHT process (hivemind allows it 3 s) and the exit.
+        reserve = min(4.0, timeouts.leave_timeout / 4)
+        end = max(start + timeouts.leave_timeout - reserve, time.monotonic() + 3.0)
+
+        def left(share: float = 1.0) -> float:
+            return max(0.2, (end - time.monotonic()) * share)
+
+        self.status = Status.LEAVING if self.status is not Status.FAILED else self.status
+        await cancel_and_wait(self._heartbeat_task, timeout=1.0)
+        await cancel_and_wait(self._inner_load_task, timeout=1.0)
+        try:
+            bound = left(0.4)
+            await asyncio.wait_for(
+                self.membership.remove(retry_seconds=min(timeouts.dht_retry, bound)), bound
+            )
+        except (MembershipError, TimeoutError) as exc:
+            log.warning(
+                "could not store our departure on the DHT (%s); the others drop us once our record expires "
+                "(member_ttl=%.0f s)",
+                exc,
+                timeouts.member_ttl,
+            )
+        self._stop_trainers(timeout=left(0.5))
+        await self.client.close()
+        await self.server.stop(grace=min(1.0, left()))
+        self.control.stop()
+        if self._checkpoint_task is not None:
+            # A checkpoint still being written gets what is left; an unfinished one stays a .tmp- directory,
+            # which is never loaded.
+            done, _ = await asyncio.wait({self._checkpoint_task}, timeout=left())
+            if not done:
+                log.warning("the checkpoint in progress did not finish before leaving; it is discarded")
+                await cancel_and_wait(self._checkpoint_task, timeout=1.0)
+        if self.status is not Status.FAILED:
+            self.status = Status.STOPPED
+        self.events.write("stopped", round_id=self.round_id, error=self.error)
+        if getattr(self, "handoff", None) is not None:
+            self.handoff.close()
 
     def _secret(self) -> bytes:
         path = self.config.auth.secret_file
@@ -705,36 +782,17 @@ class Agent:
             version=_version(),
         )
 
-    async def _publish(self) -> None:
-        """Publish our member record now. Serialised: the DHT keeps only the entry with the latest expiration,
-        so two overlapping stores of ours would refuse one another."""
+    async def _publish(self, retry_seconds: float = 0.0) -> None:
+        """Publish our member record now (one try by default: the next heartbeat is the retry). Serialised:
+        the DHT keeps only the entry with the latest expiration, so two overlapping stores of ours would refuse
+        one another."""
         from farloco.protocol.membership import MembershipError
 
         async with self._publish_lock:
             try:
-                await self.membership.publish(self._record())
+                await self.membership.publish(self._record(), retry_seconds=retry_seconds)
             except MembershipError as exc:  # survivable: the record lives for several heartbeats
                 log.warning("publishing our member record failed: %s", exc)
-
-    async def _publish_first(self, attempts: int = 6) -> None:
-        """Our first record must get out (the slot claim and every later lookup need it). On a loaded machine
-        a DHT store is sometimes refused after its own retries: try again with backoff before giving up."""
-        from farloco.protocol.membership import MembershipError
-
-        delay = 0.5
-        for attempt in range(1, attempts + 1):
-            async with self._publish_lock:
-                try:
-                    await self.membership.publish(self._record())
-                    return
-                except MembershipError as exc:
-                    if attempt == attempts:
-                        raise AgentError(
-                            f"could not publish our member record on the DHT after {attempts} attempts: {exc}"
-                        ) from exc
-                    log.warning("publishing our first member record failed (attempt %d): %s", attempt, exc)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 4.0)
 
     async def _refresh_peers(self) -> list[Any]:
         members = await self.membership.members()
@@ -768,6 +826,8 @@ class Agent:
 
     async def _join(self) -> None:
         """Refuse a mismatched run, claim a data slot, and fetch the swarm's state if it is already training."""
+        from farloco.protocol.membership import MembershipError
+
         self.status = Status.SYNCING
         members = await self._refresh_peers()
         mismatched = self.membership.mismatched()
@@ -779,8 +839,14 @@ class Agent:
                 f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): "
                 + "; ".join(differences)
             )
-        await self._publish_first()  # the slot claim travels in our record
-        self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
+        try:
+            # Our first record must get out (the slot claim and every later lookup need it): a refused store is
+            # retried for timeouts.dht_retry, and only then does the node give up, saying what to check.
+            async with self._publish_lock:
+                await self.membership.publish(self._record())
+                self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
+        except MembershipError as exc:
+            raise AgentError(f"joining: {exc}") from exc
         others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0]
         if others:
             # The swarm is mid-round: enter at its next round boundary with the state committed there,
@@ -865,18 +931,19 @@ class Agent:
             if self._loop is not None and self._leave_event is not None:
                 self._loop.call_soon_threadsafe(self._leave_event.set)
 
-    def _stop_trainers(self) -> None:
+    def _stop_trainers(self, timeout: float = 30.0) -> None:
+        """Tell the ranks to stop and wait up to `timeout` seconds for them (a rank stuck in a collective or in
+        a long step is then SIGKILLed, and the launcher, with STOP set, restarts none)."""
         if getattr(self, "handoff", None) is None or self._trainer_thread is None:
             return
         self.handoff.stop()
-        if not self._trainers_exited.wait(timeout=30):
-            # A rank stuck in a collective: terminate the ranks; with STOP set, restarted ranks exit at once.
+        if not self._trainers_exited.wait(timeout=max(0.1, timeout - 2.0)):
             for rank in range(self.handoff.world_size):
                 pid = self.handoff.report(rank).pid
                 if pid:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-            self._trainers_exited.wait(timeout=30)
+            self._trainers_exited.wait(timeout=2.0)
 
     def _trainer_failure(self) -> str | None:
         if self._trainers_exited.is_set() and self.handoff.command == 0:
@@ -947,14 +1014,16 @@ class Agent:
     async def _unless_leaving_now(self, work: Coroutine[Any, Any, bool]) -> bool | None:
         """Run one round's exchange; `leave --now` abandons it (None): the others drop us from the exchange."""
         task = asyncio.ensure_future(work)
-        while not task.done():
-            if self.leave_mode == "now":
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
-            await asyncio.wait({task}, timeout=0.05)
-        return task.result()
+        try:
+            while not task.done():
+                if self.leave_mode == "now":
+                    await cancel_and_wait(task)
+                    return None
+                await asyncio.wait({task}, timeout=0.05)
+            return task.result()
+        finally:
+            if not task.done():  # we were cancelled ourselves (a bounded leave): the round goes with us
+                await cancel_and_wait(task)
 
     async def _round(self, seq: int) -> bool:
         """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
@@ -1015,7 +1084,7 @@ class Agent:
         try:
             if len(group.members) == 1:
                 transmitted = self.codec.decode(self.codec.encode(contribution))
-                averaged, sent, received = transmitted, 0, 0
+                averaged, sent, received, fp32_bytes = transmitted, 0, 0, 0
                 contributors: tuple[str, ...] = (self.peer_id,)
             else:
                 # One mean buffer reused across rounds (only `apply` reads it): fresh 4-byte-per-parameter pages
@@ -1034,13 +1103,14 @@ class Agent:
                 )
                 transmitted, averaged = result.transmitted, result.averaged
                 contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received
+                fp32_bytes = result.fp32_bytes
         except ExchangeAborted as exc:
+            # What crossed the wire before the abort counts too (and its fp32 equivalent).
+            self._count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
             return self._abort(f"exchange aborted: {exc}", len(group.members))
-        self.counters.bytes_sent += sent
-        self.counters.bytes_received += received
-        # compression_ratio's baseline: a dense fp32 all-reduce of the same tensor (a fragment, for streaming).
-        fp32_bytes = ddp_bytes_per_round(contribution.numel(), 1, len(group.members))
-        self.counters.raw_bytes += fp32_bytes
+        # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every attempt:
+        # a dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
+        self._count_bytes(sent, received, fp32_bytes)
         if len(contributors) < run.min_peers:
             return self._abort(
                 f"{len(contributors)} contributors < run.min_peers={run.min_peers}", len(contributors)
@@ -1084,6 +1154,11 @@ class Agent:
         )
         await self._publish()
         return True
+
+    def _count_bytes(self, sent: int, received: int, fp32_bytes: int) -> None:
+        self.counters.bytes_sent += sent
+        self.counters.bytes_received += received
+        self.counters.raw_bytes += fp32_bytes
 
     def _abort(self, reason: str, num_peers: int) -> bool:
         self.counters.rounds_aborted += 1

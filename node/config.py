@@ -234,6 +234,15 @@ class TimeoutConfig:
     """Deadline of one outer exchange."""
     sync_timeout: float = 300.0
     """Deadline of a state download when joining."""
+    dht_retry: float = 60.0
+    """How long a DHT store the node needs (its member record when joining, its data-slot claim, a round's
+    ready or group record, its departure) is retried with back-off before the node gives up on it. Each failed
+    try is logged with what it waits for; only a refusal that outlasts this ends the node, with a message naming
+    the DHT key. Heartbeats are not retried: the next beat is their retry."""
+    leave_timeout: float = 30.0
+    """Upper bound on leaving (`farloco leave`, `leave --now`, SIGTERM, Ctrl+C), from any state: a round in
+    flight is finished only if it ends within about half of this, then the departure is stored, the ranks are
+    stopped and the node exits, each step bounded."""
 
     def __post_init__(self) -> None:
         _positive(self, *[f.name for f in dataclasses.fields(self)])
