@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -19,10 +20,36 @@ def _set_parent_death_signal(sig: signal.Signals) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
 
 
+def stable_node_id(identity_path: str) -> Any:
+    """The DHT node id of the peer whose libp2p identity is in `identity_path` (made there if missing).
+
+    hivemind draws a random DHT node id at every start. A node restarted with the same identity (same libp2p peer
+    id) then sits in the others' routing tables twice, under its old node id and its new one, and both answer
+    since one process serves that peer id. Every store the others make reaches it twice: the second copy is no
+    newer than the first, so it answers False, and hivemind reports the status of the last replica it heard from,
+    so the other peers' stores "fail" for as long as both entries live, which is for good (issue 21: a survivor's
+    member and matchmaking records refused for the rest of the run after its peer was SIGKILLed and restarted).
+    Deriving the node id from the peer id gives a restarted node its old place in the DHT instead.
+    """
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import P2P, PeerID
+
+    path = Path(identity_path)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        P2P.generate_identity(str(path))
+    return DHTID.generate(source=PeerID.from_identity(path.read_bytes()).to_bytes())
+
+
 def make_dht(**kwargs: Any) -> Any:
     """A started hivemind.DHT whose forked child dies with its parent: a SIGKILLed agent or bootstrap must not
-    leave its DHT node (and the port it holds) behind, or it could not be restarted on the same address."""
+    leave its DHT node (and the port it holds) behind, or it could not be restarted on the same address.
+
+    With an `identity_path`, its DHT node id follows from that identity (`stable_node_id`)."""
     import hivemind
+
+    if kwargs.get("identity_path") and "node_id" not in kwargs:
+        kwargs["node_id"] = stable_node_id(str(kwargs["identity_path"]))
 
     class _DHT(hivemind.DHT):  # type: ignore[misc]
         def run(self) -> None:

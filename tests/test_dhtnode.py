@@ -1,0 +1,80 @@
+"""node/dhtnode.py: a DHT node restarted with its identity takes back its place in the DHT (real hivemind DHTs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from farloco.node.dhtnode import make_dht, stable_node_id
+from farloco.protocol.membership import make_record_validators, members_key
+
+pytestmark = pytest.mark.dht
+
+
+def test_node_id_follows_the_identity_file(tmp_path: Path) -> None:
+    first = stable_node_id(str(tmp_path / "a" / "identity.key"))  # made on first use
+    assert (tmp_path / "a" / "identity.key").is_file()
+    assert stable_node_id(str(tmp_path / "a" / "identity.key")) == first
+    assert stable_node_id(str(tmp_path / "b.key")) != first
+
+
+def test_the_others_stores_keep_working_after_a_peer_restarts_with_its_identity(tmp_path: Path) -> None:
+    """SIGKILL a DHT node and start it again with the same identity: the survivor's signed sub-key stores must
+    keep succeeding. With hivemind's random node id per start they failed for the rest of the run (the restarted
+    peer sat in the survivor's routing table twice, and the second copy of every store answered False)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    run = "restart"
+    key = members_key(run)
+
+    def node(name: str, **kwargs: object) -> tuple[object, bytes]:
+        private = RSAPrivateKey()
+        dht = make_dht(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=make_record_validators(run, private_key=private),
+            start=True,
+            **kwargs,
+        )
+        return dht, RSASignatureValidator(private).local_public_key
+
+    def store(dht: object, subkey: bytes, peer_id: str) -> bool:
+        now = get_dht_time()
+        record = {"peer_id": peer_id, "heartbeat": now, "left": True, "proof": "test"}
+        return bool(dht.store(key, record, now + 8, subkey=subkey))  # type: ignore[attr-defined]
+
+    boot, _ = node("boot")
+    started = []
+    try:
+        maddr = str(boot.get_visible_maddrs()[0])  # type: ignore[attr-defined]
+        survivor, survivor_key = node("survivor", initial_peers=[maddr])
+        started.append(survivor)
+        identity = str(tmp_path / "restarted.key")
+        restarted, restarted_key = node("restarted", initial_peers=[maddr], identity_path=identity)
+        started.append(restarted)
+        for _ in range(4):
+            assert store(restarted, restarted_key, "restarted") and store(survivor, survivor_key, "survivor")
+            time.sleep(0.2)
+        peer_id = str(restarted.peer_id)  # type: ignore[attr-defined]
+        os.kill(restarted.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        restarted.join(10)  # type: ignore[attr-defined]
+        again, again_key = node("again", initial_peers=[maddr], identity_path=identity)
+        started.append(again)
+        assert str(again.peer_id) == peer_id  # type: ignore[attr-defined]
+        results = []
+        for _ in range(12):
+            results.append(store(again, again_key, "restarted"))
+            results.append(store(survivor, survivor_key, "survivor"))
+            time.sleep(0.25)
+        # The first stores may reach the dead node's last address (not answering: no status); every one after
+        # the restarted node is known again must succeed, the survivor's included.
+        assert all(results[4:]), results
+    finally:
+        for dht in [*started, boot]:
+            if dht.is_alive():  # a killed one answers nothing any more  # type: ignore[attr-defined]
+                dht.shutdown()  # type: ignore[attr-defined]
