@@ -459,7 +459,10 @@ class Agent:
             auth=auth,  # binds our peer id to our DHT key; records of keys without the run secret are ignored
             retry_seconds=self.config.timeouts.dht_retry,
         )
-        self.matchmaker = DHTMatchmaker(self.dht, run.name, self.membership)
+        # Ready and group messages travel over the members' gRPC links; the DHT is the fallback.
+        self.matchmaker = DHTMatchmaker(
+            self.dht, run.name, self.membership, server=self.server, client=self.client
+        )
         self.control = ControlServer(
             self.run_dir,
             net.control_host,
@@ -559,6 +562,7 @@ class Agent:
                 timeouts.member_ttl,
             )
         self._stop_trainers(timeout=left(0.5))
+        await self.matchmaker.close()
         await self.client.close()
         await self.server.stop(grace=min(1.0, left()))
         self.control.stop()
@@ -978,6 +982,8 @@ class Agent:
                 return
             if self.leave_mode is not None:
                 return
+            # The members wait for us in this round from now on (our record says so a heartbeat later).
+            self.matchmaker.announce(self.round_id, self.peer_id)
             seq = self.handoff.publish(
                 load,
                 round_id=self.round_id,
@@ -1052,7 +1058,8 @@ class Agent:
             )
         contribution = self.strategy.make_contribution(self.theta, theta_local)
         self.status = Status.EXCHANGING
-        await self._publish()
+        # No member-record store here: our record moved to this round when its work started (what the early
+        # freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links.
         me = GroupMember(self.peer_id, self.grpc_address)
         try:
             group = await self.matchmaker.form_group(

@@ -96,18 +96,23 @@ def demo_config(rounds: int, overrides: list[str]) -> str:
     return to_toml(config)
 
 
-def start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `farloco bootstrap` on 127.0.0.1; returns the process and its first multiaddr."""
+def start_bootstrap(
+    work_dir: Path, *, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `farloco bootstrap` on `host`; returns the process and its first multiaddr.
+
+    `prefix` runs it through another command that execs it (`ip netns exec NS`: a host of a namespace WAN)."""
     maddr_file = work_dir / "bootstrap.maddr"
     log = open(work_dir / "bootstrap.log", "wb")  # noqa: SIM115 - closed with the process
     process = subprocess.Popen(
         [
+            *prefix,
             sys.executable,
             "-m",
             "farloco.node.cli",
             "bootstrap",
             "--host",
-            "127.0.0.1",
+            host,
             "--maddr-file",
             str(maddr_file),
         ],
@@ -131,18 +136,23 @@ def start_peer(
     ranks: int,
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
 ) -> PeerProcess:
-    """Start one `farloco join` process with its own run directory under `work_dir`."""
+    """Start one `farloco join` process with its own run directory under `work_dir` (on `host`; `prefix` as
+    for `start_bootstrap`)."""
     run_dir = work_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "stdout.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     command = [
+        *prefix,
         sys.executable, "-m", "farloco.node.cli", "join",
         "--config", str(config_path),
         "--run-dir", str(run_dir),
         "--initial-peer", maddr,
-        "--host", "127.0.0.1",
+        "--host", host,
         "--set", f"node.num_ranks={ranks}",
         *extra,
     ]  # fmt: skip

@@ -39,13 +39,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from farloco.protocol import dhtcall
 from farloco.protocol.clock import Clock, DHTClock
+from farloco.protocol.errors import Reject
 from farloco.protocol.membership import DHTMembership, members_key
+from farloco.protocol.tasks import cancel_and_wait
 from farloco.protocol.types import Group, GroupMember
 
 logger = logging.getLogger(__name__)
@@ -376,13 +381,45 @@ def parse_groups(raw: Mapping[bytes, Any], round_id: int, owners: Mapping[str, b
     return groups
 
 
-class DHTMatchmaker:
-    """Runs `decide` against the DHT: stores our ready record, polls, publishes the group when we lead.
+READY_METHOD = "MatchReady"
+GROUP_METHOD = "MatchGroup"
+AT_METHOD = "MatchAt"
+# Rounds of pushed messages kept around the one we are in: behind it (a relay or a duplicate arriving late) and
+# ahead of it (peers that finished their local work before us).
+_INBOX_BEHIND = 2
+_INBOX_AHEAD = 16
+_INBOX_PER_ROUND = 4096
 
-    Polling starts at `min_poll_interval` and doubles up to `poll_interval`: when every peer is ready at
-    once the group appears within a few DHT round-trips, and a long wait costs a few reads per second.
-    Reads use `latest=True` (a full traversal merging every replica's sub-keys); a plain get stops at the
-    first copy it finds, often our own partial one, and would miss other peers' records.
+
+@dataclass
+class _DHTView:
+    """What the background DHT reads of one round found so far."""
+
+    ready: dict[str, ReadyRecord]
+    owners: dict[str, bytes]
+    groups: list[GroupRecord]
+    polls: int = 0
+    error: MatchmakingError | None = None
+
+
+class DHTMatchmaker:
+    """Runs `decide` for this peer: ready and group messages over the members' own links, the DHT as fallback.
+
+    With links (`server` and `client`, the node's authenticated gRPC server and client), a peer that is ready
+    pushes its ready record to every live member at once (`MatchReady`), the leader pushes the frozen group to its
+    members (`MatchGroup`), and a member that learns the group from someone relays it once to the others (so a
+    leader that dies after reaching some members only still reaches all). Pushed messages wake the decision at
+    once. The same records are also stored in and read from the DHT in the background (a member our links miss,
+    a joiner whose member record we have not seen yet), so the DHT is off the round's critical path: a slow or
+    refusing DHT delays nobody whose link works. A pushed ready record must come from the peer it names (the
+    sender's authenticated peer id), and a group only from one of its members.
+
+    Without links (tests of the DHT path alone) the ready record is stored first and a refusal raises
+    MatchmakingError, as before.
+
+    DHT polling starts at `min_poll_interval` and doubles up to `poll_interval`. Reads use `latest=True` (a full
+    traversal merging every replica's sub-keys); a plain get stops at the first copy it finds, often our own
+    partial one, and would miss other peers' records.
     """
 
     def __init__(
@@ -394,18 +431,172 @@ class DHTMatchmaker:
         clock: Clock | None = None,
         poll_interval: float = 0.25,
         min_poll_interval: float = 0.01,
+        server: Any = None,
+        client: Any = None,
+        push_timeout: float = 2.0,
     ) -> None:
         if not 0 < min_poll_interval <= poll_interval:
             raise ValueError(
                 f"need 0 < min_poll_interval <= poll_interval, got {min_poll_interval} and {poll_interval}"
             )
+        if (server is None) != (client is None):
+            raise ValueError("links need both the gRPC server and the client (or neither)")
+        if not push_timeout > 0:
+            raise ValueError(f"push_timeout must be > 0, got {push_timeout}")
         self.dht = dht
         self.run_name = run_name
         self.membership = membership
         self.clock: Clock = clock if clock is not None else DHTClock()
         self.poll_interval = poll_interval
         self.min_poll_interval = min_poll_interval
+        self.client = client
+        self.push_timeout = push_timeout
         members_key(run_name)  # validates run_name early
+        self._current = 0
+        self._ready_in: dict[int, dict[str, ReadyRecord]] = {}
+        self._groups_in: dict[int, dict[str, GroupRecord]] = {}
+        self._wake: asyncio.Event | None = None
+        # peer id -> (the round it announced it works on, our clock when it arrived)
+        self._at: dict[str, tuple[int, float]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
+        self.counters: Counter[str] = Counter()
+        if server is not None:
+            server.add_unary(READY_METHOD, self._on_ready)
+            server.add_unary(GROUP_METHOD, self._on_group)
+            server.add_unary(AT_METHOD, self._on_at)
+
+    # -- receiving ----------------------------------------------------------------------------------------
+
+    def _file(self, box: dict[int, dict[str, Any]], round_id: int, peer_id: str, record: Any) -> None:
+        if round_id < self._current - _INBOX_BEHIND:
+            self.counters["rejected"] += 1
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "STALE_ROUND",
+                f"round {round_id} is over here (we are in round {self._current})",
+            )
+        if round_id > self._current + _INBOX_AHEAD:
+            self.counters["rejected"] += 1
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "ROUND_TOO_FAR",
+                f"round {round_id} is more than {_INBOX_AHEAD} rounds ahead of ours ({self._current})",
+            )
+        entries = box.setdefault(round_id, {})
+        if peer_id not in entries and len(entries) >= _INBOX_PER_ROUND:
+            raise Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "TOO_MANY",
+                f"round {round_id} already holds {len(entries)}",
+            )
+        entries[peer_id] = record
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _on_ready(self, ctx: Any, frame: Any) -> Any:
+        from farloco.protocol.rpc import Frame
+
+        try:
+            record = ReadyRecord.from_wire(frame.header.get("r"))
+        except ValueError as exc:
+            self.counters["rejected"] += 1
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_READY", str(exc)) from None
+        if record.peer_id != ctx.sender or record.round_id != ctx.round_id:
+            self.counters["rejected"] += 1
+            raise Reject(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "SENDER_MISMATCH",
+                f"expected a ready record of the sender {ctx.sender} for the token's round {ctx.round_id}, "
+                f"got one of {record.peer_id} for round {record.round_id}",
+            )
+        self._file(self._ready_in, record.round_id, record.peer_id, record)
+        self.counters["ready_received"] += 1
+        return Frame({"ok": True})
+
+    async def _on_at(self, ctx: Any, frame: Any) -> Any:
+        from farloco.protocol.rpc import Frame
+
+        if len(self._at) >= _INBOX_PER_ROUND and ctx.sender not in self._at:
+            self._prune_at()
+        self._at[ctx.sender] = (ctx.round_id, self.clock.now())
+        if self._wake is not None:
+            self._wake.set()
+        return Frame({"ok": True})
+
+    def _prune_at(self) -> None:
+        horizon = self.clock.now() - self.membership.core.ttl
+        for peer_id in [p for p, (_, at) in self._at.items() if at < horizon]:
+            del self._at[peer_id]
+
+    def announce(self, round_id: int, peer_id: str) -> None:
+        """Tell every live member that our local work for `round_id` starts now (call it when it does).
+
+        This is what the leader's early freeze waits on: a member whose record or announcement says round r is
+        waited for in r. Member records say it too, but through the DHT, a heartbeat or more late; with rounds
+        of a fraction of a second that lag would let a leader freeze without a member that is merely slower."""
+        if self.client is None:
+            return
+        for record in self.membership.core.live(self.clock.now()):
+            if record.peer_id != peer_id and record.state != "leaving":
+                self._spawn(self._push(record.address, AT_METHOD, {}, round_id))
+
+    def _round_of(self, record: Any, now: float) -> int:
+        """The newest round we know `record`'s member works on: its record's, or what it announced since."""
+        at = self._at.get(record.peer_id)
+        if at is None or at[1] < now - self.membership.core.ttl:
+            return int(record.round_id)
+        return max(int(record.round_id), at[0])
+
+    async def _on_group(self, ctx: Any, frame: Any) -> Any:
+        from farloco.protocol.rpc import Frame
+
+        try:
+            record = GroupRecord.from_wire(frame.header.get("g"))
+        except ValueError as exc:
+            self.counters["rejected"] += 1
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_GROUP", str(exc)) from None
+        members = {m.peer_id for m in record.group.members}
+        if ctx.sender not in members or record.group.round_id != ctx.round_id:
+            self.counters["rejected"] += 1
+            raise Reject(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "SENDER_MISMATCH",
+                f"a group may come only from one of its members, for the token's round {ctx.round_id}; got "
+                f"one of round {record.group.round_id} from {ctx.sender}",
+            )
+        self._file(self._groups_in, record.group.round_id, record.leader, record)
+        self.counters["groups_received"] += 1
+        return Frame({"ok": True})
+
+    # -- sending ------------------------------------------------------------------------------------------
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _push(self, address: str, method: str, header: dict[str, Any], round_id: int) -> bool:
+        from farloco.protocol.rpc import Frame, RpcError
+
+        assert self.client is not None
+        try:
+            await self.client.unary(
+                address, method, Frame(header), round_id=round_id, timeout=self.push_timeout
+            )
+        except (RpcError, OSError) as exc:
+            self.counters["pushes_failed"] += 1
+            logger.debug("round %d: %s to %s failed: %s", round_id, method, address, exc)
+            return False
+        self.counters["pushes_ok"] += 1
+        return True
+
+    async def close(self) -> None:
+        """Cancel the pushes and DHT stores still in flight."""
+        for task in list(self._background):
+            await cancel_and_wait(task)
+
+    # -- the DHT ------------------------------------------------------------------------------------------
 
     async def _store(self, key: str, value: dict[str, Any], expiration: float) -> bool:
         # Every DHT call is bounded (dhtcall.DHT_CALL_TIMEOUT): a hivemind future that never resolves would
@@ -416,6 +607,17 @@ class DHTMatchmaker:
             logger.warning("DHT store under %s did not answer within %.0f s", key, dhtcall.DHT_CALL_TIMEOUT)
             return False
         return bool(ok)
+
+    async def _store_ready(self, key: str, mine: ReadyRecord, expiration: float) -> bool:
+        for attempt in range(STORE_ATTEMPTS):
+            if await self._store(key, mine.to_wire(), expiration):
+                return True
+            # A store fails when no replica answers in time: a short retry usually gets through.
+            logger.warning(
+                "the DHT refused our ready record for round %d (attempt %d)", mine.round_id, attempt + 1
+            )
+            await asyncio.sleep(0.25 * 2**attempt)  # real time: the DHT's own speed
+        return False
 
     async def _get(self, key: str) -> dict[bytes, Any]:
         try:
@@ -448,6 +650,62 @@ class DHTMatchmaker:
                 kept[owner] = value
         return kept
 
+    async def _poll(self, round_id: int, me: GroupMember, view: _DHTView, wake: asyncio.Event) -> None:
+        """Read the round's ready and group records and the member table, again and again, into `view`."""
+        key = round_key(self.run_name, round_id)
+        group_key = f"{key}/group"
+        interval = self.min_poll_interval
+        rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
+        while True:
+            try:
+                group_raw, ready_raw, _ = await asyncio.gather(
+                    self._get(group_key), self._get(key), self.membership.refresh()
+                )
+                unknown = set(ready_raw) - self.membership.core.owners(self.clock.now()).keys() - rechecked
+                if unknown:
+                    # Maybe a member whose record reached us after our read of the table: look once more.
+                    rechecked |= unknown
+                    await self.membership.refresh()
+            except MatchmakingError as exc:
+                if self.client is None:
+                    view.error = exc
+                    wake.set()
+                    return
+                logger.warning("round %d: %s (the members' links carry on)", round_id, exc)
+            else:
+                now = self.clock.now()
+                view.ready, view.owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
+                view.groups = parse_groups(
+                    self._from_members(group_raw, group_key, now), round_id, view.owners
+                )
+                view.polls += 1
+                wake.set()
+            await self.clock.sleep(interval)
+            interval = min(interval * 2, self.poll_interval)
+
+    # -- one round ----------------------------------------------------------------------------------------
+
+    def _enter(self, round_id: int) -> asyncio.Event:
+        self._current = max(self._current, round_id)
+        for box in (self._ready_in, self._groups_in):
+            for old in [r for r in box if r < self._current - _INBOX_BEHIND]:
+                del box[old]
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
+
+    async def _wait(self, wake: asyncio.Event, seconds: float) -> None:
+        """Until something arrives (a pushed message, a DHT read) or `seconds` pass on our clock."""
+        if wake.is_set():
+            return
+        waiter = asyncio.ensure_future(wake.wait())
+        sleeper = asyncio.ensure_future(self.clock.sleep(max(seconds, 0.0)))
+        try:
+            await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiter, sleeper):
+                await cancel_and_wait(task)
+
     async def form_group(
         self, round_id: int, me: GroupMember, *, match_timeout: float, leader_timeout: float
     ) -> Group:
@@ -458,88 +716,112 @@ class DHTMatchmaker:
         """
         key = round_key(self.run_name, round_id)
         group_key = f"{key}/group"
+        wake = self._enter(round_id)
         now = self.clock.now()
         mine = ReadyRecord(me.peer_id, me.address, round_id, float(now))
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
-        for attempt in range(STORE_ATTEMPTS):
-            if await self._store(key, mine.to_wire(), expiration):
-                break
-            # A store fails when no replica answers in time (a node that just restarted under the same peer id
-            # is still being re-learnt by the others): a short retry usually gets through.
-            logger.warning(
-                "the DHT refused our ready record for round %d (attempt %d)", round_id, attempt + 1
-            )
-            await asyncio.sleep(0.25 * 2**attempt)  # real time: the DHT's own speed
-        else:
+        linked = self.client is not None
+        if linked:
+            self._spawn(self._store_ready(key, mine, expiration))
+        elif not await self._store_ready(key, mine, expiration):
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
-
-        interval = self.min_poll_interval
-        # What to re-read on a poll. The group key always; the ready records and the member table only when
-        # a decision may depend on them: a possible leader before its freeze (it waits for everyone), and
-        # anyone about to publish or give up (checked against fresh records first). A follower's rank can
-        # only grow as more ready records appear, so stale ready records never make it act early.
-        need_ready = need_members = True
-        ready_raw: dict[bytes, Any] = {}
-        rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
-        while True:
-            reads: list[Awaitable[Any]] = [self._get(group_key)]
-            if need_ready:
-                reads.append(self._get(key))
-            if need_members:
-                reads.append(self.membership.refresh())
-            group_raw, *rest = await asyncio.gather(*reads)
-            fresh = need_ready
-            if need_ready:
-                ready_raw = rest[0]
-            unknown = set(ready_raw) - self.membership.core.owners(self.clock.now()).keys() - rechecked
-            if unknown and not need_members:
-                # Maybe a member whose record reached us after our last read of the table: look once more.
-                rechecked |= unknown
-                await self.membership.refresh()
-            now = self.clock.now()
-            ready, owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
-            ready[me.peer_id] = mine  # our own record counts at once, whatever the read returned
-            owners[me.peer_id] = self.membership.public_key
-            live = self.membership.core.live(now)
-            view = RoundView(
-                now=now,
-                ready=ready,
-                groups=parse_groups(self._from_members(group_raw, group_key, now), round_id, owners),
-                expected=frozenset(
-                    r.peer_id for r in live if r.round_id == round_id and r.state != "leaving"
-                ),
-                ahead=frozenset(r.peer_id for r in live if r.round_id > round_id),
-                leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
-            )
-            decision = decide(round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout)
-            if isinstance(decision, Joined):
-                return decision.group
-            acting = isinstance(decision, Publish) or (isinstance(decision, Late) and not view.groups)
-            if acting and not fresh:
-                need_ready = need_members = True
-                continue
-            if isinstance(decision, Late):
-                raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
-            if isinstance(decision, Publish):
-                logger.info(
-                    "round %d: publishing a group of %d (ready %s, expected %s, ahead %s, live %s)",
-                    round_id,
-                    len(decision.record.group.members),
-                    sorted(p[:8] for p in view.ready),
-                    sorted(p[:8] for p in view.expected),
-                    sorted(p[:8] for p in view.ahead),
-                    [(r.peer_id[:8], r.round_id, r.state, round(now - r.heartbeat, 2)) for r in live],
+        pushed: set[str] = {me.peer_id}  # peers our ready record went to (or that we gave up on)
+        dht = _DHTView({}, {}, [])
+        poller = asyncio.ensure_future(self._poll(round_id, me, dht, wake))
+        try:
+            while True:
+                wake.clear()
+                if dht.error is not None:
+                    raise dht.error
+                now = self.clock.now()
+                live = self.membership.core.live(now)
+                direct = self._ready_in.get(round_id, {})
+                ready = {**dht.ready, **direct, me.peer_id: mine}
+                if linked:
+                    targets = {r.peer_id: r.address for r in live if r.state != "leaving"}
+                    targets.update((p, r.address) for p, r in ready.items())
+                    for peer_id, address in targets.items():
+                        if peer_id not in pushed:
+                            pushed.add(peer_id)
+                            self._spawn(self._push(address, READY_METHOD, {"r": mine.to_wire()}, round_id))
+                groups = list(dht.groups)
+                groups += [g for g in self._groups_in.get(round_id, {}).values() if g.leader in ready]
+                view = RoundView(
+                    now=now,
+                    ready=ready,
+                    groups=groups,
+                    expected=frozenset(
+                        r.peer_id for r in live if self._round_of(r, now) == round_id and r.state != "leaving"
+                    ),
+                    ahead=frozenset(r.peer_id for r in live if self._round_of(r, now) > round_id),
+                    leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
                 )
-                if await self._store(group_key, decision.record.to_wire(), expiration):
-                    return decision.record.group
-                logger.warning("the DHT refused our group record for round %d; retrying", round_id)
-                await self.clock.sleep(interval)
-                continue
-            plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
-            leading = bool(plan.candidates) and plan.candidates[0] == me.peer_id and now < plan.freeze_at
-            wake = now + min(interval, max(decision.until - now, 0.0))
-            need_ready = leading or wake >= decision.until
-            need_members = leading
-            await self.clock.sleep(wake - now)
-            interval = min(interval * 2, self.poll_interval)
+                decision = decide(
+                    round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout
+                )
+                if isinstance(decision, Joined):
+                    chosen = min(groups, key=lambda record: record.leader)
+                    if linked and chosen.leader != me.peer_id:
+                        self._relay(chosen, me)
+                    return decision.group
+                plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
+                early = isinstance(decision, Publish) and now < plan.freeze_at
+                giving_up = isinstance(decision, Late) and not view.groups
+                # Acting on the deadline (a takeover, giving up): only on a view that includes the DHT's.
+                # Without links, every decision waits for one (the DHT is then our only source).
+                on_deadline = (isinstance(decision, Publish) and not early) or giving_up
+                if (on_deadline or not linked) and dht.polls == 0 and not isinstance(decision, Wait):
+                    await self._wait(wake, self.poll_interval)
+                    continue
+                if isinstance(decision, Late):
+                    raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
+                if isinstance(decision, Publish):
+                    if await self._publish(decision.record, view, live, group_key, expiration):
+                        return decision.record.group
+                    await self._wait(wake, self.min_poll_interval)
+                    continue
+                await self._wait(wake, decision.until - now)
+        finally:
+            await cancel_and_wait(poller)
+
+    def _relay(self, record: GroupRecord, me: GroupMember) -> None:
+        """Pass the group on once to its other members (the leader may have reached only some)."""
+        self.counters["relayed"] += 1
+        header = {"g": record.to_wire()}
+        for member in record.group.members:
+            if member.peer_id not in (me.peer_id, record.leader):
+                self._spawn(self._push(member.address, GROUP_METHOD, header, record.group.round_id))
+
+    async def _publish(
+        self, record: GroupRecord, view: RoundView, live: Sequence[Any], group_key: str, expiration: float
+    ) -> bool:
+        """Deliver our group to its members; True once it is ours (delivered to all, or stored in the DHT)."""
+        round_id = record.group.round_id
+        logger.info(
+            "round %d: publishing a group of %d (ready %s, expected %s, ahead %s, live %s)",
+            round_id,
+            len(record.group.members),
+            sorted(p[:8] for p in view.ready),
+            sorted(p[:8] for p in view.expected),
+            sorted(p[:8] for p in view.ahead),
+            [(r.peer_id[:8], r.round_id, r.state, round(view.now - r.heartbeat, 2)) for r in live],
+        )
+        others = [m for m in record.group.members if m.peer_id != record.leader]
+        if self.client is not None and others:
+            header = {"g": record.to_wire()}
+            delivered = await asyncio.gather(
+                *(self._push(m.address, GROUP_METHOD, header, round_id) for m in others)
+            )
+            self._file(self._groups_in, round_id, record.leader, record)
+            if all(delivered):
+                self._spawn(self._store(group_key, record.to_wire(), expiration))  # for late readers
+                return True
+            if any(delivered):
+                # Those we reached relay it; the DHT copy is for the rest.
+                self._spawn(self._store(group_key, record.to_wire(), expiration))
+                return True
+        if await self._store(group_key, record.to_wire(), expiration):
+            return True
+        logger.warning("the DHT refused our group record for round %d; retrying", round_id)
+        return False

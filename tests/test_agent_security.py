@@ -465,7 +465,10 @@ def test_records_of_a_foreign_dht_node_are_ignored_by_running_agents(swarm: Swar
     for agent in swarm.agents:
         counts = agent.metrics()
         assert counts.get(("farloco_ignored_dht_records_total", "BAD_MEMBER_PROOF"), 0) >= 1, counts
-        assert counts.get(("farloco_ignored_dht_records_total", "NOT_A_MEMBER"), 0) >= 1, counts
+        # Its forged ready records are not counted here: the round's ready messages travel over the members'
+        # links, and a round that forms in milliseconds may end before the DHT copy is read at all (the DHT
+        # path's NOT_A_MEMBER filter is tested in test_matchmaking.py::test_records_of_a_foreign_dht_node_are_ignored_and_counted). What matters is below:
+        # never listed, never waited for, never grouped.
         assert node.peer_id not in {p["peer_id"] for p in ControlClient(agent.peer.run_dir).peers()}
         later = [e for e in agent.rounds() if e["round_id"] > current + 1]
         assert later and all(node.peer_id not in e["group"] for e in later)
