@@ -485,6 +485,7 @@ class DHTMatchmaker:
             )
         entries = box.setdefault(round_id, {})
         if peer_id not in entries and len(entries) >= _INBOX_PER_ROUND:
+            self.counters["rejected"] += 1
             raise Reject(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "TOO_MANY",
@@ -494,14 +495,17 @@ class DHTMatchmaker:
         if self._wake is not None:
             self._wake.set()
 
+    def _parse(self, parse: Any, raw: object, reason: str) -> Any:
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            self.counters["rejected"] += 1
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, reason, str(exc)) from None
+
     async def _on_ready(self, ctx: Any, frame: Any) -> Any:
         from farloco.protocol.rpc import Frame
 
-        try:
-            record = ReadyRecord.from_wire(frame.header.get("r"))
-        except ValueError as exc:
-            self.counters["rejected"] += 1
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_READY", str(exc)) from None
+        record = self._parse(ReadyRecord.from_wire, frame.header.get("r"), "BAD_READY")
         if record.peer_id != ctx.sender or record.round_id != ctx.round_id:
             self.counters["rejected"] += 1
             raise Reject(
@@ -519,6 +523,11 @@ class DHTMatchmaker:
 
         if len(self._at) >= _INBOX_PER_ROUND and ctx.sender not in self._at:
             self._prune_at()
+            if len(self._at) >= _INBOX_PER_ROUND:
+                self.counters["rejected"] += 1
+                raise Reject(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY", f"{len(self._at)} peers announced rounds"
+                )
         self._at[ctx.sender] = (ctx.round_id, self.clock.now())
         if self._wake is not None:
             self._wake.set()
@@ -551,11 +560,7 @@ class DHTMatchmaker:
     async def _on_group(self, ctx: Any, frame: Any) -> Any:
         from farloco.protocol.rpc import Frame
 
-        try:
-            record = GroupRecord.from_wire(frame.header.get("g"))
-        except ValueError as exc:
-            self.counters["rejected"] += 1
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_GROUP", str(exc)) from None
+        record = self._parse(GroupRecord.from_wire, frame.header.get("g"), "BAD_GROUP")
         members = {m.peer_id for m in record.group.members}
         if ctx.sender not in members or record.group.round_id != ctx.round_id:
             self.counters["rejected"] += 1
@@ -650,7 +655,7 @@ class DHTMatchmaker:
                 kept[owner] = value
         return kept
 
-    async def _poll(self, round_id: int, me: GroupMember, view: _DHTView, wake: asyncio.Event) -> None:
+    async def _poll(self, round_id: int, view: _DHTView, wake: asyncio.Event) -> None:
         """Read the round's ready and group records and the member table, again and again, into `view`."""
         key = round_key(self.run_name, round_id)
         group_key = f"{key}/group"
@@ -728,7 +733,7 @@ class DHTMatchmaker:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
         pushed: set[str] = {me.peer_id}  # peers our ready record went to (or that we gave up on)
         dht = _DHTView({}, {}, [])
-        poller = asyncio.ensure_future(self._poll(round_id, me, dht, wake))
+        poller = asyncio.ensure_future(self._poll(round_id, dht, wake))
         try:
             while True:
                 wake.clear()
@@ -814,11 +819,8 @@ class DHTMatchmaker:
                 *(self._push(m.address, GROUP_METHOD, header, round_id) for m in others)
             )
             self._file(self._groups_in, round_id, record.leader, record)
-            if all(delivered):
-                self._spawn(self._store(group_key, record.to_wire(), expiration))  # for late readers
-                return True
             if any(delivered):
-                # Those we reached relay it; the DHT copy is for the rest.
+                # Those we reached relay it to the rest; the DHT copy is for late readers.
                 self._spawn(self._store(group_key, record.to_wire(), expiration))
                 return True
         if await self._store(group_key, record.to_wire(), expiration):
