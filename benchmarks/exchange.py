@@ -194,14 +194,16 @@ def worker_gloo(rank: int, peers: int, numel: int, reps: int, port: int) -> dict
 def worker_hivemind(rank: int, peers: int, numel: int, reps: int) -> dict[str, Any]:
     import hivemind
 
+    from farloco.node.dhtnode import make_dht
+
     if rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = make_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         send({"maddrs": [str(a) for a in dht.get_visible_maddrs()]})
         receive()
     else:
         send({"ready": True})
         spec = receive()
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=spec["maddrs"], start=True)
+        dht = make_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=spec["maddrs"], start=True)
     tensor = make_input(rank, numel)
     averager = hivemind.averaging.DecentralizedAverager(
         [tensor.clone()],

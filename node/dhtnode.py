@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import sys
 from pathlib import Path
@@ -41,10 +42,16 @@ def stable_node_id(identity_path: str) -> Any:
     return DHTID.generate(source=PeerID.from_identity(path.read_bytes()).to_bytes())
 
 
-def make_dht(**kwargs: Any) -> Any:
-    """A started hivemind.DHT whose forked child dies with its parent: a SIGKILLed agent or bootstrap must not
+class DHTStartError(RuntimeError):
+    """The DHT node did not become ready in time."""
+
+
+def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
+    """A hivemind.DHT whose forked child dies with its parent: a SIGKILLed agent or bootstrap must not
     leave its DHT node (and the port it holds) behind, or it could not be restarted on the same address.
 
+    With `start=True` it is started and waited for at most `ready_timeout` seconds (hivemind would wait for
+    ever): past that the child is killed and DHTStartError names what it was started with.
     With an `identity_path`, its DHT node id follows from that identity (`stable_node_id`)."""
     import hivemind
 
@@ -54,9 +61,30 @@ def make_dht(**kwargs: Any) -> Any:
     class _DHT(hivemind.DHT):  # type: ignore[misc]
         def run(self) -> None:
             _set_parent_death_signal(signal.SIGKILL)
+            # The child is a fork: it inherits every object of the parent, grpc's included, but not the parent's
+            # threads. Had the cyclic gc collected an inherited grpc object here, its dealloc would join a thread
+            # that does not exist in this process and spin at 100% CPU for good (seen: a DHT started after a
+            # test's gRPC server never became ready). Nothing inherited is the child's to collect: freeze it.
+            gc.freeze()
             super().run()
 
     # hivemind waits 3 s for a peer's answer; on a loaded machine a store then fails for want of replies, so
     # give DHT requests more room (a dead peer still costs at most this long per request).
     kwargs.setdefault("wait_timeout", 8.0)
-    return _DHT(**kwargs)
+    start = bool(kwargs.pop("start", False))
+    dht = _DHT(start=False, **kwargs)
+    if not start:
+        return dht
+    gc.collect()  # what is garbage now is collected here, where its threads live, not in the forked child
+    try:
+        dht.run_in_background(await_ready=True, timeout=ready_timeout)
+    except TimeoutError:
+        if dht.is_alive():
+            dht.kill()
+            dht.join(5)
+        raise DHTStartError(
+            f"the DHT node did not become ready within {ready_timeout:g} s (host_maddrs="
+            f"{kwargs.get('host_maddrs')}, initial_peers={kwargs.get('initial_peers')}); check that those "
+            "addresses can be bound and reached"
+        ) from None
+    return dht

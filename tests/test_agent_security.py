@@ -33,6 +33,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from farloco.node.config import ConfigError, build_config, load_config, load_tls, run_hash, run_section
 from farloco.node.control import ControlClient, ControlError
 from farloco.node.demo import PeerProcess, demo_config, read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.dhtnode import make_dht
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.rpc import SERVICE, Frame, RpcClient, RpcError, TlsConfig, encode_frame
 
@@ -196,7 +197,6 @@ class DhtNode:
 
 
 def _dht_node(maddr: str) -> DhtNode:
-    import hivemind
     from hivemind.utils.crypto import RSAPrivateKey
 
     from farloco.protocol.membership import make_record_validators
@@ -204,7 +204,7 @@ def _dht_node(maddr: str) -> DhtNode:
     # Its own key (not hivemind's process-wide one), and the run's schema so what it stores is well-formed:
     # only farloco's own checks can tell these records apart from real ones.
     validators = make_record_validators(RUN_NAME, private_key=RSAPrivateKey())
-    dht = hivemind.DHT(
+    dht = make_dht(
         initial_peers=[maddr],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         record_validators=validators,

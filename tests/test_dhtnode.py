@@ -22,15 +22,17 @@ def test_node_id_follows_the_identity_file(tmp_path: Path) -> None:
     assert stable_node_id(str(tmp_path / "b.key")) != first
 
 
-# slow: with a CPU hog on one of two cores this test hung once past its timeout (blocking hivemind calls:
-# DHT.store / peer_id / the restarted node's identity check have no bound here); until that is found and
-# bounded it stays out of the default run. It passes unloaded in ~8 s, and fails without the fix.
-@pytest.mark.slow
+# Every call into a DHT process here is bounded: make_dht waits for readiness at most `ready_timeout`, stores and
+# address reads go through futures with a timeout, and the restarted peer's id is read from its identity file.
+# (It once hung under a CPU hog: a DHT forked after an earlier test's gRPC objects spun for ever in its child
+# when the gc collected one of them; make_dht now freezes the inherited objects in the child.)
 def test_the_others_stores_keep_working_after_a_peer_restarts_with_its_identity(tmp_path: Path) -> None:
     """SIGKILL a DHT node and start it again with the same identity: the survivor's signed sub-key stores must
     keep succeeding. With hivemind's random node id per start they failed for the rest of the run (the restarted
     peer sat in the survivor's routing table twice, and the second copy of every store answered False)."""
+    from hivemind import DHT
     from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.p2p import PeerID
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
@@ -40,6 +42,7 @@ def test_the_others_stores_keep_working_after_a_peer_restarts_with_its_identity(
     def node(name: str, **kwargs: object) -> tuple[object, bytes]:
         private = RSAPrivateKey()
         dht = make_dht(
+            ready_timeout=60,
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
             record_validators=make_record_validators(run, private_key=private),
             start=True,
@@ -50,12 +53,14 @@ def test_the_others_stores_keep_working_after_a_peer_restarts_with_its_identity(
     def store(dht: object, subkey: bytes, peer_id: str) -> bool:
         now = get_dht_time()
         record = {"peer_id": peer_id, "heartbeat": now, "left": True, "proof": "test"}
-        return bool(dht.store(key, record, now + 8, subkey=subkey))  # type: ignore[attr-defined]
+        future = dht.store(key, record, now + 8, subkey=subkey, return_future=True)  # type: ignore[attr-defined]
+        return bool(future.result(timeout=30))
 
     boot, _ = node("boot")
     started = []
     try:
-        maddr = str(boot.get_visible_maddrs()[0])  # type: ignore[attr-defined]
+        maddrs = boot.run_coroutine(DHT._get_visible_maddrs, return_future=True).result(timeout=30)  # type: ignore[attr-defined]
+        maddr = str(maddrs[0])
         survivor, survivor_key = node("survivor", initial_peers=[maddr])
         started.append(survivor)
         identity = str(tmp_path / "restarted.key")
@@ -64,12 +69,13 @@ def test_the_others_stores_keep_working_after_a_peer_restarts_with_its_identity(
         for _ in range(4):
             assert store(restarted, restarted_key, "restarted") and store(survivor, survivor_key, "survivor")
             time.sleep(0.2)
-        peer_id = str(restarted.peer_id)  # type: ignore[attr-defined]
+        peer_id = str(PeerID.from_identity(Path(identity).read_bytes()))
         os.kill(restarted.pid, signal.SIGKILL)  # type: ignore[attr-defined]
         restarted.join(10)  # type: ignore[attr-defined]
         again, again_key = node("again", initial_peers=[maddr], identity_path=identity)
         started.append(again)
-        assert str(again.peer_id) == peer_id  # type: ignore[attr-defined]
+        again_id = again.run_coroutine(DHT._get_peer_id, return_future=True).result(timeout=30)  # type: ignore[attr-defined]
+        assert str(again_id) == peer_id
         results = []
         for _ in range(12):
             results.append(store(again, again_key, "restarted"))

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import hivemind
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from farloco.node.dhtnode import make_dht
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.clock import FakeClock
 from farloco.protocol.membership import (
@@ -179,7 +179,7 @@ def dht_nodes() -> Iterator[list[tuple[Any, bytes]]]:
         for _ in range(3):
             key = RSAPrivateKey()  # one key per peer: hivemind's process-wide key would be shared by all
             validators = [v for run in RUN_NAMES for v in make_record_validators(run, private_key=key)]
-            dht = hivemind.DHT(
+            dht = make_dht(
                 initial_peers=nodes[0][0].get_visible_maddrs() if nodes else None,
                 host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                 start=True,
