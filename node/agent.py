@@ -42,6 +42,7 @@ from farloco.node.handoff import Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
 from farloco.protocol.faults import FlakyDHT, parse_dht_faults
+from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.tasks import cancel_and_wait
 from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
@@ -56,6 +57,7 @@ class Status(enum.Enum):
     SYNCING = "syncing"
     TRAINING = "training"
     EXCHANGING = "exchanging"
+    ISOLATED = "isolated"  # had peers, they vanished: waits for the swarm (protocol/isolation.py)
     LEAVING = "leaving"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -217,6 +219,8 @@ class Agent:
         self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
         self._inner_load_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self.isolation = IsolationWatch()
+        self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
 
     # ---- public, thread-safe views ----------------------------------------------------------------------------
     def status_dict(self) -> dict[str, Any]:
@@ -263,6 +267,9 @@ class Agent:
                     if step_seconds > 0
                     else None
                 ),
+                "isolated": self.isolation.verdict == "isolated",
+                "isolated_seconds": self.isolation.isolated_for(_dht_now()),
+                "vanished_peers": list(self.isolation.vanished),
                 "sync": self.sync_progress.snapshot() if self.sync_progress is not None else None,
                 "leave_mode": self.leave_mode,
                 "last_round_seconds": self.counters.last_round_seconds,
@@ -349,6 +356,15 @@ class Agent:
             metric("sync_bytes_total", sync["bytes_total"], "Bytes of outer state the running sync fetches.")
         metric("rounds_committed_total", status["rounds_committed"], "Committed rounds.", "counter")
         metric("rounds_aborted_total", status["rounds_aborted"], "Aborted rounds.", "counter")
+        metric(
+            "isolated",
+            int(status["isolated"]),
+            "1 while peers this node had vanished without leaving and none is live (it commits no round).",
+        )
+        metric("isolated_seconds", status["isolated_seconds"], "How long the current isolation has lasted.")
+        metric(
+            "isolations_total", self.isolation.episodes, "Times this node found itself isolated.", "counter"
+        )
         # Refused RPCs are counted by the transport itself, by stable reason.
         server = getattr(self, "server", None)
         rejected = dict(server.rejections) if server is not None else {}
@@ -815,6 +831,18 @@ class Agent:
             }
             for m in members
         ]
+        others = [m for m in members if m.peer_id != self.peer_id]
+        for m in others:
+            self._peer_maddrs[m.peer_id] = tuple(m.maddrs)
+        was = self.isolation.verdict
+        verdict = self.isolation.observe(_dht_now(), [m.peer_id for m in others], self.membership.departed())
+        self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.isolation.known}
+        if verdict == "isolated" and was != "isolated":
+            log.warning(
+                "isolated: the peers %s vanished without leaving (crashed, or the network between us is down); "
+                "no round is committed alone while it lasts",
+                ", ".join(self.isolation.vanished),
+            )
         with self._lock:
             self.peers_view = view
         return list(members)
@@ -1035,6 +1063,7 @@ class Agent:
         """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
         from farloco.protocol.exchange import ExchangeAborted
         from farloco.protocol.matchmaking import LateForRound, MatchmakingError
+        from farloco.protocol.statesync import StateSyncError
         from farloco.protocol.types import GroupMember
 
         run, timeouts = self.config.run, self.config.timeouts
@@ -1060,6 +1089,9 @@ class Agent:
         self.status = Status.EXCHANGING
         # No member-record store here: our record moved to this round when its work started (what the early
         # freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links.
+        isolated = await self._ride_out_isolation()
+        if isolated is not None:
+            return isolated
         me = GroupMember(self.peer_id, self.grpc_address)
         try:
             group = await self.matchmaker.form_group(
@@ -1085,8 +1117,14 @@ class Agent:
             # Nobody formed a group, so nobody's theta changed: everyone moves on with the same theta, and our
             # local work stays in the ranks to be sent next round.
             return self._advance_without_update("no group formed")
-        if await self._check_hashes(group):
-            # We held a theta the group disagrees with and took the majority's: redo our pseudo-gradient.
+        try:
+            resynced = await self._check_hashes(group)
+        except StateSyncError as exc:
+            # We hold the losing side of a fork and could not fetch the winner's state: contributing would
+            # average into two models again. Sit this round out; the next one compares hashes again.
+            return self._abort(f"healing a fork: the winning side's state did not arrive ({exc})", 1)
+        if resynced:
+            # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             contribution = self.strategy.make_contribution(self.theta, theta_local)
         try:
             if len(group.members) == 1:
@@ -1183,6 +1221,84 @@ class Agent:
         log.info("round %d closed without an update (%s)", self.round_id - 1, reason)
         return False
 
+    async def _ride_out_isolation(self) -> bool | None:
+        """The isolation policy (protocol/isolation.py), before a round's matchmaking. None: go on with the
+        round (connected again at this round, alone because the others left, or alone past
+        timeouts.isolation_timeout with run.min_peers = 1); a bool: the round is over (the swarm moved on and we
+        took its state, or we are leaving), the value as `_round`'s."""
+        watch = self.isolation
+        if watch.verdict != "isolated":
+            return None
+        timeouts = self.config.timeouts
+        limit = timeouts.isolation_timeout
+        self.status = Status.ISOLATED
+        self.events.write("isolated", round_id=self.round_id, vanished=list(watch.vanished), timeout=limit)
+        log.warning(
+            "round %d waits: isolated from %s; reaching the swarm through the initial peers and their last "
+            "addresses for up to %.0f s (timeouts.isolation_timeout)",
+            self.round_id,
+            ", ".join(watch.vanished),
+            limit,
+        )
+        started = time.monotonic()
+        while True:
+            if self.leave_mode is not None:
+                self.strategy.rollback()
+                return False
+            await self._reach_swarm()
+            members = await self._refresh_peers()
+            if watch.verdict != "isolated":
+                others = [m for m in members if m.peer_id != self.peer_id]
+                seconds = time.monotonic() - started
+                self.events.write(
+                    "rejoined", round_id=self.round_id, peers=[m.peer_id for m in others], seconds=seconds
+                )
+                log.warning("rejoined the swarm after %.1f s: %d peers live", seconds, len(others))
+                self.status = Status.EXCHANGING
+                newest = max((m.round_id for m in others), default=self.round_id)
+                if newest > self.round_id:  # the swarm went on without us: take its state
+                    self.strategy.rollback()
+                    return await self._catch_up(newest, "rejoined after isolation")
+                return None  # same round (or the others are behind and catch up to us): match with them
+            waited = time.monotonic() - started
+            if waited >= limit:
+                if self.config.run.min_peers > 1:
+                    raise AgentError(
+                        f"isolated for {waited:.0f} s (timeouts.isolation_timeout={limit:g}): the peers "
+                        f"{', '.join(watch.vanished)} vanished without leaving and none came back, and "
+                        f"run.min_peers={self.config.run.min_peers} forbids training alone; check the network "
+                        f"to the initial peers {list(self.config.network.initial_peers)}"
+                    )
+                self.events.write("continuing_alone", round_id=self.round_id, vanished=list(watch.vanished))
+                log.warning(
+                    "still isolated after %.0f s: going on alone (run.min_peers=1); peers that come back "
+                    "are matched with again",
+                    waited,
+                )
+                watch.forget()
+                self.status = Status.EXCHANGING
+                return None
+            await asyncio.sleep(min(max(2 * timeouts.heartbeat_interval, 1.0), max(limit - waited, 0.0)))
+
+    async def _reach_swarm(self) -> None:
+        """Dial the initial peers and the vanished peers' last addresses from the DHT node (bounded)."""
+        from functools import partial
+
+        from farloco.node.dhtnode import reach_peers
+        from farloco.protocol import dhtcall
+
+        maddrs = [*self.config.network.initial_peers]
+        for peer in self.isolation.vanished:
+            maddrs += [f"{m}/p2p/{peer}" if "/p2p/" not in m else m for m in self._peer_maddrs.get(peer, ())]
+        if not maddrs:
+            return
+        try:
+            answered = await dhtcall.call(self.dht.run_coroutine, partial(reach_peers, maddrs=tuple(maddrs)))
+        except Exception as exc:  # unreachable is what we expect while isolated; the next pass tries again
+            log.info("reaching the swarm: %s", exc or type(exc).__name__)
+        else:
+            log.info("reaching the swarm: %d of the peers dialled answered", answered)
+
     async def _catch_up(self, target_round: int, why: str, *, wait: float | None = None) -> bool:
         """Fetch the swarm's state once some member has reached `target_round` (bounded wait).
 
@@ -1213,30 +1329,56 @@ class Agent:
 
     async def _check_hashes(self, group: Any) -> bool:
         """Compare theta hashes with the other members of this round's group (their records were published
-        before they declared themselves ready). A strict minority resyncs from the majority; returns whether we
-        did. A tie only logs: nobody can tell which side is right, and the next round looks again."""
+        before they declared themselves ready); returns whether we resynced.
+
+        Healing rule (every member computes the same from the same records): the hash held by the most members
+        wins; between sides of equal size, the side holding the lowest peer id wins. Every member of a losing side
+        fetches the winning side's state before it contributes, so after this round the group holds one theta.
+        (A tie used to only log: two halves of a partition that each committed a round alone stayed forked for
+        good, averaging the same updates into two different models.)"""
+        from farloco.protocol.statesync import StateSyncError
+
         if self.round_id == 0 or len(group.members) < 2:
             return False
         in_group = {m.peer_id for m in group.members}
         members = await self._refresh_peers()
-        same_round = [
-            m for m in members if m.peer_id in in_group and m.round_id == self.round_id and m.outer_hash
-        ]
-        votes: dict[str, list[Any]] = {}
-        for m in same_round:
-            votes.setdefault(m.outer_hash, []).append(m)
-        votes.setdefault(self.outer_hash, [])
-        if len(votes) <= 1:
+        holders: dict[str, set[str]] = {}
+        for m in members:
+            if (
+                m.peer_id in in_group
+                and m.peer_id != self.peer_id
+                and m.round_id == self.round_id
+                and m.outer_hash
+            ):
+                holders.setdefault(m.outer_hash, set()).add(m.peer_id)
+        holders.setdefault(self.outer_hash, set()).add(self.peer_id)
+        if len(holders) <= 1:
             return False
         self.counters.hash_mismatches += 1
-        majority_hash = max(votes, key=lambda h: len(votes[h]))
-        summary = {h[:12]: sorted(m.peer_id for m in ms) for h, ms in votes.items()}
-        self.events.write("hash_mismatch", round_id=self.round_id, ours=self.outer_hash, votes=summary)
+        winner = min(holders, key=lambda h: (-len(holders[h]), min(holders[h])))
+        summary = {h[:12]: sorted(ids) for h, ids in holders.items()}
+        self.events.write(
+            "hash_mismatch", round_id=self.round_id, ours=self.outer_hash, winner=winner, votes=summary
+        )
         log.error("round %d: theta_outer hashes disagree within the group: %s", self.round_id, summary)
-        mine = len(votes[self.outer_hash])
-        if majority_hash == self.outer_hash or len(votes[majority_hash]) <= mine:
+        if winner == self.outer_hash:
             return False
-        await self._sync_from([m.address for m in votes[majority_hash]], "hash mismatch")
+        log.warning(
+            "round %d: taking the state of %s (healing rule: larger side, then lowest peer id)",
+            self.round_id,
+            sorted(holders[winner]),
+        )
+        by_id = {m.peer_id: m for m in members}
+        donors = [by_id[p].address for p in sorted(holders[winner])]
+        for attempt in range(3):  # a link that just healed may fail the first call (a connection that died)
+            try:
+                await self._sync_from(donors, "hash mismatch")
+                return True
+            except StateSyncError as exc:
+                if attempt == 2:
+                    raise
+                log.warning("fetching the winning side's state failed (%s); trying again", exc)
+                await asyncio.sleep(1.0)
         return True
 
     def _state_fault(self) -> Any:

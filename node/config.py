@@ -239,6 +239,10 @@ class TimeoutConfig:
     ready or group record, its departure) is retried with back-off before the node gives up on it. Each failed
     try is logged with what it waits for; only a refusal that outlasts this ends the node, with a message naming
     the DHT key. Heartbeats are not retried: the next beat is their retry."""
+    isolation_timeout: float = 120.0
+    """How long a node whose peers vanished without leaving (a crash or a network partition: it cannot tell)
+    waits for its swarm, committing no round and dialling the initial peers, before the policy decides: with
+    `run.min_peers` > 1 it exits with an error, with `min_peers` = 1 it goes on alone (protocol/isolation.py)."""
     leave_timeout: float = 30.0
     """Upper bound on leaving (`farloco leave`, `leave --now`, SIGTERM, Ctrl+C), from any state: a round in
     flight is finished only if it ends within about half of this, then the departure is stored, the ranks are

@@ -179,6 +179,14 @@ class ControlClient:
         result: dict[str, Any] = self._call("GET", "/status")
         return result
 
+    def metrics(self) -> str:
+        """The node's Prometheus text (the open /metrics endpoint)."""
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=self.timeout) as response:
+                return str(response.read().decode())
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            raise ControlError(f"node in {self.run_dir} does not answer at {self.url}: {exc}") from exc
+
     def peers(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/peers")
         return result

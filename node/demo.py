@@ -91,6 +91,8 @@ def demo_config(rounds: int, overrides: list[str]) -> str:
         "member_ttl": 5.0,
         "match_timeout": 20.0,
         "leader_timeout": 2.0,
+        # A peer that vanished here crashed (loopback does not partition): wait for it briefly, then go on.
+        "isolation_timeout": 15.0,
     }
     config = build_config(base, overrides)
     return to_toml(config)

@@ -88,3 +88,36 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
             "addresses can be bound and reached"
         ) from None
     return dht
+
+
+async def reach_peers(_dht: Any, node: Any, maddrs: tuple[str, ...] = ()) -> int:
+    """Run inside the DHT process (`dht.run_coroutine(functools.partial(reach_peers, maddrs=...))`): dial every
+    peer in `maddrs` (multiaddrs ending in /p2p/<peer id>), ping it into the routing table, then look up our own
+    node id so the routing table fills with the peers near us, as at start-up. Returns how many peers answered.
+
+    An isolated node (protocol/isolation.py) calls this to find its swarm again: after a partition the routing
+    tables on both sides have dropped each other, and nobody would dial across by themselves."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    by_peer: dict[Any, list[Any]] = {}
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(text)
+            peer = PeerID.from_base58(maddr["p2p"])
+        except Exception:  # an address without /p2p/ or malformed: nothing to dial
+            continue
+        by_peer.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+    by_peer.pop(node.peer_id, None)
+
+    async def reach(peer: Any, addresses: list[Any]) -> bool:
+        with contextlib.suppress(Exception):  # unreachable now: the ping below says so
+            await node.p2p._client.connect(peer, addresses)
+        return await node.protocol.call_ping(peer) is not None
+
+    answered = await asyncio.gather(*(reach(p, a) for p, a in by_peer.items()), return_exceptions=True)
+    if any(ok is True for ok in answered):
+        await node.find_nearest_nodes([node.node_id])
+    return sum(ok is True for ok in answered)

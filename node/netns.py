@@ -98,6 +98,15 @@ class NamespaceWAN:
             raise
         return self
 
+    def cut(self, i: int) -> None:
+        """Partition host i from every other host (its uplink goes down on the bridge side): a network split
+        that neither side can tell from the other's crash."""
+        _ip("-n", f"{self.prefix}br", "link", "set", f"{self.prefix}p{i}", "down")
+
+    def mend(self, i: int) -> None:
+        """Undo `cut(i)`."""
+        _ip("-n", f"{self.prefix}br", "link", "set", f"{self.prefix}p{i}", "up")
+
     def down(self) -> None:
         """Remove every namespace this WAN made (their veths go with them)."""
         errors = []

@@ -91,8 +91,13 @@ def process_group(backend: str) -> Iterator[None]:
     dist.init_process_group(backend=backend)
     try:
         yield
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # a peer may be gone: no barrier
+        raise
+    # Every rank finishes its last collective before any tears the group down: a rank that destroyed its gloo
+    # pairs under another's last op made that one abort ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def plain_gradient_step(config: Config) -> bool:

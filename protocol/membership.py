@@ -63,7 +63,7 @@ from farloco.protocol.tasks import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 ConfigValue = str | int | float | bool
-MEMBER_STATES: tuple[str, ...] = ("starting", "syncing", "training", "exchanging", "leaving")
+MEMBER_STATES: tuple[str, ...] = ("starting", "syncing", "training", "exchanging", "isolated", "leaving")
 NO_SLOT = -1  # slot of a member that has not claimed one yet
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # Caps keep one member record small: the DHT carries it on every heartbeat of every member.
@@ -453,6 +453,14 @@ class Membership:
             if isinstance(entry, MemberRecord) and (entry.peer_id, entry.heartbeat) in live
         }
 
+    def departed(self, now: float) -> set[str]:
+        """Peer ids whose departure tombstone we hold (tombstones live `ttl` past their time, like records)."""
+        return {
+            e.peer_id
+            for e in self._entries.values()
+            if isinstance(e, Departure) and e.heartbeat + self.ttl > now
+        }
+
     def live(self, now: float) -> list[MemberRecord]:
         """Live members of our run (same run_hash), sorted by peer id; includes members in state 'leaving'."""
         return [record for record in self._present(now) if record.run_hash == self.run_hash]
@@ -668,6 +676,10 @@ class DHTMembership:
         """Live members of our run (same run_hash, schema-checked), sorted by peer id."""
         await self.refresh()
         return self.core.live(self.clock.now())
+
+    def departed(self) -> set[str]:
+        """From the last read: peer ids that left with a tombstone."""
+        return self.core.departed(self.clock.now())
 
     def mismatched(self) -> list[tuple[MemberRecord, list[str]]]:
         """From the last read: live records of another run_hash with the [run] keys that differ."""

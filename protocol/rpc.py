@@ -144,6 +144,9 @@ UnaryHandler = Callable[[CallContext, Frame], Awaitable[Frame]]
 StreamHandler = Callable[[CallContext, AsyncIterator[Frame]], AsyncIterator[Frame]]
 
 
+KEEPALIVE_MS = 10_000
+
+
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -156,6 +159,15 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
         ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
         ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
+        # A connection that died silently (a partition, a peer's host gone: no RST ever comes) is found by
+        # HTTP/2 pings within ~15 s instead of after TCP's retransmission back-off, which left calls stalled on a
+        # healed link for many seconds and then failed them. The server side accepts pings that often.
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ]
 
 

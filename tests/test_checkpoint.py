@@ -430,6 +430,7 @@ _RESHARD = textwrap.dedent(
         step, fingerprint = optimizer_fingerprint(optimizer, torch.device("cpu"))
         if rank == 0:
             print(mode, world, step, repr(fingerprint), flush=True)
+        dist.barrier()  # as node/trainer.py: nobody tears gloo down under another rank's last op
         dist.destroy_process_group()
 
     def free_port():
