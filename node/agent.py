@@ -41,8 +41,10 @@ from farloco.node.dhtnode import make_dht
 from farloco.node.handoff import Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
+from farloco.protocol import shares
 from farloco.protocol.faults import FlakyDHT, parse_dht_faults
 from farloco.protocol.isolation import IsolationWatch
+from farloco.protocol.shares import RoundShares, left_out_reason
 from farloco.protocol.tasks import cancel_and_wait
 from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
@@ -220,6 +222,7 @@ class Agent:
         self._inner_load_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.isolation = IsolationWatch()
+        self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
 
     # ---- public, thread-safe views ----------------------------------------------------------------------------
@@ -254,6 +257,10 @@ class Agent:
                 "num_params": self.num_params,
                 "num_ranks": self.config.node.num_ranks,
                 "rounds_committed": self.counters.rounds_committed,
+                # Of the last 100 rounds this node closed, the fraction it contributed to.
+                "group_share": self.shares.share(self.peer_id) if self.peer_id else None,
+                "left_out": dict(self.shares.left_out),
+                "peers_left_out": dict(self.shares.peers_left_out),
                 "rounds_aborted": self.counters.rounds_aborted,
                 "rounds_late": self.counters.rounds_late,
                 "hash_mismatches": self.counters.hash_mismatches,
@@ -273,6 +280,8 @@ class Agent:
                 "sync": self.sync_progress.snapshot() if self.sync_progress is not None else None,
                 "leave_mode": self.leave_mode,
                 "last_round_seconds": self.counters.last_round_seconds,
+                # The straggler wait we proposed last round (adaptive, protocol/matchmaking.py StragglerWait).
+                "match_wait_seconds": getattr(getattr(self, "matchmaker", None), "last_wait", None) or None,
                 "error": self.error,
                 "last_checkpoint": self.last_checkpoint,
                 "metrics_url": (self.control.url + "/metrics") if getattr(self, "control", None) else None,
@@ -333,6 +342,11 @@ class Agent:
             "compression_ratio", status["compression_ratio"], "fp32 bytes per wire byte actually achieved."
         )
         metric("round_seconds", status["last_round_seconds"], "Duration of the last outer round.")
+        metric(
+            "match_wait_seconds",
+            status["match_wait_seconds"],
+            "Straggler wait this node proposed last round (adapts between match_timeout_min and match_timeout).",
+        )
         metric("inner_step_seconds", status["inner_step_seconds"], "Mean inner step time of the last round.")
         metric("tokens_per_second", status["tokens_per_second"], "Training tokens per second in inner steps.")
         metric(
@@ -356,6 +370,21 @@ class Agent:
             metric("sync_bytes_total", sync["bytes_total"], "Bytes of outer state the running sync fetches.")
         metric("rounds_committed_total", status["rounds_committed"], "Committed rounds.", "counter")
         metric("rounds_aborted_total", status["rounds_aborted"], "Aborted rounds.", "counter")
+        metric(
+            "group_share", status["group_share"], "Fraction of the last 100 rounds this node contributed to."
+        )
+        for name, counts, help_text in (
+            ("left_out_total", status["left_out"], "Rounds this node did not contribute to, by reason."),
+            (
+                "peers_left_out_total",
+                status["peers_left_out"],
+                "Live members this node's groups left out, by reason.",
+            ),
+        ):
+            if counts:
+                lines.append(f"# HELP farloco_{name} {help_text}")
+                lines.append(f"# TYPE farloco_{name} counter")
+                lines += [f'farloco_{name}{{reason="{r}"}} {n}' for r, n in sorted(counts.items())]
         metric(
             "isolated",
             int(status["isolated"]),
@@ -827,6 +856,7 @@ class Agent:
                 "loss": m.loss,
                 "outer_hash": m.outer_hash,
                 "heartbeat_age": max(0.0, _dht_now() - m.heartbeat),
+                "share": self.shares.share(m.peer_id),
                 "self": m.peer_id == self.peer_id,
             }
             for m in members
@@ -1011,7 +1041,7 @@ class Agent:
             if self.leave_mode is not None:
                 return
             # The members wait for us in this round from now on (our record says so a heartbeat later).
-            self.matchmaker.announce(self.round_id, self.peer_id)
+            self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
             seq = self.handoff.publish(
                 load,
                 round_id=self.round_id,
@@ -1091,6 +1121,7 @@ class Agent:
         # freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links.
         isolated = await self._ride_out_isolation()
         if isolated is not None:
+            self._left_out(shares.ISOLATED)
             return isolated
         me = GroupMember(self.peer_id, self.grpc_address)
         try:
@@ -1099,10 +1130,12 @@ class Agent:
                 me,
                 match_timeout=timeouts.match_timeout,
                 leader_timeout=timeouts.leader_timeout,
+                match_timeout_min=timeouts.match_timeout_min,
             )
         except MatchmakingError as exc:
             # We could not even declare ourselves ready: whatever the others did, take it from them.
             self.events.write("matchmaking_failed", round_id=self.round_id, error=str(exc))
+            self._left_out(shares.NO_GROUP)
             self.strategy.rollback()
             return await self._catch_up(self.round_id + 1, "matchmaking failed")
         except LateForRound as exc:
@@ -1110,6 +1143,7 @@ class Agent:
             self.events.write(
                 "late", round_id=self.round_id, reason=exc.reason, group_formed=exc.group_formed
             )
+            self._left_out(shares.LATE if exc.group_formed else shares.NO_GROUP)
             self.strategy.rollback()
             if exc.group_formed:
                 # The group moves to round r+1 without us: take its state at that boundary.
@@ -1152,14 +1186,17 @@ class Agent:
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
             self._count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
+            self._left_out(shares.EXCHANGE_FAILED)
             return self._abort(f"exchange aborted: {exc}", len(group.members))
         # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every attempt:
         # a dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
         self._count_bytes(sent, received, fp32_bytes)
         if len(contributors) < run.min_peers:
+            self._left_out(shares.TOO_FEW)
             return self._abort(
                 f"{len(contributors)} contributors < run.min_peers={run.min_peers}", len(contributors)
             )
+        self._account_round(group, contributors)
         fragment = getattr(self.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.num_params)
         self.strategy.propose(contribution, transmitted)
@@ -1199,6 +1236,36 @@ class Agent:
         )
         await self._publish()
         return True
+
+    def _live_ids(self) -> list[str]:
+        return [m.peer_id for m in self.membership.core.live(_dht_now())]
+
+    def _left_out(self, reason: str) -> None:
+        """We are not among this round's contributors: say why (event, metric, our share)."""
+        self.shares.left_out[reason] += 1
+        self.shares.record([*self._live_ids(), self.peer_id], ())
+        self.events.write("left_out", round_id=self.round_id, peer=self.peer_id, reason=reason, by="self")
+
+    def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
+        """A committed round: record who took part; as its leader, name each live member left out and why."""
+        now = _dht_now()
+        live = {m.peer_id: m for m in self.membership.core.live(now)}
+        self.shares.record([*live, self.peer_id], contributors)
+        if self.matchmaker.last_leader != self.peer_id:
+            return
+        in_group = {m.peer_id for m in group.members}
+        for peer_id, record in sorted(live.items()):
+            if peer_id in contributors or peer_id == self.peer_id:
+                continue
+            reason = left_out_reason(
+                record.state,
+                self.matchmaker.round_of(record, now),
+                self.round_id,
+                in_group=peer_id in in_group,
+            )
+            self.shares.peers_left_out[reason] += 1
+            self.events.write("left_out", round_id=self.round_id, peer=peer_id, reason=reason, by="leader")
+            log.info("round %d: %s left out (%s)", self.round_id, peer_id, reason)
 
     def _count_bytes(self, sent: int, received: int, fp32_bytes: int) -> None:
         self.counters.bytes_sent += sent
@@ -1328,8 +1395,9 @@ class Agent:
         return self._advance_without_update("nobody reached the next round")
 
     async def _check_hashes(self, group: Any) -> bool:
-        """Compare theta hashes with the other members of this round's group (their records were published
-        before they declared themselves ready); returns whether we resynced.
+        """Compare our theta hash for this round with every live member's: what each announced over the links
+        when its round started (`DHTMatchmaker.announced_hashes`), and the member records of our group as a
+        fallback (no DHT read here: it would put the DHT back on the round's path). Returns whether we resynced.
 
         Healing rule (every member computes the same from the same records): the hash held by the most members
         wins; between sides of equal size, the side holding the lowest peer id wins. Every member of a losing side
@@ -1338,20 +1406,24 @@ class Agent:
         good, averaging the same updates into two different models.)"""
         from farloco.protocol.statesync import StateSyncError
 
-        if self.round_id == 0 or len(group.members) < 2:
+        if self.round_id == 0:
             return False
         in_group = {m.peer_id for m in group.members}
-        members = await self._refresh_peers()
-        holders: dict[str, set[str]] = {}
+        members = self.membership.core.live(_dht_now())
+        live = {m.peer_id for m in members}
+        claims: dict[str, str] = {}
         for m in members:
-            if (
-                m.peer_id in in_group
-                and m.peer_id != self.peer_id
-                and m.round_id == self.round_id
-                and m.outer_hash
-            ):
-                holders.setdefault(m.outer_hash, set()).add(m.peer_id)
-        holders.setdefault(self.outer_hash, set()).add(self.peer_id)
+            if m.peer_id in in_group and m.round_id == self.round_id and m.outer_hash:
+                claims[m.peer_id] = m.outer_hash
+        # Every live member's announcement for this round, grouped with us or not (sent over the links when its
+        # round started): a fork between members that never share a group is seen all the same.
+        for peer_id, outer_hash in self.matchmaker.announced_hashes(self.round_id).items():
+            if peer_id in live:
+                claims[peer_id] = outer_hash
+        claims[self.peer_id] = self.outer_hash
+        holders: dict[str, set[str]] = {}
+        for peer_id, outer_hash in claims.items():
+            holders.setdefault(outer_hash, set()).add(peer_id)
         if len(holders) <= 1:
             return False
         self.counters.hash_mismatches += 1

@@ -255,6 +255,11 @@ def status(run_dir: Path, as_json: bool) -> None:
         "loss",
         "eval_loss",
         "num_peers",
+        "group_share",
+        "left_out",
+        "isolated_seconds",
+        "vanished_peers",
+        "match_wait_seconds",
         "outer_hash",
         "bytes_sent",
         "bytes_received",
@@ -274,6 +279,12 @@ def status(run_dir: Path, as_json: bool) -> None:
         value = data.get(key)
         if key == "outer_hash" and value:
             value = value[:16]
+        if key in ("isolated_seconds", "vanished_peers") and not data.get("isolated"):
+            continue  # only while isolated
+        if key == "group_share" and value is not None:
+            value = f"{100 * value:.0f}% of recent rounds"
+        if key == "left_out":
+            value = ", ".join(f"{reason} {n}" for reason, n in sorted((value or {}).items())) or "never"
         if key == "sync" and value:
             done, total = value["bytes_done"] / 2**20, value["bytes_total"] / 2**20
             value = f"{done:.1f} / {total:.1f} MiB ({value['description']})"
@@ -294,7 +305,7 @@ def peers(run_dir: Path, as_json: bool) -> None:
         click.echo(json.dumps(members, indent=2))
         return
     table = Table(title=f"{len(members)} peers")
-    for column in ("peer", "state", "round", "step", "slot", "loss", "hash", "heartbeat", "address"):
+    for column in ("peer", "state", "round", "step", "slot", "loss", "hash", "share", "heartbeat", "address"):
         table.add_column(column, no_wrap=column in ("peer", "address"))
     for m in members:
         table.add_row(
@@ -305,6 +316,7 @@ def peers(run_dir: Path, as_json: bool) -> None:
             str(m["slot"]),
             _fmt(m["loss"]),
             (m["outer_hash"] or "-")[:12],
+            "-" if m.get("share") is None else f"{100 * m['share']:.0f}%",
             f"{m['heartbeat_age']:.1f}s ago",
             m["address"],
         )

@@ -228,6 +228,10 @@ class TimeoutConfig:
     match_timeout: float = 30.0
     """How long the round leader waits for live members still training the round before freezing the group
     without them (dead members drop out sooner, when their record expires after `member_ttl`)."""
+    match_timeout_min: float = 2.0
+    """Lower bound of the adaptive straggler wait: each round the leader waits for live members not ready yet
+    about twice the 90th percentile of recent rounds' ready spreads, within [match_timeout_min, match_timeout]
+    (protocol/matchmaking.py `StragglerWait`); a member dropped for being late raises the wait at once."""
     leader_timeout: float = 5.0
     """How long followers wait for a group beyond `match_timeout` before the next peer leads."""
     exchange_timeout: float = 60.0
@@ -250,6 +254,11 @@ class TimeoutConfig:
 
     def __post_init__(self) -> None:
         _positive(self, *[f.name for f in dataclasses.fields(self)])
+        if self.match_timeout_min > self.match_timeout:
+            raise ConfigError(
+                f"timeouts.match_timeout_min must be <= timeouts.match_timeout: expected at most "
+                f"{self.match_timeout}, got {self.match_timeout_min}"
+            )
 
 
 @dataclass(frozen=True)

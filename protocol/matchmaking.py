@@ -4,9 +4,11 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
 
 1. A peer that finished its local work for round r stores a *ready* record under `farloco/{run}/round/{r}`
    (sub-key = its public key, so the record is signed): peer id, gRPC address, ready_at (DHT time).
-2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + match_timeout`. All
+2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + wait`, where `wait` is the
+   straggler wait proposed in the opening record (each peer proposes one from the round's own arrival
+   statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`). All
    peers compute the same deadline from the same records, so a leader change cannot restart the clock.
-3. Leader candidates are the ready peers whose ready_at is at most `opened + match_timeout - leader_timeout/2`
+3. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
    (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
    live member whose member record says round r (and is not leaving) is ready and no member's record says
    a later round (such a member left round r, so r's group may already exist), and at the latest at the
@@ -16,7 +18,10 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    `[freeze + k*leader_timeout, freeze + k*leader_timeout + leader_timeout/2)` and publishes the ready peers
    it sees minus the k candidates ranked before it (they failed to lead, so they are presumed dead). Every
    candidate, the leader included, publishes only inside its window, and only if it sees no group yet.
-5. A peer that sees group records takes the one from the lowest leader peer id. If it is not a member, it
+5. A member that learns the group from another member relays it once to the others and keeps a DHT copy under
+   its own key (a group record may be stored by any of its members): a leader that dies having reached only
+   some members, whose relays are lost, still has its group seen by every candidate before its window.
+   A peer that sees group records takes the one from the lowest leader peer id. If it is not a member, it
    is late for r: `LateForRound` (it joins round r+1 and never blocks the others). When every candidate's
    window has passed without a group, every remaining peer is late.
 
@@ -41,7 +46,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -57,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 STORE_ATTEMPTS = 4
+_HEX = frozenset("0123456789abcdef")
 
 
 class LateForRound(Exception):
@@ -111,14 +117,19 @@ def _check_fields(data: object, expected: set[str], where: str) -> Mapping[str, 
     return data
 
 
+MAX_WAIT = 86400.0  # the largest straggler wait a ready record may propose (seconds)
+
+
 @dataclass(frozen=True)
 class ReadyRecord:
-    """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`.'"""
+    """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`; if its record
+    opens the round, wait `wait` seconds for stragglers' (0: the configured match_timeout; see `schedule`).'"""
 
     peer_id: str
     address: str
     round_id: int
     ready_at: float
+    wait: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -126,17 +137,22 @@ class ReadyRecord:
             "address": self.address,
             "round_id": self.round_id,
             "ready_at": self.ready_at,
+            "wait": self.wait,
         }
 
     @classmethod
     def from_wire(cls, data: object) -> ReadyRecord:
         where = "ready record"
-        fields = _check_fields(data, {"peer_id", "address", "round_id", "ready_at"}, where)
+        fields = _check_fields(data, {"peer_id", "address", "round_id", "ready_at", "wait"}, where)
+        wait = fields["wait"]
+        if not isinstance(wait, float) or not 0.0 <= wait <= MAX_WAIT:
+            raise ValueError(f"{where}.wait must be a float in [0, {MAX_WAIT:g}] seconds, got {wait!r}")
         return cls(
             _check_str(fields, "peer_id", where),
             _check_str(fields, "address", where),
             _check_round(fields, where),
             _check_time(fields, "ready_at", where),
+            wait,
         )
 
 
@@ -258,11 +274,17 @@ class RoundSchedule:
 
 
 def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) -> RoundSchedule:
-    """Deadlines and candidate ranking of the round `view` describes (it must hold a ready record)."""
+    """Deadlines and candidate ranking of the round `view` describes (it must hold a ready record).
+
+    The straggler wait is the one proposed by the record that opened the round (earliest ready_at, then lowest
+    peer id), capped at `match_timeout`; a record proposing none (0) waits `match_timeout`. Every peer that
+    sees the opening record computes the same freeze deadline, whatever its own estimate."""
     if not view.ready:
         raise ValueError("a round schedule needs at least one ready record (our own), got none")
-    opened = min(record.ready_at for record in view.ready.values())
-    cutoff = opened + max(match_timeout - leader_timeout / 2, 0.0)
+    opener = min(view.ready.values(), key=lambda record: (record.ready_at, record.peer_id))
+    opened = opener.ready_at
+    wait = min(opener.wait, match_timeout) if opener.wait > 0 else match_timeout
+    cutoff = opened + max(wait - leader_timeout / 2, 0.0)
     candidates = tuple(
         sorted(
             peer_id
@@ -270,7 +292,7 @@ def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) ->
             if record.ready_at <= cutoff and peer_id not in view.leaving
         )
     )
-    return RoundSchedule(opened, opened + match_timeout, candidates, leader_timeout)
+    return RoundSchedule(opened, opened + wait, candidates, leader_timeout)
 
 
 def decide(
@@ -326,6 +348,54 @@ def decide(
     return Wait(plan.give_up_at)
 
 
+@dataclass
+class StragglerWait:
+    """The straggler wait a peer proposes in its ready records, from the round's own arrival statistics.
+
+    Each formed group gives one sample: how long after the round opened its last member was ready (the ready
+    spread), or, when a member we expected was not ready in time, the wait that round used (a censored sample:
+    the straggler needed more). The proposal is `factor` times the `quantile` of the last `window` samples,
+    bounded below by `floor` (`timeouts.match_timeout_min`) and above by `ceiling` (`timeouts.match_timeout`);
+    until `min_samples` rounds are seen it is the ceiling. So fast rounds are not held for a timeout sized for
+    slow links, a member that is merely slow raises the wait within a round or two (each censored sample at
+    least doubles it, up to the ceiling), and a dead member costs at most the wait (or its record's expiry).
+    """
+
+    floor: float
+    ceiling: float
+    window: int = 32
+    min_samples: int = 5
+    quantile: float = 0.9
+    factor: float = 2.0
+    samples: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor <= self.ceiling:
+            raise ValueError(
+                f"need 0 < match_timeout_min <= match_timeout, got {self.floor} and {self.ceiling}"
+            )
+
+    def observe(self, spread: float) -> None:
+        self.samples.append(max(0.0, float(spread)))
+        del self.samples[: -self.window]
+
+    def wait(self) -> float:
+        if len(self.samples) < self.min_samples:
+            return self.ceiling
+        ordered = sorted(self.samples)
+        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        return min(self.ceiling, max(self.floor, self.factor * q))
+
+
+def spread_sample(group: Group, view: RoundView, plan: RoundSchedule) -> float:
+    """One `StragglerWait` sample from a formed group and the view it was decided on (see there)."""
+    members = {m.peer_id for m in group.members}
+    if view.expected - members:  # someone we waited for missed the freeze: the wait was too short
+        return plan.freeze_at - plan.opened
+    times = [view.ready[p].ready_at for p in members if p in view.ready]
+    return max(times, default=plan.opened) - plan.opened
+
+
 # --------------------------------------------------------------------------------------------- DHT driver
 
 
@@ -366,7 +436,9 @@ def parse_ready(raw: Mapping[bytes, Any], round_id: int) -> tuple[dict[str, Read
 
 
 def parse_groups(raw: Mapping[bytes, Any], round_id: int, owners: Mapping[str, bytes]) -> list[GroupRecord]:
-    """Group records of `round_id` whose leader stored them under the key that owns its ready record."""
+    """Group records of `round_id` stored by one of the group's members, under the key that owns that member's
+    ready record (the leader's copy, or the copy a member keeps once it learned the group from someone else)."""
+    writers = {owner: peer_id for peer_id, owner in owners.items()}
     groups = []
     for owner, value in raw.items():
         try:
@@ -374,8 +446,10 @@ def parse_groups(raw: Mapping[bytes, Any], round_id: int, owners: Mapping[str, b
         except ValueError as error:
             logger.warning("ignoring a malformed group record for round %d: %s", round_id, error)
             continue
-        if record.group.round_id != round_id or owners.get(record.leader) != owner:
-            # Unknown leader ownership (its ready record not seen yet, or forged): look again next poll.
+        if record.group.round_id != round_id or writers.get(owner) not in {
+            m.peer_id for m in record.group.members
+        }:
+            # Unknown writer (its ready record not seen yet, or not a member): look again next poll.
             continue
         groups.append(record)
     return groups
@@ -456,9 +530,14 @@ class DHTMatchmaker:
         self._ready_in: dict[int, dict[str, ReadyRecord]] = {}
         self._groups_in: dict[int, dict[str, GroupRecord]] = {}
         self._wake: asyncio.Event | None = None
-        # peer id -> (the round it announced it works on, our clock when it arrived)
-        self._at: dict[str, tuple[int, float]] = {}
+        # peer id -> (the round it announced it works on, our clock when it arrived, its theta hash there)
+        self._at: dict[str, tuple[int, float, str]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self.straggler: StragglerWait | None = (
+            None  # the adaptive straggler wait, once form_group is given a floor
+        )
+        self.last_wait = 0.0  # the straggler wait we proposed in our last ready record
+        self.last_leader = ""  # who froze the group form_group last returned
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
         self.counters: Counter[str] = Counter()
         if server is not None:
@@ -528,29 +607,46 @@ class DHTMatchmaker:
                 raise Reject(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY", f"{len(self._at)} peers announced rounds"
                 )
-        self._at[ctx.sender] = (ctx.round_id, self.clock.now())
+        outer_hash = frame.header.get("h", "")
+        if not isinstance(outer_hash, str) or len(outer_hash) > 128 or not all(c in _HEX for c in outer_hash):
+            self.counters["rejected"] += 1
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "BAD_ANNOUNCEMENT",
+                f"expected a hex theta hash of at most 128 chars, got {str(outer_hash)[:80]!r}",
+            )
+        self._at[ctx.sender] = (ctx.round_id, self.clock.now(), outer_hash)
         if self._wake is not None:
             self._wake.set()
         return Frame({"ok": True})
 
     def _prune_at(self) -> None:
         horizon = self.clock.now() - self.membership.core.ttl
-        for peer_id in [p for p, (_, at) in self._at.items() if at < horizon]:
+        for peer_id in [p for p, (_, at, _) in self._at.items() if at < horizon]:
             del self._at[peer_id]
 
-    def announce(self, round_id: int, peer_id: str) -> None:
-        """Tell every live member that our local work for `round_id` starts now (call it when it does).
+    def announce(self, round_id: int, peer_id: str, outer_hash: str = "") -> None:
+        """Tell every live member that our local work for `round_id` starts now (call it when it does), from
+        theta_outer with hash `outer_hash`.
 
         This is what the leader's early freeze waits on: a member whose record or announcement says round r is
         waited for in r. Member records say it too, but through the DHT, a heartbeat or more late; with rounds
-        of a fraction of a second that lag would let a leader freeze without a member that is merely slower."""
+        of a fraction of a second that lag would let a leader freeze without a member that is merely slower.
+        The hash lets every member compare its theta with every other member's each round, grouped together or
+        not (`announced_hashes`), so a fork is seen in the first round both sides share."""
         if self.client is None:
             return
+        header = {"h": outer_hash} if outer_hash else {}
         for record in self.membership.core.live(self.clock.now()):
             if record.peer_id != peer_id and record.state != "leaving":
-                self._spawn(self._push(record.address, AT_METHOD, {}, round_id))
+                self._spawn(self._push(record.address, AT_METHOD, header, round_id))
 
-    def _round_of(self, record: Any, now: float) -> int:
+    def announced_hashes(self, round_id: int) -> dict[str, str]:
+        """Peer id -> the theta hash it announced for `round_id` (announcements younger than the member ttl)."""
+        horizon = self.clock.now() - self.membership.core.ttl
+        return {p: h for p, (r, at, h) in self._at.items() if r == round_id and h and at >= horizon}
+
+    def round_of(self, record: Any, now: float) -> int:
         """The newest round we know `record`'s member works on: its record's, or what it announced since."""
         at = self._at.get(record.peer_id)
         if at is None or at[1] < now - self.membership.core.ttl:
@@ -643,6 +739,11 @@ class DHTMatchmaker:
         for owner, value in raw.items():
             claimed = value.get("peer_id", value.get("leader")) if isinstance(value, dict) else None
             peer_id = owners.get(owner)
+            if peer_id and isinstance(value, dict) and "members" in value:
+                # A group record speaks for its members: any of them may keep a copy (parse_groups checks it).
+                members = value["members"] if isinstance(value["members"], list) else []
+                if any(isinstance(m, list | tuple) and m and m[0] == peer_id for m in members):
+                    claimed = peer_id
             if peer_id is None:
                 core.ignore(
                     "NOT_A_MEMBER", owner, key, f"its key owns no live member record (claims {claimed!r:.80})"
@@ -712,9 +813,18 @@ class DHTMatchmaker:
                 await cancel_and_wait(task)
 
     async def form_group(
-        self, round_id: int, me: GroupMember, *, match_timeout: float, leader_timeout: float
+        self,
+        round_id: int,
+        me: GroupMember,
+        *,
+        match_timeout: float,
+        leader_timeout: float,
+        match_timeout_min: float | None = None,
     ) -> Group:
         """Declare us ready for `round_id` and return the round's group; LateForRound if we are not in it.
+
+        With `match_timeout_min`, the straggler wait we propose adapts to recent rounds (`StragglerWait`,
+        between it and `match_timeout`); without, it is `match_timeout`.
 
         Precondition (what makes the early freeze safe): our member record already says `round_id`, and it
         moved there when our local work for the round started, not just now.
@@ -723,7 +833,16 @@ class DHTMatchmaker:
         group_key = f"{key}/group"
         wake = self._enter(round_id)
         now = self.clock.now()
-        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now))
+        wait = 0.0
+        if match_timeout_min is not None:
+            if self.straggler is None or (self.straggler.floor, self.straggler.ceiling) != (
+                match_timeout_min,
+                match_timeout,
+            ):
+                self.straggler = StragglerWait(match_timeout_min, match_timeout)
+            wait = self.straggler.wait()
+        self.last_wait = wait or match_timeout
+        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait)
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
         linked = self.client is not None
@@ -757,9 +876,9 @@ class DHTMatchmaker:
                     ready=ready,
                     groups=groups,
                     expected=frozenset(
-                        r.peer_id for r in live if self._round_of(r, now) == round_id and r.state != "leaving"
+                        r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving"
                     ),
-                    ahead=frozenset(r.peer_id for r in live if self._round_of(r, now) > round_id),
+                    ahead=frozenset(r.peer_id for r in live if self.round_of(r, now) > round_id),
                     leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
                 )
                 decision = decide(
@@ -769,6 +888,12 @@ class DHTMatchmaker:
                     chosen = min(groups, key=lambda record: record.leader)
                     if linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)
+                        # A DHT copy under our key too: if the leader died having reached only us and our relays
+                        # are lost, the next candidate must still see this group before its window opens, or it
+                        # freezes a second one (tests/test_matchmaking_links.py finds such rounds without it).
+                        self._spawn(self._store(group_key, chosen.to_wire(), expiration))
+                    self.last_leader = chosen.leader
+                    self._sample(decision.group, view, match_timeout, leader_timeout)
                     return decision.group
                 plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
                 early = isinstance(decision, Publish) and now < plan.freeze_at
@@ -783,12 +908,19 @@ class DHTMatchmaker:
                     raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
                 if isinstance(decision, Publish):
                     if await self._publish(decision.record, view, live, group_key, expiration):
+                        self.last_leader = me.peer_id
+                        self._sample(decision.record.group, view, match_timeout, leader_timeout)
                         return decision.record.group
                     await self._wait(wake, self.min_poll_interval)
                     continue
                 await self._wait(wake, decision.until - now)
         finally:
             await cancel_and_wait(poller)
+
+    def _sample(self, group: Group, view: RoundView, match_timeout: float, leader_timeout: float) -> None:
+        if self.straggler is not None:
+            plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
+            self.straggler.observe(spread_sample(group, view, plan))
 
     def _relay(self, record: GroupRecord, me: GroupMember) -> None:
         """Pass the group on once to its other members (the leader may have reached only some)."""

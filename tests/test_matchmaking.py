@@ -23,10 +23,13 @@ from farloco.protocol.matchmaking import (
     Publish,
     ReadyRecord,
     RoundView,
+    StragglerWait,
     Wait,
     decide,
     parse_groups,
     parse_ready,
+    schedule,
+    spread_sample,
 )
 from farloco.protocol.membership import MemberRecord, Membership
 from farloco.protocol.types import Group, GroupMember
@@ -55,6 +58,87 @@ def view(
 
 def run(peer_id: str, v: RoundView) -> Any:
     return decide(7, member(peer_id), v, match_timeout=M, leader_timeout=L)
+
+
+# ------------------------------------------------------------------------------ the adaptive straggler wait
+
+
+def test_the_opening_record_sets_the_freeze_for_everyone_capped_at_match_timeout() -> None:
+    records = {
+        "p1": ReadyRecord("p1", "a:1", 7, 10.0, wait=0.3),
+        "p2": ReadyRecord("p2", "a:2", 7, 10.1, wait=0.9),
+    }
+    plan = schedule(RoundView(10.2, records, [], frozenset()), match_timeout=M, leader_timeout=L)
+    assert plan.freeze_at == pytest.approx(10.3)  # p1 opened the round: its 0.3 s, not p2's 0.9 s
+    # A peer that has not seen p1's record yet would open at p2 and freeze later; it cannot act before it
+    # sees p1's (pushed at once), which is the leader_timeout/2 propagation bound of the module docstring.
+    records["p1"] = ReadyRecord("p1", "a:1", 7, 10.0, wait=50.0)
+    plan = schedule(RoundView(10.2, records, [], frozenset()), match_timeout=M, leader_timeout=L)
+    assert plan.freeze_at == pytest.approx(10.0 + M)  # never past match_timeout
+    records["p1"] = ReadyRecord("p1", "a:1", 7, 10.0)  # no proposal: match_timeout
+    assert (
+        schedule(RoundView(10.2, records, [], frozenset()), match_timeout=M, leader_timeout=L).freeze_at
+        == 11.0
+    )
+
+
+def test_a_straggler_within_the_adaptive_wait_is_grouped_and_one_past_it_is_late() -> None:
+    wait = 0.5
+    records = {
+        p: ReadyRecord(p, member(p).address, 7, t, wait=wait) for p, t in {"p1": 0.0, "p2": 0.1}.items()
+    }
+    everyone = frozenset({"p1", "p2", "p3"})
+    assert isinstance(
+        decide(7, member("p1"), RoundView(0.3, records, [], everyone), match_timeout=M, leader_timeout=L),
+        Wait,
+    )
+    late_straggler = decide(
+        7, member("p1"), RoundView(0.5, records, [], everyone), match_timeout=M, leader_timeout=L
+    )
+    assert isinstance(late_straggler, Publish)
+    assert [m.peer_id for m in late_straggler.record.group.members] == ["p1", "p2"]
+    records["p3"] = ReadyRecord("p3", member("p3").address, 7, 0.45, wait=wait)
+    in_time = decide(
+        7, member("p1"), RoundView(0.46, records, [], everyone), match_timeout=M, leader_timeout=L
+    )
+    assert isinstance(in_time, Publish) and len(in_time.record.group.members) == 3  # early freeze: all ready
+
+
+def test_the_wait_follows_recent_spreads_and_a_missed_member_raises_it_at_once() -> None:
+    wait = StragglerWait(floor=0.5, ceiling=30.0)
+    assert wait.wait() == 30.0  # too few rounds seen: the configured match_timeout
+    for spread in [0.1, 0.2, 0.15, 0.1, 0.05]:
+        wait.observe(spread)
+    assert wait.wait() == 0.5  # fast, even rounds: the floor, not 30 s
+    for spread in [2.0, 2.5, 3.0, 2.0, 2.2, 2.4, 2.8, 2.1, 2.6, 3.0]:  # one peer is now ~3 s slower
+        wait.observe(spread)
+    assert 5.0 <= wait.wait() <= 6.0  # about twice the 90th percentile: the slow member is waited for
+    for _ in range(40):
+        wait.observe(20.0)
+    assert wait.wait() == 30.0  # capped
+    with pytest.raises(ValueError, match="match_timeout_min <= match_timeout"):
+        StragglerWait(floor=40.0, ceiling=30.0)
+
+
+def test_a_spread_sample_is_the_last_member_ready_or_the_wait_when_someone_expected_missed_it() -> None:
+    records = {
+        p: ReadyRecord(p, member(p).address, 7, t, wait=1.0) for p, t in {"p1": 5.0, "p2": 5.4}.items()
+    }
+    group = Group.make(7, [member("p1"), member("p2")])
+    full = RoundView(5.5, records, [], frozenset({"p1", "p2"}))
+    assert spread_sample(group, full, schedule(full, match_timeout=M, leader_timeout=L)) == pytest.approx(0.4)
+    missed = RoundView(6.0, records, [], frozenset({"p1", "p2", "p3"}))
+    assert spread_sample(group, missed, schedule(missed, match_timeout=M, leader_timeout=L)) == pytest.approx(
+        1.0
+    )
+
+
+def test_ready_records_refuse_a_bad_wait() -> None:
+    wire = ReadyRecord("p1", "a:1", 7, 1.0, wait=2.0).to_wire()
+    assert ReadyRecord.from_wire(wire).wait == 2.0
+    for bad in (-1.0, float("nan"), 1e9, 3):
+        with pytest.raises(ValueError, match="wait must be a float"):
+            ReadyRecord.from_wire(dict(wire, wait=bad))
 
 
 # --------------------------------------------------------------------------------------------- the rule
@@ -160,6 +244,11 @@ def test_ready_records_with_disputed_owner_and_groups_from_non_owners_are_ignore
     group = GroupRecord("p1", Group.make(7, [member("p1")]), 2.0)
     assert parse_groups({b"k1": group.to_wire()}, 7, owners) == [group]
     assert parse_groups({b"k9": group.to_wire()}, 7, owners) == []  # stored by someone else than p1's key
+    # A member other than the leader may keep a copy under its own key; a non-member may not.
+    records, owners = parse_ready({b"k1": ready("p1", 1.0).to_wire(), b"k2": ready("p2", 1.0).to_wire()}, 7)
+    pair = GroupRecord("p1", Group.make(7, [member("p1"), member("p2")]), 2.0)
+    assert parse_groups({b"k2": pair.to_wire()}, 7, owners) == [pair]
+    assert parse_groups({b"k2": group.to_wire()}, 7, owners) == []  # p2 is not in p1's group of one
 
 
 # --------------------------------------------------------------------------------------------- simulation

@@ -93,6 +93,9 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
         assert peers.returncode == 0 and "1 peers" in peers.stdout
         listed = json.loads(cli("peers", "--run-dir", str(run_dir), "--json").stdout)
         assert [m["peer_id"] for m in listed] == [status["peer_id"]] and listed[0]["self"]
+        # Alone from the start: every round it closed, it contributed to (and nobody was left out).
+        assert status["group_share"] == 1.0 and status["left_out"] == {} and listed[0]["share"] == 1.0
+        assert "share" in peers.stdout and "100%" in peers.stdout
 
         with urllib.request.urlopen(status["metrics_url"], timeout=10) as response:
             metrics = response.read().decode()

@@ -190,6 +190,8 @@ def test_survivors_go_on_after_a_member_is_sigkilled(swarm: Swarm) -> None:
     wait_for(
         lambda: all(len(rounds_of(p)) >= 2 for p in (a, b, c)), 240, "3 peers to commit 2 rounds", [a, b, c]
     )
+    c_id = next(e["peer_id"] for e in read_events(c.run_dir) if e["event"] == "started")
+    b_id = next(e["peer_id"] for e in read_events(b.run_dir) if e["event"] == "started")
     os.killpg(c.process.pid, signal.SIGKILL)
     c.process.wait(timeout=30)
     start = max(e["round_id"] for e in rounds_of(a))
@@ -205,6 +207,15 @@ def test_survivors_go_on_after_a_member_is_sigkilled(swarm: Swarm) -> None:
     )
     hashes_b = {e["round_id"]: e["outer_hash"] for e in rounds_of(b)}
     assert all(hashes_b.get(e["round_id"], e["outer_hash"]) == e["outer_hash"] for e in late)
+    # Nobody is left out silently: while c's record still lived, a round's leader named it and said why.
+    named = [
+        e for p in (a, b) for e in read_events(p.run_dir) if e["event"] == "left_out" and e["by"] == "leader"
+    ]
+    assert any(e["peer"] == c_id and e["reason"] in ("not_ready", "unreachable") for e in named), named
+    from farloco.node.control import ControlClient
+
+    shares = {m["peer_id"]: m["share"] for m in ControlClient(a.run_dir).peers()}
+    assert shares[b_id] is not None and shares[b_id] >= 0.5, shares  # b was in most of a's recent rounds
 
 
 @pytest.mark.slow
