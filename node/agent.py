@@ -45,7 +45,7 @@ from farloco.protocol import shares
 from farloco.protocol.faults import FlakyDHT, parse_dht_faults
 from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares, left_out_reason
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
 
@@ -596,9 +596,7 @@ class Agent:
         await cancel_and_wait(self._inner_load_task, timeout=1.0)
         try:
             bound = left(0.4)
-            await asyncio.wait_for(
-                self.membership.remove(retry_seconds=min(timeouts.dht_retry, bound)), bound
-            )
+            await wait_for(self.membership.remove(retry_seconds=min(timeouts.dht_retry, bound)), bound)
         except (MembershipError, TimeoutError) as exc:
             log.warning(
                 "could not store our departure on the DHT (%s); the others drop us once our record expires "
@@ -1022,7 +1020,7 @@ class Agent:
                 return False
             assert self._leave_event is not None
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._leave_event.wait(), timeout=0.01)
+                await wait_for(self._leave_event.wait(), timeout=0.01)
             self._leave_event.clear()
         return True
 

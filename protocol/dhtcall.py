@@ -105,9 +105,18 @@ async def await_future(future: concurrent.futures.Future[T], timeout: float) -> 
             loop.call_soon_threadsafe(settle, source)
 
     future.add_done_callback(resolved)
+
+    def expire() -> None:
+        if not waiter.done():
+            waiter.set_exception(TimeoutError(f"the DHT did not answer within {timeout:g} s"))
+
+    # A timer, not asyncio.wait_for: before Python 3.12 wait_for swallows a cancellation that arrives in the
+    # turn its future completes (protocol/tasks.py wait_for), and a cancelled heartbeat then ran on.
+    timer = loop.call_later(timeout, expire)
     try:
-        return await asyncio.wait_for(waiter, timeout)
+        return await waiter
     finally:
+        timer.cancel()
         if not future.done():
             future.cancel()
 

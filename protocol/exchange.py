@@ -51,7 +51,7 @@ from farloco.protocol.rpc import (
     RpcServer,
     encode_frame_header,
 )
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.types import Group, GroupMember, group_id_of
 
 __all__ = ["AverageResult", "Exchange", "ExchangeAborted", "TensorCodec"]
@@ -514,7 +514,7 @@ class Exchange:
         }
         try:
             try:
-                await asyncio.wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
+                await wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
             except TimeoutError:
                 attempt.fail("DEADLINE: data phase did not complete in time", evidence=False)
             if not attempt.ok:
@@ -783,7 +783,7 @@ class Exchange:
             self._attempts[key] = attempt
         attempt.waiters += 1
         try:
-            await asyncio.wait_for(attempt.started.wait(), timeout=JOIN_WAIT_SECONDS)
+            await wait_for(attempt.started.wait(), timeout=JOIN_WAIT_SECONDS)
         except TimeoutError:
             raise _precondition("UNKNOWN_GROUP", f"group {key[:12]} was never started here") from None
         finally:

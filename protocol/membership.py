@@ -592,7 +592,7 @@ class DHTMembership:
         # Sub-key = our public key: the signature validator signs what we store under it.
         self.public_key = public_key if public_key is not None else RSASignatureValidator().local_public_key
         self._record: MemberRecord | None = None
-        self._last_expiration = -math.inf
+        self._last_expiration = -math.inf  # the latest expiration of any entry we sent (it may have landed)
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     @property
@@ -609,13 +609,16 @@ class DHTMembership:
 
         async def attempt(timeout: float) -> bool:
             value, expiration = make()
+            # Counted before the answer: a store whose answer we never get (timed out, or cancelled by a leave)
+            # may still land, and the DHT keeps only a strictly later entry after it. With what succeeded only,
+            # a tombstone stamped in the same instant as a heartbeat whose answer was lost had its exact
+            # expiration and was refused for the whole retry window (seen under a CPU hog).
+            self._last_expiration = max(self._last_expiration, expiration)
             ok = bool(
                 await dhtcall.call(
                     self.dht.store, self.key, value, expiration, subkey=self.public_key, timeout=timeout
                 )
             )
-            if ok:
-                self._last_expiration = max(self._last_expiration, expiration)
             return ok
 
         try:

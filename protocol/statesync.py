@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+from farloco.protocol.tasks import wait_for
 from farloco.protocol.types import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -479,7 +480,7 @@ async def fetch_state(
                 changed.set()
 
     try:
-        await asyncio.wait_for(
+        await wait_for(
             asyncio.gather(*(worker(d) for d in chosen)), timeout=max(deadline - loop.time(), 0.001)
         )
     except TimeoutError:

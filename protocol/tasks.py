@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,28 @@ async def cancel_and_wait(task: asyncio.Future[Any] | None, *, timeout: float = 
     if not task.cancelled() and task.exception() is not None:
         logger.debug("cancelled task ended with %r", task.exception())
     return True
+
+
+async def wait_for(awaitable: Awaitable[T], timeout: float | None) -> T:
+    """`asyncio.wait_for` without its fault before Python 3.12: there, a cancellation that arrives in the loop
+    turn in which the awaited thing completes is swallowed (wait_for returns the result and the caller never
+    sees its CancelledError), so a loop that was cancelled runs on. That let a cancelled membership heartbeat
+    go on re-publishing after `remove()` (seen in a stress run: "did not end within 5 s of being cancelled").
+
+    Here the caller's cancellation always propagates (the inner awaitable is then cancelled and waited for,
+    bounded); TimeoutError after `timeout` seconds (None: no bound), the inner awaitable cancelled likewise.
+    """
+    inner = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({inner}, timeout=timeout)
+    except BaseException:
+        if not inner.done():
+            await cancel_and_wait(inner)
+        raise
+    if not done:
+        await cancel_and_wait(inner)
+        raise TimeoutError(f"not done within {timeout} s")
+    return inner.result()
 
 
 def run(

@@ -39,7 +39,7 @@ import msgpack
 import torch
 
 from farloco.protocol.errors import FrameError, Reject, RpcError
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.protocol.tasks import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class DataServer:
         method, sender = "?", "?"
         try:
             try:
-                method, metadata, timeout = await asyncio.wait_for(self._read_preamble(conn), timeout=10.0)
+                method, metadata, timeout = await wait_for(self._read_preamble(conn), timeout=10.0)
             except TimeoutError:
                 raise Reject(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "TRUNCATED", "no stream preamble within 10 s"

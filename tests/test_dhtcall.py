@@ -161,3 +161,36 @@ def test_flaky_dht_refuses_the_stores_it_is_told_to_and_passes_the_rest_through(
         parse_dht_faults("dht-refuse-stores=many")
     with pytest.raises(ValueError, match="dht-oops"):
         parse_dht_faults("dht-oops=1")
+
+
+def test_a_cancellation_arriving_as_the_answer_does_is_never_swallowed() -> None:
+    """Before Python 3.12, asyncio.wait_for returned the result when the caller was cancelled in the loop turn
+    its future completed, and the caller ran on as if never cancelled (a cancelled heartbeat loop kept
+    publishing after remove()). Neither dhtcall.await_future nor tasks.wait_for may do that."""
+    from farloco.protocol import tasks
+
+    async def body(wait: Any, future: Any) -> str:
+        await wait(future)
+        return "ran on after being cancelled"
+
+    async def main(wait: Any, make: Any) -> None:
+        future = make()
+        caller = asyncio.ensure_future(body(wait, future))
+        await asyncio.sleep(0)  # the caller waits on the future
+        future.set_result(1)  # the answer lands ...
+        caller.cancel()  # ... in the same turn as the cancellation
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    loop_future = lambda: asyncio.get_running_loop().create_future()  # noqa: E731
+    asyncio.run(main(lambda f: tasks.wait_for(f, 10.0), loop_future))
+    asyncio.run(main(lambda f: dhtcall.await_future(f, 10.0), concurrent.futures.Future))
+
+    # The timeout still works, and cancels what it waited for.
+    async def slow() -> None:
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        with pytest.raises(TimeoutError):
+            await tasks.wait_for(inner, 0.05)
+        assert inner.cancelled()
+
+    asyncio.run(slow())

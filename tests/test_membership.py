@@ -168,7 +168,7 @@ class DhtPeer:
 
 # One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
 # its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
-RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign", "hang", "flaky")
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign", "hang", "flaky", "lost")
 
 
 @pytest.fixture(scope="module")
@@ -396,5 +396,41 @@ def test_refused_stores_are_retried_at_every_stage_until_the_deadline(dht_swarm:
             await member.publish(a.record(1), retry_seconds=1.5)
         assert 1.0 < time.monotonic() - started < 10.0
         assert "attempts" in str(err.value) and "initial_peers" in str(err.value)
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_a_tombstone_after_a_store_whose_answer_was_lost_is_not_refused(dht_swarm: Any) -> None:
+    """A heartbeat lands in the DHT but its answer never reaches us (the call was cancelled by a leave, or timed
+    out under load); the tombstone stored next, in the same instant, must still be strictly newer. It had that
+    heartbeat's exact expiration and was refused for the whole retry window (seen once in a stress run)."""
+    import concurrent.futures
+
+    clock = FakeClock(get_dht_time())
+    a, b = dht_swarm(2, run_name="lost", ttl=120.0, heartbeat_interval=1.0, clock=clock)
+    real = a.membership.dht
+
+    class AnswerLost:
+        """Stores really happen; their answers never come back."""
+
+        def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+            real.store(*args, return_future=True, **kwargs).result(timeout=30)
+            return concurrent.futures.Future()  # never resolved
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    async def main() -> None:
+        first = (await a.membership.publish(a.record(0))).heartbeat
+        clock.advance(1.0)
+        a.membership.dht = AnswerLost()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(a.membership.publish(a.record(0), retry_seconds=0), timeout=1.0)
+        a.membership.dht = real
+        seen = {r.peer_id: r.heartbeat for r in await b.membership.members()}
+        assert seen[a.me.peer_id] == pytest.approx(first + 1.0)  # it landed
+        await a.membership.remove(retry_seconds=5.0)  # the clock has not moved: same instant
+        assert await b.membership.members() == []
 
     asyncio.run(main())

@@ -1,0 +1,324 @@
+"""Benchmark of round matchmaking: farloco's DHTMatchmaker (ready and group messages over the members' gRPC links,
+the DHT in the background, the adaptive straggler wait) against hivemind's DecentralizedAverager matchmaking, the
+same number of peers on 127.0.0.1, each peer in its own process.
+
+    python benchmarks/matchmaking.py                         # 2, 4, 8 peers; rounds of ~0.1 s and ~1 s of work
+    python benchmarks/matchmaking.py --peers 4 --work 0.1 --rounds 300 --impl farloco
+
+Every round each peer "works" for `work` seconds (uniform +-20%: peers are never exactly in step), then forms its
+round's group and averages a 4 KiB tensor with it: farloco runs `DHTMatchmaker.form_group` then
+`Exchange.average` (what the daemon runs, minus the trainer ranks); hivemind runs `DecentralizedAverager.step`
+(its own matchmaking and all-reduce; `target_group_size` = all peers, `min_matchmaking_time` = 2 s, as
+farloco's `match_timeout_min`). Reported per configuration:
+
+- `all_share`: fraction of rounds whose group held every peer (goal >= 99.5%);
+- `longest_gap_rounds` / `longest_gap_s`: the longest run of consecutive rounds one peer spent outside the group;
+- `match_p50_ms` / `match_p99_ms`: from the last member ready to the group known by all its members
+  (farloco: max over members of group-known time minus max over members of ready time; hivemind: the same with
+  the step's start and end, matchmaking and its 4 KiB all-reduce together);
+- `split_rounds`: round ids in which two different groups formed (farloco only: hivemind's steps carry no id).
+
+Peers talk to the driver through stdin/stdout JSON only; nothing is pickled across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+RUN = "bench-mm"
+NUMEL = 1024  # 4 KiB of fp32: the exchange is a formality, the matchmaking is measured
+
+
+def send(message: dict[str, Any]) -> None:
+    print(json.dumps(message), flush=True)
+
+
+def receive() -> dict[str, Any]:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit("parent closed stdin")
+    message: dict[str, Any] = json.loads(line)
+    return message
+
+
+# -- peer workers -------------------------------------------------------------------------------------------
+
+
+def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str, Any]:
+    from farloco.node.dhtnode import make_dht
+    from farloco.optim.registry import get_codec
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.exchange import Exchange, ExchangeAborted
+    from farloco.protocol.matchmaking import DHTMatchmaker, LateForRound, MatchmakingError
+    from farloco.protocol.membership import DHTMembership, MemberRecord, make_record_validators
+    from farloco.protocol.rpc import RpcClient, RpcServer
+    from farloco.protocol.types import GroupMember
+
+    initial = [] if rank == 0 else receive()["maddrs"]
+    dht = make_dht(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=initial,
+        record_validators=make_record_validators(RUN),
+        start=True,
+    )
+    if rank == 0:
+        send({"maddrs": [str(m) for m in dht.get_visible_maddrs()]})
+    peer_id = dht.peer_id.to_base58()
+    rng = random.Random(rank)
+
+    async def main() -> dict[str, Any]:
+        auth = Authenticator(f"{RUN}:h", b"bench-secret", peer_id)
+        server, client = RpcServer(auth, host="127.0.0.1"), RpcClient(auth)
+        exchange = Exchange(server, client, peer_id)
+        membership = DHTMembership(dht, RUN, "h", {}, ttl=8.0, heartbeat_interval=1.0, auth=auth)
+        matchmaker = DHTMatchmaker(dht, RUN, membership, server=server, client=client)
+        address = await server.start()
+        me = GroupMember(peer_id, address)
+        state = {"round": 0}
+
+        def record() -> MemberRecord:
+            return MemberRecord(
+                peer_id=peer_id, address=address, state="training", round_id=state["round"], inner_step=0,
+                slot=rank, run_hash="h", run_config={}, outer_hash="", loss=0.0, heartbeat=0.0, maddrs=(),
+                version="bench",
+            )  # fmt: skip
+
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                try:
+                    await membership.publish(record(), retry_seconds=0.0)
+                    await membership.refresh()
+                except Exception:
+                    pass
+
+        await membership.publish(record())
+        while len(await membership.members()) < peers:  # everyone in the table before round 0
+            await asyncio.sleep(0.2)
+        beats = asyncio.create_task(heartbeat())
+        codec = get_codec("fp32")
+        tensor = torch.full((NUMEL,), float(rank))
+        log: list[dict[str, Any]] = []
+        # a shared start: every peer begins round 0 at the same wall-clock second
+        send({"ready": True})
+        start_at = receive()["start_at"]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        try:
+            for round_id in range(rounds):
+                state["round"] = round_id
+                matchmaker.announce(round_id, peer_id)
+                await asyncio.sleep(work * rng.uniform(0.8, 1.2))
+                ready_at = time.time()
+                entry: dict[str, Any] = {"round": round_id, "ready": ready_at}
+                try:
+                    group = await matchmaker.form_group(
+                        round_id, me, match_timeout=30.0, leader_timeout=5.0, match_timeout_min=2.0
+                    )
+                    entry.update(
+                        known=time.time(), group=group.group_id, members=[m.peer_id for m in group.members]
+                    )
+                    if len(group.members) > 1:
+                        result = await exchange.average(group, tensor, codec, timeout=60.0)
+                        entry["contributors"] = list(result.contributors)
+                    else:
+                        entry["contributors"] = [peer_id]
+                except LateForRound as exc:
+                    entry.update(late=exc.reason)
+                except (MatchmakingError, ExchangeAborted) as exc:
+                    entry.update(failed=str(exc))
+                log.append(entry)
+        finally:
+            beats.cancel()
+            await matchmaker.close()
+            await server.stop(0.5)
+        return {"peer": peer_id, "log": log, "wait": matchmaker.last_wait}
+
+    try:
+        return asyncio.run(main())
+    finally:
+        dht.shutdown()
+
+
+def worker_hivemind(rank: int, peers: int, rounds: int, work: float) -> dict[str, Any]:
+    import hivemind
+
+    from farloco.node.dhtnode import make_dht
+
+    initial = [] if rank == 0 else receive()["maddrs"]
+    dht = make_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial, start=True)
+    if rank == 0:
+        send({"maddrs": [str(m) for m in dht.get_visible_maddrs()]})
+    peer_id = dht.peer_id.to_base58()
+    rng = random.Random(rank)
+    averager = hivemind.averaging.DecentralizedAverager(
+        [torch.full((NUMEL,), float(rank))],
+        dht,
+        prefix=RUN,
+        target_group_size=peers,
+        min_group_size=2,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        start=True,
+    )
+    log: list[dict[str, Any]] = []
+    try:
+        send({"ready": True})
+        start_at = receive()["start_at"]
+        time.sleep(max(0.0, start_at - time.time()))
+        for round_id in range(rounds):
+            time.sleep(work * rng.uniform(0.8, 1.2))
+            ready_at = time.time()
+            entry: dict[str, Any] = {"round": round_id, "ready": ready_at}
+            try:
+                gathered = averager.step(timeout=60.0)
+            except Exception as exc:
+                gathered = None
+                entry["failed"] = str(exc)[:200]
+            entry["known"] = time.time()
+            entry["members"] = sorted(str(p) for p in gathered) if gathered else [peer_id]
+            log.append(entry)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+    return {"peer": peer_id, "log": log}
+
+
+def worker_main(argv: list[str]) -> None:
+    impl, rank, peers, rounds, work = argv
+    torch.set_num_threads(1)
+    run = worker_farloco if impl == "farloco" else worker_hivemind
+    send({"report": run(int(rank), int(peers), int(rounds), float(work))})
+
+
+# -- the driver ---------------------------------------------------------------------------------------------
+
+
+def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[str, Any]:
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for report in reports:
+        for entry in report["log"]:
+            by_round.setdefault(entry["round"], {})[report["peer"]] = entry
+    everyone = {report["peer"] for report in reports}
+    full, splits, latencies = 0, 0, []
+    outside: dict[str, int] = dict.fromkeys(everyone, 0)
+    longest = 0
+    for _, entries in sorted(by_round.items()):
+        groups = {tuple(e["members"]) for e in entries.values() if "members" in e and len(e["members"]) > 1}
+        if len({e.get("group") for e in entries.values() if e.get("group")}) > 1:
+            splits += 1
+        biggest = max(groups, key=len, default=())
+        if set(biggest) == everyone and all(
+            set(e.get("contributors", e.get("members", ()))) == everyone for e in entries.values()
+        ):
+            full += 1
+        for peer in everyone:
+            entry = entries.get(peer, {})
+            if peer in biggest and "late" not in entry and "failed" not in entry:
+                outside[peer] = 0
+            else:
+                outside[peer] += 1
+                longest = max(longest, outside[peer])
+        members = [entries[p] for p in biggest if p in entries and "known" in entries[p]]
+        if len(members) == len(biggest) and members:
+            latencies.append(max(e["known"] for e in members) - max(e["ready"] for e in members))
+    latencies.sort()
+
+    def q(p: float) -> float | None:
+        return (
+            round(1000 * latencies[min(len(latencies) - 1, int(p * len(latencies)))], 1)
+            if latencies
+            else None
+        )
+
+    return {
+        "rounds": len(by_round),
+        "all_share": round(full / max(1, len(by_round)), 4),
+        "longest_gap_rounds": longest,
+        "longest_gap_s": round(longest * work, 1),
+        "match_p50_ms": q(0.5),
+        "match_p99_ms": q(0.99),
+        "split_rounds": splits,
+    }
+
+
+def run_config(impl: str, peers: int, rounds: int, work: float) -> dict[str, Any]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", impl, str(rank), str(peers), str(rounds), str(work)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(peers)
+    ]
+
+    def read(proc: subprocess.Popen[str]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a {impl} peer exited early (code {proc.wait()})")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def write(proc: subprocess.Popen[str], message: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(message) + "\n")
+        proc.stdin.flush()
+
+    try:
+        maddrs = read(procs[0])["maddrs"]
+        for proc in procs[1:]:
+            write(proc, {"maddrs": maddrs})
+        for proc in procs:
+            read(proc)  # ready
+        start_at = time.time() + 2.0
+        for proc in procs:
+            write(proc, {"start_at": start_at})
+        reports = [read(proc)["report"] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {"impl": impl, "peers": peers, "work_s": work, **summarize(reports, peers, work)}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=["farloco", "hivemind", "both"], default="both")
+    parser.add_argument("--peers", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--work", type=float, nargs="*", default=[0.1, 1.0])
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="rounds per run (default: 300 at 0.1 s, 60 at 1 s, 10 at 10 s)"
+    )
+    args = parser.parse_args()
+    impls = ["farloco", "hivemind"] if args.impl == "both" else [args.impl]
+    print(f"# load before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores", flush=True)
+    for work in args.work:
+        rounds = args.rounds or (300 if work <= 0.2 else 60 if work <= 2 else 10)
+        for peers in args.peers:
+            for impl in impls:
+                started = time.time()
+                row = run_config(impl, peers, rounds, work)
+                row["wall_s"] = round(time.time() - started, 1)
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
