@@ -27,7 +27,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "farloco.node.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "farloco.node.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},  # a wide terminal: rich squeezes the tables' headers otherwise
     )
 
 
