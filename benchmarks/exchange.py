@@ -109,6 +109,23 @@ def receive() -> dict[str, Any]:
     return message
 
 
+def read_peer(proc: subprocess.Popen[str], what: str) -> dict[str, Any]:
+    """The driver's side of `send`: one JSON line from a peer process."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{what} peer exited with {proc.wait()} before answering")
+    message: dict[str, Any] = json.loads(line)
+    return message
+
+
+def write_peer(proc: subprocess.Popen[str], message: dict[str, Any]) -> None:
+    """The driver's side of `receive`: one JSON line to a peer process."""
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(message) + "\n")
+    proc.stdin.flush()
+
+
 # -- peer workers -------------------------------------------------------------------------------------------
 
 
@@ -298,17 +315,9 @@ def run_config(
     ]
 
     def read(proc: subprocess.Popen[str]) -> dict[str, Any]:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{impl} peer exited with {proc.wait()} before answering")
-        message: dict[str, Any] = json.loads(line)
-        return message
+        return read_peer(proc, impl)
 
-    def write(proc: subprocess.Popen[str], message: dict[str, Any]) -> None:
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(message) + "\n")
-        proc.stdin.flush()
+    write = write_peer
 
     try:
         if impl.startswith("farloco"):

@@ -34,21 +34,10 @@ import time
 from typing import Any
 
 import torch
+from exchange import read_peer, receive, send, write_peer  # benchmarks/exchange.py: the same stdio protocol
 
 RUN = "bench-mm"
 NUMEL = 1024  # 4 KiB of fp32: the exchange is a formality, the matchmaking is measured
-
-
-def send(message: dict[str, Any]) -> None:
-    print(json.dumps(message), flush=True)
-
-
-def receive() -> dict[str, Any]:
-    line = sys.stdin.readline()
-    if not line:
-        raise SystemExit("parent closed stdin")
-    message: dict[str, Any] = json.loads(line)
-    return message
 
 
 # -- peer workers -------------------------------------------------------------------------------------------
@@ -263,17 +252,9 @@ def run_config(impl: str, peers: int, rounds: int, work: float) -> dict[str, Any
     ]
 
     def read(proc: subprocess.Popen[str]) -> dict[str, Any]:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a {impl} peer exited early (code {proc.wait()})")
-        message: dict[str, Any] = json.loads(line)
-        return message
+        return read_peer(proc, impl)
 
-    def write(proc: subprocess.Popen[str], message: dict[str, Any]) -> None:
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(message) + "\n")
-        proc.stdin.flush()
+    write = write_peer
 
     try:
         maddrs = read(procs[0])["maddrs"]
