@@ -184,6 +184,10 @@ def worker_hivemind(rank: int, peers: int, rounds: int, work: float) -> dict[str
 
 def worker_main(argv: list[str]) -> None:
     impl, rank, peers, rounds, work = argv
+    if os.environ.get("BENCH_LOG"):  # the matchmaker's decisions on stderr, stamped
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"%(created).3f p{rank} %(name)s %(message)s")
     torch.set_num_threads(1)
     run = worker_farloco if impl == "farloco" else worker_hivemind
     send({"report": run(int(rank), int(peers), int(rounds), float(work))})

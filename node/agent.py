@@ -221,6 +221,7 @@ class Agent:
         self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
         self._inner_load_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._record_task: asyncio.Task[None] | None = None  # a member-record store after a round, if in flight
         self.isolation = IsolationWatch()
         self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
@@ -593,6 +594,7 @@ class Agent:
 
         self.status = Status.LEAVING if self.status is not Status.FAILED else self.status
         await cancel_and_wait(self._heartbeat_task, timeout=1.0)
+        await cancel_and_wait(self._record_task, timeout=1.0)
         await cancel_and_wait(self._inner_load_task, timeout=1.0)
         try:
             bound = left(0.4)
@@ -1232,7 +1234,10 @@ class Agent:
             fp32_bytes=fp32_bytes,
             seconds=self.counters.last_round_seconds,
         )
-        await self._publish()
+        # Our record moves to the next round in the background: the round's path holds no DHT store (the next
+        # round's MatchAt tells the members at once; the heartbeat retries a store that fails).
+        if self._record_task is None or self._record_task.done():
+            self._record_task = asyncio.create_task(self._publish(), name="farloco-record")
         return True
 
     def _live_ids(self) -> list[str]:

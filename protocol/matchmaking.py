@@ -634,6 +634,9 @@ class DHTMatchmaker:
         of a fraction of a second that lag would let a leader freeze without a member that is merely slower.
         The hash lets every member compare its theta with every other member's each round, grouped together or
         not (`announced_hashes`), so a fork is seen in the first round both sides share."""
+        # Ours too: what the early freeze needs of our own record ("works on round r", before it is ready) is
+        # this announcement, not a member-record store a heartbeat later.
+        self._at[peer_id] = (round_id, self.clock.now(), outer_hash)
         if self.client is None:
             return
         header = {"h": outer_hash} if outer_hash else {}
