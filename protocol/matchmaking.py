@@ -6,7 +6,8 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    (sub-key = its public key, so the record is signed): peer id, gRPC address, ready_at (DHT time).
 2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + wait`, where `wait` is the
    straggler wait proposed in the opening record (each peer proposes one from the round's own arrival
-   statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`). All
+   statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`;
+   never less than `leader_timeout`, which the argument below needs). All
    peers compute the same deadline from the same records, so a leader change cannot restart the clock.
 3. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
    (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
@@ -284,6 +285,11 @@ def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) ->
     opener = min(view.ready.values(), key=lambda record: (record.ready_at, record.peer_id))
     opened = opener.ready_at
     wait = min(opener.wait, match_timeout) if opener.wait > 0 else match_timeout
+    # Never below leader_timeout: the agreement argument needs every record that is in time for the candidate
+    # cutoff (leader_timeout/2 before the freeze) to reach every peer before the freeze. A 2 s wait with a 5 s
+    # leader_timeout left the opener its only candidate, and peers that had not seen the opener's record yet
+    # each led a group of their own (8 peers on 2 cores, 0.1 s rounds: 21 of 81 rounds with two groups).
+    wait = max(wait, min(leader_timeout, match_timeout))
     cutoff = opened + max(wait - leader_timeout / 2, 0.0)
     candidates = tuple(
         sorted(
@@ -716,9 +722,13 @@ class DHTMatchmaker:
         for attempt in range(STORE_ATTEMPTS):
             if await self._store(key, mine.to_wire(), expiration):
                 return True
-            # A store fails when no replica answers in time: a short retry usually gets through.
-            logger.warning(
-                "the DHT refused our ready record for round %d (attempt %d)", mine.round_id, attempt + 1
+            # A store fails when no replica answers in time: a short retry usually gets through. With links the
+            # DHT copy is only the fallback (the members already have our record): not worth a warning.
+            logger.log(
+                logging.INFO if self.client is not None else logging.WARNING,
+                "the DHT refused our ready record for round %d (attempt %d)",
+                mine.round_id,
+                attempt + 1,
             )
             await asyncio.sleep(0.25 * 2**attempt)  # real time: the DHT's own speed
         return False

@@ -65,11 +65,15 @@ def run(peer_id: str, v: RoundView) -> Any:
 
 def test_the_opening_record_sets_the_freeze_for_everyone_capped_at_match_timeout() -> None:
     records = {
-        "p1": ReadyRecord("p1", "a:1", 7, 10.0, wait=0.3),
+        "p1": ReadyRecord("p1", "a:1", 7, 10.0, wait=0.5),
         "p2": ReadyRecord("p2", "a:2", 7, 10.1, wait=0.9),
     }
     plan = schedule(RoundView(10.2, records, [], frozenset()), match_timeout=M, leader_timeout=L)
-    assert plan.freeze_at == pytest.approx(10.3)  # p1 opened the round: its 0.3 s, not p2's 0.9 s
+    assert plan.freeze_at == pytest.approx(10.5)  # p1 opened the round: its 0.5 s, not p2's 0.9 s
+    # Never below leader_timeout: records in time for the candidate cutoff must reach everyone by the freeze.
+    records["p1"] = ReadyRecord("p1", "a:1", 7, 10.0, wait=0.1)
+    plan = schedule(RoundView(10.2, records, [], frozenset()), match_timeout=M, leader_timeout=L)
+    assert plan.freeze_at == pytest.approx(10.0 + L)
     # A peer that has not seen p1's record yet would open at p2 and freeze later; it cannot act before it
     # sees p1's (pushed at once), which is the leader_timeout/2 propagation bound of the module docstring.
     records["p1"] = ReadyRecord("p1", "a:1", 7, 10.0, wait=50.0)
