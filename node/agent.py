@@ -221,7 +221,8 @@ class Agent:
         self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
         self._inner_load_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._record_task: asyncio.Task[None] | None = None  # a member-record store after a round, if in flight
+        # A member-record store after a round, while in flight.
+        self._record_task: asyncio.Task[None] | None = None
         self.isolation = IsolationWatch()
         self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live

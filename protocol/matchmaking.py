@@ -539,9 +539,8 @@ class DHTMatchmaker:
         # peer id -> (the round it announced it works on, our clock when it arrived, its theta hash there)
         self._at: dict[str, tuple[int, float, str]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self.straggler: StragglerWait | None = (
-            None  # the adaptive straggler wait, once form_group is given a floor
-        )
+        # The adaptive straggler wait, once form_group is given a floor.
+        self.straggler: StragglerWait | None = None
         self.last_wait = 0.0  # the straggler wait we proposed in our last ready record
         self.last_leader = ""  # who froze the group form_group last returned
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
