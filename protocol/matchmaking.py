@@ -543,6 +543,7 @@ class DHTMatchmaker:
         self.straggler: StragglerWait | None = None
         self.last_wait = 0.0  # the straggler wait we proposed in our last ready record
         self.last_leader = ""  # who froze the group form_group last returned
+        self._last_group: tuple[int, dict[str, str]] = (-1, {})  # (round, peer id -> address) of that group
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
         self.counters: Counter[str] = Counter()
         if server is not None:
@@ -645,14 +646,40 @@ class DHTMatchmaker:
         if self.client is None:
             return
         header = {"h": outer_hash} if outer_hash else {}
-        for record in self.membership.core.live(self.clock.now()):
-            if record.peer_id != peer_id and record.state != "leaving":
-                self._spawn(self._push(record.address, AT_METHOD, header, round_id))
+        targets = {
+            r.peer_id: r.address
+            for r in self.membership.core.live(self.clock.now())
+            if r.peer_id != peer_id and r.state != "leaving"
+        }
+        if self._last_group[0] == round_id - 1:  # and those we were grouped with, even if the table lost them
+            targets.update(
+                (p, a) for p, a in self._last_group[1].items() if p != peer_id and p not in targets
+            )
+        for address in targets.values():
+            self._spawn(self._push(address, AT_METHOD, header, round_id))
 
     def announced_hashes(self, round_id: int) -> dict[str, str]:
         """Peer id -> the theta hash it announced for `round_id` (announcements younger than the member ttl)."""
         horizon = self.clock.now() - self.membership.core.ttl
         return {p: h for p, (r, at, h) in self._at.items() if r == round_id and h and at >= horizon}
+
+    def _from_last_group(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:
+        """The members of our group of round r-1, expected in round r: they were in step with us a round ago,
+        whatever our member table says (under load its DHT reads lag by seconds; a leader that trusted only the
+        table froze a group of 2 while the lowest peer id froze the group of all 8). Not those whose record says
+        they leave or that they are already past r."""
+        last_round, members = self._last_group
+        if last_round != round_id - 1:
+            return frozenset()
+        records = {r.peer_id: r for r in live}
+        return frozenset(
+            p
+            for p in members
+            if p != me
+            and not (
+                p in records and (records[p].state == "leaving" or self.round_of(records[p], now) > round_id)
+            )
+        )
 
     def round_of(self, record: Any, now: float) -> int:
         """The newest round we know `record`'s member works on: its record's, or what it announced since."""
@@ -889,7 +916,8 @@ class DHTMatchmaker:
                     groups=groups,
                     expected=frozenset(
                         r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving"
-                    ),
+                    )
+                    | self._from_last_group(round_id, live, now, me.peer_id),
                     ahead=frozenset(r.peer_id for r in live if self.round_of(r, now) > round_id),
                     leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
                 )
@@ -905,6 +933,7 @@ class DHTMatchmaker:
                         # freezes a second one (tests/test_matchmaking_links.py finds such rounds without it).
                         self._spawn(self._store(group_key, chosen.to_wire(), expiration))
                     self.last_leader = chosen.leader
+                    self._last_group = (round_id, {m.peer_id: m.address for m in decision.group.members})
                     self._sample(decision.group, view, match_timeout, leader_timeout)
                     return decision.group
                 plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
@@ -921,6 +950,10 @@ class DHTMatchmaker:
                 if isinstance(decision, Publish):
                     if await self._publish(decision.record, view, live, group_key, expiration):
                         self.last_leader = me.peer_id
+                        self._last_group = (
+                            round_id,
+                            {m.peer_id: m.address for m in decision.record.group.members},
+                        )
                         self._sample(decision.record.group, view, match_timeout, leader_timeout)
                         return decision.record.group
                     await self._wait(wake, self.min_poll_interval)
