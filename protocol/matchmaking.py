@@ -646,14 +646,14 @@ class DHTMatchmaker:
         if self.client is None:
             return
         header = {"h": outer_hash} if outer_hash else {}
-        targets = {
-            r.peer_id: r.address
-            for r in self.membership.core.live(self.clock.now())
-            if r.peer_id != peer_id and r.state != "leaving"
-        }
+        live = self.membership.core.live(self.clock.now())
+        leaving = {r.peer_id for r in live if r.state == "leaving"}
+        targets = {r.peer_id: r.address for r in live if r.peer_id != peer_id and r.peer_id not in leaving}
         if self._last_group[0] == round_id - 1:  # and those we were grouped with, even if the table lost them
             targets.update(
-                (p, a) for p, a in self._last_group[1].items() if p != peer_id and p not in targets
+                (p, a)
+                for p, a in self._last_group[1].items()
+                if p != peer_id and p not in targets and p not in leaving
             )
         for address in targets.values():
             self._spawn(self._push(address, AT_METHOD, header, round_id))
