@@ -2,8 +2,10 @@
 
 Wire (all frames, see rpc.py; nothing is pickled):
 - request: one frame, header `{"ranges": [[name, start, end], ...], "manifest_id": str}`. No ranges asks for
-  the manifest only. `manifest_id` (when given) pins the state the ranges refer to: a donor whose state changed
-  since (a new round) refuses with FAILED_PRECONDITION / STATE_CHANGED rather than mixing two rounds.
+  the manifest only. `manifest_id` (when given) pins the state the ranges refer to. A donor that moved to a new
+  round keeps serving the state it replaced for as long as a transfer of it goes on (the one snapshot before
+  the current one, released `keep_seconds` after its last request): a transfer slower than a round still ends.
+  Any older state is refused with FAILED_PRECONDITION / STATE_CHANGED rather than mixing two rounds.
 - answer: a manifest frame (header `{"kind": "manifest"}`, payload = msgpack of
   `{"meta": {...}, "tensors": [{"name", "dtype", "shape", "nbytes", "sha256"}], "chunk_bytes": int}`), then
   for each range its bytes in chunks of at most 1 MiB: header `{"kind": "chunk", "name", "offset", "crc32"}`,
@@ -23,6 +25,7 @@ import hashlib
 import logging
 import math
 import sys
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 METHOD = "GetState"
 CHUNK_BYTES = 1 << 20
 SEGMENT_BYTES = 8 << 20  # bytes per request: large enough to amortise a stream, small enough to rebalance
+KEEP_SECONDS = 30.0  # a replaced snapshot is served this long after the last request that pinned it
 DEFAULT_MAX_TOTAL_BYTES = 16 << 30
 DEFAULT_MAX_TENSORS = 65536
 MAX_MANIFEST_BYTES = 6 << 20  # must fit in one gRPC message (8 MiB by default)
@@ -187,12 +191,27 @@ def _raw_bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 # --------------------------------------------------------------------------------------------- donor
 
 
+class _Served:
+    """One snapshot as served: its manifest, raw bytes, and when a request last asked for it (monotonic)."""
+
+    def __init__(
+        self, round_id: int, manifest: Manifest, raw: dict[str, np.ndarray[Any, np.dtype[np.uint8]]]
+    ) -> None:
+        self.round_id = round_id
+        self.manifest = manifest
+        self.raw = raw
+        self.used = time.monotonic()
+
+
 class StateServer:
     """Serves the node's outer state on `GetState`; `provider()` returns `(meta, tensors)`.
 
     meta must hold `round_id` (int) and `run_hash` (str) plus anything msgpack-able (the run config...).
-    The provider must return a snapshot that stays unchanged for as long as its round_id does: hashes are
-    computed once per round_id (in a worker thread) and reused for every joiner of that round.
+    The provider must return a snapshot that stays unchanged for as long as its round_id does, and a new one
+    (not the same tensors changed in place) for a new round_id: hashes are computed once per round_id (in a
+    worker thread) and reused for every joiner of that round, and the snapshot a new round replaced is still
+    served to transfers that pinned it (at most one such, held `keep_seconds` after its last request: memory of
+    one more copy of the state, only while a joiner slower than a round fetches it).
     """
 
     def __init__(
@@ -201,15 +220,42 @@ class StateServer:
         *,
         chunk_bytes: int = CHUNK_BYTES,
         on_served: Callable[[int], None] | None = None,
+        keep_seconds: float = KEEP_SECONDS,
     ) -> None:
         self.provider = provider
         self.chunk_bytes = chunk_bytes
         # Called with `bytes_served` after each chunk went out: the agent's fault injector uses it to make a
         # donor die mid-transfer; nothing else needs it.
         self.on_served = on_served
+        self.keep_seconds = keep_seconds
         self.bytes_served = 0
-        self._cache: tuple[int, Manifest, dict[str, np.ndarray[Any, np.dtype[np.uint8]]]] | None = None
+        self._cache: _Served | None = None
+        self._kept: _Served | None = None  # the snapshot the current one replaced, while transfers pin it
+        self._release: asyncio.TimerHandle | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def kept_round(self) -> int | None:
+        """The round of the replaced snapshot still served to pinned transfers (None: none is held)."""
+        return None if self._kept is None else self._kept.round_id
+
+    def _keep(self, old: _Served) -> None:
+        """Hold the snapshot a new round replaced if a request asked for it lately, else drop it."""
+        self._kept = old if time.monotonic() - old.used < self.keep_seconds else None
+        if self._kept is not None and self._release is None:
+            self._release = asyncio.get_running_loop().call_later(self.keep_seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._release = None
+        kept = self._kept
+        if kept is None:
+            return
+        idle = time.monotonic() - kept.used
+        if idle >= self.keep_seconds:
+            logger.debug("released the state of round %d (no request for %.0f s)", kept.round_id, idle)
+            self._kept = None
+        else:
+            self._release = asyncio.get_running_loop().call_later(self.keep_seconds - idle, self._expire)
 
     def register(self, server: RpcServer) -> None:
         server.add_stream(METHOD, self.handle)
@@ -225,8 +271,9 @@ class StateServer:
                     "NO_STATE",
                     f"state meta lacks round_id/run_hash: {sorted(meta)}",
                 )
-            if self._cache is not None and self._cache[0] == round_id:
-                return self._cache[1], self._cache[2]
+            if self._cache is not None and self._cache.round_id == round_id:
+                self._cache.used = time.monotonic()
+                return self._cache.manifest, self._cache.raw
             raw = {name: _raw_bytes(t) for name, t in tensors.items()}
             hashes = await asyncio.to_thread(
                 lambda: {name: hashlib.sha256(b.data).hexdigest() for name, b in raw.items()}
@@ -249,8 +296,16 @@ class StateServer:
                     )
                 )
             manifest = Manifest({**meta, "sha256": hashes}, tuple(entries), self.chunk_bytes)
-            self._cache = (round_id, manifest, raw)
+            if self._cache is not None:
+                self._keep(self._cache)
+            self._cache = _Served(round_id, manifest, raw)
             return manifest, raw
+
+    def _pinned(self, manifest_id: object) -> _Served | None:
+        for served in (self._cache, self._kept):
+            if served is not None and served.manifest.manifest_id == manifest_id:
+                return served
+        return None
 
     async def handle(self, ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
         """The `GetState` stream handler: manifest, then the requested ranges in crc32-checked chunks."""
@@ -269,13 +324,19 @@ class StateServer:
                 "BAD_RANGE",
                 f"ranges must be a list, got {type(ranges).__name__}",
             )
-        manifest, raw = await self.snapshot()
+        served = self._pinned(pinned) if pinned is not None else None
+        if served is not None:  # the state this transfer began on, current or kept: no new snapshot needed
+            served.used = time.monotonic()
+            manifest, raw = served.manifest, served.raw
+        else:
+            manifest, raw = await self.snapshot()
         if pinned is not None and pinned != manifest.manifest_id:
+            kept = "" if self._kept is None else f"; it keeps only round {self._kept.round_id}'s besides"
             raise Reject(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "STATE_CHANGED",
                 f"requested state {str(pinned)[:16]}, this donor now serves round {manifest.round_id} "
-                f"({manifest.manifest_id[:16]})",
+                f"({manifest.manifest_id[:16]}){kept}",
             )
         checked = []
         for item in ranges:

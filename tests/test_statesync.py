@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from farloco.protocol.auth import Authenticator
+from farloco.protocol.errors import RpcError
 from farloco.protocol.rpc import CallContext, Frame, RpcClient, RpcServer
 from farloco.protocol.statesync import (
     METHOD,
@@ -311,5 +312,89 @@ def test_progress_never_goes_back_when_a_donor_dies_and_the_donor_hook_sees_each
         total = seen[0][1]
         assert seen[-1] == (total, total) and all(a <= b for (a, _), (b, _) in itertools.pairwise(seen))
         assert served and served[-1] == st.bytes_served and served == sorted(served)
+
+    run(body)
+
+
+def _manifest(frames: list[Frame]) -> Manifest:
+    return parse_manifest(frames[0].payload, max_total_bytes=1 << 30, max_tensors=64)
+
+
+async def _request(client: RpcClient, address: str, header: dict[str, Any]) -> list[Frame]:
+    async def one() -> AsyncIterator[Frame]:
+        yield Frame(header)
+
+    return [frame async for frame in client.stream(address, METHOD, one(), round_id=0, timeout=10)]
+
+
+def test_a_donor_that_moved_on_still_serves_the_state_a_transfer_pinned_then_releases_it() -> None:
+    """A transfer slower than a round still ends: the donor keeps the snapshot a new round replaced while a
+    transfer pins it (one, for keep_seconds after its last request); an older one is refused by name."""
+    states = {r: make_state(round_id=r, seed=r) for r in (5, 6, 7)}
+    current = [states[5]]
+
+    async def body() -> None:
+        server = RpcServer(Authenticator("run", SECRET, "donor"))
+        st = StateServer(lambda: current[0], keep_seconds=0.5)
+        st.register(server)
+        address = await server.start()
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        try:
+            first = _manifest(await _request(client, address, {}))
+            assert first.round_id == 5
+            current[0] = states[6]  # the donor commits round 6; another joiner asks for the manifest
+            assert _manifest(await _request(client, address, {})).round_id == 6
+            assert st.kept_round == 5
+            frames = await _request(
+                client, address, {"ranges": [["theta.w", 0, 4096]], "manifest_id": first.manifest_id}
+            )
+            assert _manifest(frames).manifest_id == first.manifest_id
+            assert b"".join(f.payload for f in frames[1:]) == states[5][1]["theta.w"].numpy().tobytes()[:4096]
+            current[0] = states[7]  # round 7 replaces 6 (asked for just now): round 5 is no longer served
+            assert _manifest(await _request(client, address, {})).round_id == 7
+            assert st.kept_round == 6
+            with pytest.raises(RpcError, match="STATE_CHANGED") as refused:
+                await _request(
+                    client, address, {"ranges": [["step", 0, 8]], "manifest_id": first.manifest_id}
+                )
+            assert "now serves round 7" in str(refused.value) and "keeps only round 6" in str(refused.value)
+            await asyncio.sleep(0.8)  # nobody asks for round 6 any more: released
+            assert st.kept_round is None
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_a_transfer_across_the_donors_rounds_returns_the_state_it_began_on() -> None:
+    """Two joiners; the donor commits a new round while the first one's transfer is half done and the second
+    one starts: each gets one round's state, whole and verified (before, the first failed with STATE_CHANGED)."""
+    old, new = make_state(round_id=5, seed=5), make_state(round_id=6, seed=6)
+    current = [old]
+
+    async def body() -> None:
+        server = RpcServer(Authenticator("run", SECRET, "donor"))
+        StateServer(lambda: current[0]).register(server)
+        address = await server.start()
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        second: list[asyncio.Task[Any]] = []
+
+        def progress(done: int, total: int) -> None:
+            if not second and done > total // 2:
+                current[0] = new
+                second.append(asyncio.ensure_future(fetch_state(client, [address], timeout=20)))
+
+        try:
+            meta, got = await fetch_state(
+                client, [address], timeout=20, segment_bytes=1 << 20, on_progress=progress
+            )
+            meta2, got2 = await second[0]
+        finally:
+            await client.close()
+            await server.stop(0)
+        assert meta["round_id"] == 5 and meta2["round_id"] == 6
+        assert_same(got, old[1])
+        assert_same(got2, new[1])
 
     run(body)
