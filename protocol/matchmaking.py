@@ -212,7 +212,10 @@ class RoundView:
     `ready`: ready records of the round by peer id; `groups`: group records of the round whose leader's
     ownership was checked; `expected`: peer ids of live members whose record says this round and that are not
     leaving; `ahead`: live members whose record says a later round (they left this round, so its group may
-    already exist); `leaving`: peer ids whose member record says 'leaving' (never waited for, never grouped).
+    already exist); `leaving`: peer ids whose member record says 'leaving' (never waited for, never grouped);
+    `catching_up`: the members of `expected` that are there because their record says they are fetching the
+    swarm's state (`syncing`, at this round or behind): waited for like the others, but one that misses the
+    freeze says nothing about how long stragglers need (no `StragglerWait` sample).
     """
 
     now: float
@@ -221,6 +224,7 @@ class RoundView:
     expected: frozenset[str]
     ahead: frozenset[str] = frozenset()
     leaving: frozenset[str] = frozenset()
+    catching_up: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,9 @@ class StragglerWait:
 def spread_sample(group: Group, view: RoundView, plan: RoundSchedule) -> float:
     """One `StragglerWait` sample from a formed group and the view it was decided on (see there)."""
     members = {m.peer_id for m in group.members}
-    if view.expected - members:  # someone we waited for missed the freeze: the wait was too short
+    if (
+        view.expected - view.catching_up - members
+    ):  # someone we waited for missed the freeze: too short a wait
         return plan.freeze_at - plan.opened
     times = [view.ready[p].ready_at for p in members if p in view.ready]
     return max(times, default=plan.opened) - plan.opened
@@ -681,6 +687,16 @@ class DHTMatchmaker:
             )
         )
 
+    def _catching_up(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:
+        """Live members whose record says they fetch the swarm's state (`syncing`) and are not past round r:
+        they join the round once their transfer and first inner steps are done, so the round waits for them
+        (bounded by its wait) rather than freezing without them and sending them after a newer state again."""
+        return frozenset(
+            r.peer_id
+            for r in live
+            if r.peer_id != me and r.state == "syncing" and self.round_of(r, now) <= round_id
+        )
+
     def round_of(self, record: Any, now: float) -> int:
         """The newest round we know `record`'s member works on: its record's, or what it announced since."""
         at = self._at.get(record.peer_id)
@@ -880,6 +896,11 @@ class DHTMatchmaker:
             ):
                 self.straggler = StragglerWait(match_timeout_min, match_timeout)
             wait = self.straggler.wait()
+            if self._catching_up(round_id, self.membership.core.live(now), now, me.peer_id):
+                # A member is fetching the swarm's state to join it: give it the whole match_timeout (its
+                # transfer and first inner steps, not a straggler's spread). Without, a node that rejoined a
+                # swarm of short rounds fetched round r, found the swarm at r+2, fetched again, forever.
+                wait = match_timeout
         self.last_wait = wait or match_timeout
         mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait)
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
@@ -910,6 +931,7 @@ class DHTMatchmaker:
                             self._spawn(self._push(address, READY_METHOD, {"r": mine.to_wire()}, round_id))
                 groups = list(dht.groups)
                 groups += [g for g in self._groups_in.get(round_id, {}).values() if g.leader in ready]
+                catching_up = self._catching_up(round_id, live, now, me.peer_id)
                 view = RoundView(
                     now=now,
                     ready=ready,
@@ -917,7 +939,9 @@ class DHTMatchmaker:
                     expected=frozenset(
                         r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving"
                     )
-                    | self._from_last_group(round_id, live, now, me.peer_id),
+                    | self._from_last_group(round_id, live, now, me.peer_id)
+                    | catching_up,
+                    catching_up=catching_up,
                     ahead=frozenset(r.peer_id for r in live if self.round_of(r, now) > round_id),
                     leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
                 )

@@ -135,6 +135,11 @@ def test_a_spread_sample_is_the_last_member_ready_or_the_wait_when_someone_expec
     assert spread_sample(group, missed, schedule(missed, match_timeout=M, leader_timeout=L)) == pytest.approx(
         1.0
     )
+    # p3 was waited for because it fetches the swarm's state: its absence says nothing about stragglers
+    syncing = RoundView(6.0, records, [], frozenset({"p1", "p2", "p3"}), catching_up=frozenset({"p3"}))
+    assert spread_sample(
+        group, syncing, schedule(syncing, match_timeout=M, leader_timeout=L)
+    ) == pytest.approx(0.4)
 
 
 def test_ready_records_refuse_a_bad_wait() -> None:
@@ -482,6 +487,46 @@ def test_three_peers_form_groups_on_a_real_dht(dht_swarm: Any) -> None:  # noqa:
     durations = asyncio.run(main())
     print(f"group formation with 3 ready peers: {[f'{d * 1e3:.0f} ms' for d in durations]}")
     assert statistics.median(durations) < 1.0
+
+
+@pytest.mark.dht
+def test_a_member_fetching_the_swarms_state_is_waited_for_with_the_whole_match_timeout(
+    dht_swarm: Any,  # noqa: F811
+) -> None:
+    """A member whose record says `syncing` at an older round is catching up to the swarm: the ready peers do
+    not freeze early without it, they propose the whole match_timeout (not their adaptive wait), and once it
+    is ready in time it is in the group; its absence is no straggler sample."""
+    from farloco.protocol.matchmaking import DHTMatchmaker
+
+    a, b, c = dht_swarm(3)
+
+    async def main() -> None:
+        makers = [DHTMatchmaker(p.dht, "mm", p.membership, poll_interval=0.1) for p in (a, b, c)]
+        for mk in makers[:2]:
+            mk.straggler = StragglerWait(0.5, 3.0)
+            for _ in range(5):
+                mk.straggler.observe(0.05)  # fast, even rounds: the adaptive wait is its floor, 0.5 s
+        await c.membership.publish(c.record(17, state="syncing"))
+        for p in (a, b):
+            await p.membership.publish(p.record(20))
+        for p in (a, b, c):
+            await p.membership.refresh()
+        started = time.perf_counter()
+        kwargs = {"match_timeout": 3.0, "leader_timeout": 0.5, "match_timeout_min": 0.5}
+        pair = asyncio.gather(
+            *(mk.form_group(20, p.me, **kwargs) for mk, p in zip(makers[:2], (a, b), strict=True))
+        )
+        await asyncio.sleep(1.5)  # c's transfer ends, it installs round 20 and does its first inner steps
+        await c.membership.publish(c.record(20))
+        group = await makers[2].form_group(20, c.me, **kwargs)
+        elapsed = time.perf_counter() - started
+        assert sorted(m.peer_id for m in group.members) == sorted(p.me.peer_id for p in (a, b, c))
+        assert {g.group_id for g in await pair} == {group.group_id}
+        assert elapsed < 3.0, elapsed  # frozen early once c was ready, not at the deadline
+        assert all(mk.last_wait == 3.0 for mk in makers[:2])  # what a and b proposed: the whole match_timeout
+        assert all(mk.straggler is not None and max(mk.straggler.samples) < 2.0 for mk in makers[:2])
+
+    asyncio.run(main())
 
 
 @pytest.mark.dht
