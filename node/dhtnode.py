@@ -90,17 +90,26 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
     return dht
 
 
-async def reach_peers(_dht: Any, node: Any, maddrs: tuple[str, ...] = ()) -> int:
+REACH_TIMEOUT = 4.0  # per dial + ping, and for the routing-table lookup after
+
+
+async def reach_peers(
+    _dht: Any, node: Any, maddrs: tuple[str, ...] = (), timeout: float = REACH_TIMEOUT
+) -> int:
     """Run inside the DHT process (`dht.run_coroutine(functools.partial(reach_peers, maddrs=...))`): dial every
     peer in `maddrs` (multiaddrs ending in /p2p/<peer id>), ping it into the routing table, then look up our own
     node id so the routing table fills with the peers near us, as at start-up. Returns how many peers answered.
 
     An isolated node (protocol/isolation.py) calls this to find its swarm again: after a partition the routing
-    tables on both sides have dropped each other, and nobody would dial across by themselves."""
+    tables on both sides have dropped each other, and nobody would dial across by themselves. Every dial, ping and
+    the lookup are bounded by `timeout`: one pass that dialled into the cut just before it was mended hung for the
+    caller's whole 30 s, and the node rejoined 41 s after its peer had (tests/test_netns_partition.py)."""
     import asyncio
 
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
+
+    from farloco.protocol.tasks import wait_for
 
     by_peer: dict[Any, list[Any]] = {}
     for text in maddrs:
@@ -114,10 +123,11 @@ async def reach_peers(_dht: Any, node: Any, maddrs: tuple[str, ...] = ()) -> int
 
     async def reach(peer: Any, addresses: list[Any]) -> bool:
         with contextlib.suppress(Exception):  # unreachable now: the ping below says so
-            await node.p2p._client.connect(peer, addresses)
-        return await node.protocol.call_ping(peer) is not None
+            await wait_for(node.p2p._client.connect(peer, addresses), timeout)
+        return await wait_for(node.protocol.call_ping(peer), timeout) is not None
 
     answered = await asyncio.gather(*(reach(p, a) for p, a in by_peer.items()), return_exceptions=True)
     if any(ok is True for ok in answered):
-        await node.find_nearest_nodes([node.node_id])
+        with contextlib.suppress(TimeoutError):  # the routing table fills on later lookups anyway
+            await wait_for(node.find_nearest_nodes([node.node_id]), timeout)
     return sum(ok is True for ok in answered)
