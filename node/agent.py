@@ -525,6 +525,8 @@ class Agent:
         self.events.write(
             "started",
             peer_id=self.peer_id,
+            pid=os.getpid(),
+            dht_pid=getattr(self.dht, "pid", None),  # the DHT child process (what chaos tests stall)
             multiaddrs=self.multiaddrs,
             grpc=self.grpc_address,
             run_hash=self.run_hash,
@@ -542,9 +544,7 @@ class Agent:
 
     async def _work(self) -> None:
         """What the node does until it leaves: join, start the ranks, run rounds."""
-        await self._join()
-        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="farloco-heartbeat")
-        self._start_trainers()
+        await self._join()  # starts the trainer ranks and the heartbeat once our data slot is known
         self._request_inner_load()
         await self._round_loop()
 
@@ -910,12 +910,23 @@ class Agent:
                 self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
         except MembershipError as exc:
             raise AgentError(f"joining: {exc}") from exc
+        # The ranks start now (they know their data slot) and wait for the first round's theta: their start-up
+        # (a Python process each, torch, the model, the data) overlaps the state fetch below instead of following
+        # it. A restarted node that started them after its sync spent seconds past the round it had fetched, the
+        # swarm froze that round without it, and it fetched again.
+        self._start_trainers()
+        # Heartbeats from now on: during a long state fetch our record must stay live and say `syncing`, which
+        # is what makes the others wait for us (protocol/matchmaking.py, catching up).
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="farloco-heartbeat")
         others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0]
         if others:
-            # The swarm is mid-round: enter at its next round boundary with the state committed there,
-            # instead of training a round whose group will have formed before we finish.
-            target = max(m.round_id for m in others) + 1
-            self.events.write("waiting_for_boundary", round_id=target)
+            # The swarm is mid-round: take the state its current round started from and join that round. Our
+            # record says `syncing`, so the round's members wait for us (up to match_timeout); if it still freezes
+            # without us, we are late and take the next round's state the same way. (Waiting for the next round
+            # boundary instead, as before, stalled every join: the swarm waited for the syncing node while the
+            # node waited for the swarm to finish the round.)
+            target = max(m.round_id for m in others)
+            self.events.write("catching_up", round_id=target)
             if not await self._catch_up(target, "join", wait=self.config.timeouts.sync_timeout):
                 raise AgentError(f"joining: no member reached round {target} within timeouts.sync_timeout")
         else:
@@ -1381,11 +1392,17 @@ class Agent:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and self.leave_mode is None:
             members = await self._refresh_peers()
-            ahead = [m for m in members if m.peer_id != self.peer_id and m.round_id >= target_round]
+            # A member's round: the newer of its record and what it announced over our links (MatchAt), so a
+            # member record a heartbeat behind does not hold us a round longer than the swarm's own word.
+            now = _dht_now()
+            rounds = {
+                m.peer_id: self.matchmaker.round_of(m, now) for m in members if m.peer_id != self.peer_id
+            }
+            ahead = [m for m in members if rounds.get(m.peer_id, -1) >= target_round]
             if ahead:
-                newest = max(m.round_id for m in ahead)
+                newest = max(rounds[m.peer_id] for m in ahead)
                 try:
-                    await self._sync_from([m.address for m in ahead if m.round_id == newest], why)
+                    await self._sync_from([m.address for m in ahead if rounds[m.peer_id] == newest], why)
                 except StateSyncError as exc:
                     # Every donor we asked failed (the only one of the newest round died mid-transfer, say):
                     # read the members again, so the next pass asks the survivors.
