@@ -966,8 +966,23 @@ class DHTMatchmaker:
                 # Acting on the deadline (a takeover, giving up): only on a view that includes the DHT's.
                 # Without links, every decision waits for one (the DHT is then our only source).
                 on_deadline = (isinstance(decision, Publish) and not early) or giving_up
-                if (on_deadline or not linked) and dht.polls == 0 and not isinstance(decision, Wait):
-                    await self._wait(wake, self.poll_interval)
+                # Except the leader (rank 0) once a quarter of its window has passed: no group can exist that it
+                # does not know of (nobody publishes before its window ends), so a DHT that does not answer only
+                # costs it ready records the links lost. Without this a stalled DHT process (SIGSTOP, 10 s) held
+                # every round of two linked nodes until nobody had led: rounds closed without an update.
+                lead_anyway = (
+                    linked
+                    and isinstance(decision, Publish)
+                    and plan.candidates[:1] == (me.peer_id,)
+                    and now >= plan.freeze_at + leader_timeout / 4
+                )
+                if (
+                    (on_deadline or not linked)
+                    and dht.polls == 0
+                    and not isinstance(decision, Wait)
+                    and not lead_anyway
+                ):
+                    await self._wait(wake, min(self.poll_interval, leader_timeout / 8))
                     continue
                 if isinstance(decision, Late):
                     raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))

@@ -530,6 +530,64 @@ def test_a_member_fetching_the_swarms_state_is_waited_for_with_the_whole_match_t
 
 
 @pytest.mark.dht
+def test_linked_peers_form_their_group_while_their_dht_reads_hang(
+    dht_swarm: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two members with gRPC links whose DHT reads never answer (a stalled DHT process): the leader does not
+    wait for a DHT view it cannot get past a quarter of its window; the group forms over the links, at the
+    freeze deadline (the expected third member never came), not after every candidate gave up."""
+    import concurrent.futures
+
+    from test_membership import rec
+
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.rpc import RpcClient, RpcServer
+
+    a, b, c = dht_swarm(3)
+
+    async def main() -> None:
+        links = []
+        for p in (a, b):
+            auth = Authenticator("mm:h1", b"secret", p.me.peer_id)
+            links.append((RpcServer(auth, host="127.0.0.1"), RpcClient(auth)))
+        makers = [
+            DHTMatchmaker(p.dht, "mm", p.membership, poll_interval=0.1, server=server, client=client)
+            for p, (server, client) in zip((a, b), links, strict=True)
+        ]
+        addresses = [await server.start() for server, _ in links]
+        mes = [GroupMember(p.me.peer_id, address) for p, address in zip((a, b), addresses, strict=True)]
+        try:
+            for p, me in zip((a, b), mes, strict=True):
+                await p.membership.publish(rec(me.peer_id, round_id=30, address=me.address))
+            await c.membership.publish(c.record(30))  # expected, never ready: no early freeze
+            for p in (a, b):
+                await p.membership.refresh()
+                monkeypatch.setattr(p.dht, "get", lambda *args, **kwargs: concurrent.futures.Future())
+            started = time.perf_counter()
+            groups = await asyncio.gather(
+                *(
+                    mk.form_group(30, me, match_timeout=1.0, leader_timeout=0.8)
+                    for mk, me in zip(makers, mes, strict=True)
+                )
+            )
+            elapsed = time.perf_counter() - started
+        finally:
+            for mk in makers:
+                await mk.close()
+            for server, client in links:
+                await client.close()
+                await server.stop(0)
+        assert len({g.group_id for g in groups}) == 1
+        assert sorted(m.peer_id for m in groups[0].members) == sorted(me.peer_id for me in mes)
+        # freeze at 1.0 s, the leader's window ends 0.4 s later: formed within it, not at give-up (3.4 s)
+        assert elapsed < 2.0, elapsed
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
 def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -> None:  # noqa: F811
     """A real DHT node with its own signing key but without the run secret writes a member record of our
     run_hash, a ready record and a group record naming itself leader: the members never see it, and
