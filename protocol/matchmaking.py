@@ -925,6 +925,12 @@ class DHTMatchmaker:
                 if linked:
                     targets = {r.peer_id: r.address for r in live if r.state != "leaving"}
                     targets.update((p, r.address) for p, r in ready.items())
+                    # The previous round's group too, whatever our member table says: with one node's DHT
+                    # process stopped, both nodes' tables emptied, neither pushed its ready record to the other,
+                    # and each led a group of one (the same round committed twice, healed a round later).
+                    if self._last_group[0] == round_id - 1:
+                        targets.update(self._last_group[1])
+                    targets.pop(me.peer_id, None)
                     for peer_id, address in targets.items():
                         if peer_id not in pushed:
                             pushed.add(peer_id)
@@ -966,23 +972,8 @@ class DHTMatchmaker:
                 # Acting on the deadline (a takeover, giving up): only on a view that includes the DHT's.
                 # Without links, every decision waits for one (the DHT is then our only source).
                 on_deadline = (isinstance(decision, Publish) and not early) or giving_up
-                # Except the leader (rank 0) once a quarter of its window has passed: no group can exist that it
-                # does not know of (nobody publishes before its window ends), so a DHT that does not answer only
-                # costs it ready records the links lost. Without this a stalled DHT process (SIGSTOP, 10 s) held
-                # every round of two linked nodes until nobody had led: rounds closed without an update.
-                lead_anyway = (
-                    linked
-                    and isinstance(decision, Publish)
-                    and plan.candidates[:1] == (me.peer_id,)
-                    and now >= plan.freeze_at + leader_timeout / 4
-                )
-                if (
-                    (on_deadline or not linked)
-                    and dht.polls == 0
-                    and not isinstance(decision, Wait)
-                    and not lead_anyway
-                ):
-                    await self._wait(wake, min(self.poll_interval, leader_timeout / 8))
+                if (on_deadline or not linked) and dht.polls == 0 and not isinstance(decision, Wait):
+                    await self._wait(wake, self.poll_interval)
                     continue
                 if isinstance(decision, Late):
                     raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
