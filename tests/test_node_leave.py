@@ -73,7 +73,12 @@ def test_sigkill_of_the_agent_orphans_no_rank_and_no_dht_process(tmp_path: Path)
     run_dir = tmp_path / "node"
     node = start_node(run_dir, "--set", "node.num_ranks=2", "--set", "run.inner_steps=200")
     try:
-        status = wait_status(run_dir, node, lambda s: s["state"] == "training" and s["inner_step"] > 0)
+        # Every rank has reported its pid (0 until its first step is marked: rank 0 may mark before rank 1 does).
+        status = wait_status(
+            run_dir,
+            node,
+            lambda s: s["state"] == "training" and s["inner_step"] > 0 and all(s["trainer_pids"]),
+        )
         tree = [p for p in psutil.Process(node.pid).children(recursive=True) if p.is_running()]
         ranks = set(status["trainer_pids"])
         assert len(ranks) == 2 and ranks <= {p.pid for p in tree}, (ranks, tree)
