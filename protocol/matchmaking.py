@@ -653,16 +653,22 @@ class DHTMatchmaker:
             return
         header = {"h": outer_hash} if outer_hash else {}
         live = self.membership.core.live(self.clock.now())
-        leaving = {r.peer_id for r in live if r.state == "leaving"}
-        targets = {r.peer_id: r.address for r in live if r.peer_id != peer_id and r.peer_id not in leaving}
-        if self._last_group[0] == round_id - 1:  # and those we were grouped with, even if the table lost them
-            targets.update(
-                (p, a)
-                for p, a in self._last_group[1].items()
-                if p != peer_id and p not in targets and p not in leaving
-            )
-        for address in targets.values():
+        for address in self._link_targets(round_id, live, peer_id).values():
             self._spawn(self._push(address, AT_METHOD, header, round_id))
+
+    def _link_targets(self, round_id: int, live: Sequence[Any], me: str) -> dict[str, str]:
+        """Peer id -> address of whom round `round_id`'s messages go to over the links: the live members not
+        leaving, and the members of our group of round r-1 whatever the member table says (with one node's DHT
+        process stopped both nodes' tables emptied; pushing only to the table, neither reached the other and each
+        led a group of one: the same round committed twice)."""
+        leaving = {r.peer_id for r in live if r.state == "leaving"}
+        targets = {r.peer_id: r.address for r in live if r.peer_id not in leaving}
+        if self._last_group[0] == round_id - 1:
+            targets.update(
+                (p, a) for p, a in self._last_group[1].items() if p not in targets and p not in leaving
+            )
+        targets.pop(me, None)
+        return targets
 
     def announced_hashes(self, round_id: int) -> dict[str, str]:
         """Peer id -> the theta hash it announced for `round_id` (announcements younger than the member ttl)."""
@@ -923,14 +929,8 @@ class DHTMatchmaker:
                 direct = self._ready_in.get(round_id, {})
                 ready = {**dht.ready, **direct, me.peer_id: mine}
                 if linked:
-                    targets = {r.peer_id: r.address for r in live if r.state != "leaving"}
-                    targets.update((p, r.address) for p, r in ready.items())
-                    # The previous round's group too, whatever our member table says: with one node's DHT
-                    # process stopped, both nodes' tables emptied, neither pushed its ready record to the other,
-                    # and each led a group of one (the same round committed twice, healed a round later).
-                    if self._last_group[0] == round_id - 1:
-                        targets.update(self._last_group[1])
-                    targets.pop(me.peer_id, None)
+                    targets = self._link_targets(round_id, live, me.peer_id)
+                    targets.update((p, r.address) for p, r in ready.items() if p != me.peer_id)
                     for peer_id, address in targets.items():
                         if peer_id not in pushed:
                             pushed.add(peer_id)

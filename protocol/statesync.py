@@ -194,10 +194,8 @@ def _raw_bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 class _Served:
     """One snapshot as served: its manifest, raw bytes, and when a request last asked for it (monotonic)."""
 
-    def __init__(
-        self, round_id: int, manifest: Manifest, raw: dict[str, np.ndarray[Any, np.dtype[np.uint8]]]
-    ) -> None:
-        self.round_id = round_id
+    def __init__(self, manifest: Manifest, raw: dict[str, np.ndarray[Any, np.dtype[np.uint8]]]) -> None:
+        self.round_id = manifest.round_id
         self.manifest = manifest
         self.raw = raw
         self.used = time.monotonic()
@@ -298,7 +296,7 @@ class StateServer:
             manifest = Manifest({**meta, "sha256": hashes}, tuple(entries), self.chunk_bytes)
             if self._cache is not None:
                 self._keep(self._cache)
-            self._cache = _Served(round_id, manifest, raw)
+            self._cache = _Served(manifest, raw)
             return manifest, raw
 
     def _pinned(self, manifest_id: object) -> _Served | None:
