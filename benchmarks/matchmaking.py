@@ -4,6 +4,8 @@ same number of peers on 127.0.0.1, each peer in its own process.
 
     python benchmarks/matchmaking.py                         # 2, 4, 8 peers; rounds of ~0.1 s and ~1 s of work
     python benchmarks/matchmaking.py --peers 4 --work 0.1 --rounds 300 --impl farloco
+    python benchmarks/matchmaking.py --peers 4 --work 0.1 1.0 --hog              # a busy process on every core
+    python benchmarks/matchmaking.py --peers 4 --work 0.1 1.0 --netns 100mbit    # a namespace per peer (root)
 
 Every round each peer "works" for `work` seconds (uniform +-20%: peers are never exactly in step), then forms its
 round's group and averages a 4 KiB tensor with it: farloco runs `DHTMatchmaker.form_group` then
@@ -16,7 +18,13 @@ farloco's `match_timeout_min`). Reported per configuration:
 - `match_p50_ms` / `match_p99_ms`: from the last member ready to the group known by all its members
   (farloco: max over members of group-known time minus max over members of ready time; hivemind: the same with
   the step's start and end, matchmaking and its 4 KiB all-reduce together);
-- `split_rounds`: round ids in which two different groups formed (farloco only: hivemind's steps carry no id).
+- `split_rounds`: round ids in which two different groups formed (farloco only: hivemind's steps carry no id);
+- `p2pd_bytes_per_round`: bytes each peer's libp2p daemon sent per round (farloco: its DHT traffic, since its
+  round messages and exchange go over its own gRPC/TCP sockets; hivemind: all of its traffic, matchmaking and
+  all-reduce included).
+
+`--netns RATE` puts each peer in a network namespace of its own (farloco.node.netns: a bridge, both directions of
+every link shaped by `tc tbf`; no added delay, since this kernel has no netem).
 
 Peers talk to the driver through stdin/stdout JSON only; nothing is pickled across processes.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -36,6 +45,9 @@ from typing import Any
 import torch
 from exchange import read_peer, receive, send, write_peer  # benchmarks/exchange.py: the same stdio protocol
 
+from farloco.node import netns
+from farloco.node.netns import NamespaceWAN
+
 RUN = "bench-mm"
 NUMEL = 1024  # 4 KiB of fp32: the exchange is a formality, the matchmaking is measured
 # Each run stops starting rounds after this long (hivemind's failed steps take seconds each); the rounds every
@@ -46,7 +58,57 @@ MAX_SECONDS = float(os.environ.get("BENCH_MAX_SECONDS", "150"))
 # -- peer workers -------------------------------------------------------------------------------------------
 
 
-def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str, Any]:
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def p2pd_bytes_sent() -> int:
+    """Bytes this peer's libp2p daemon (p2pd, hivemind's DHT transport) has sent on its open TCP connections.
+
+    farloco's own round traffic goes over its gRPC and TCP sockets, never through p2pd, so for a farloco peer this
+    is its DHT traffic (member records, heartbeats, matchmaking fallbacks); a hivemind peer's averager sends all
+    of its matchmaking and all-reduce through p2pd too. Read with `ss -tinp` in this peer's network namespace;
+    connections closed in between are not counted (libp2p keeps its connections open).
+    """
+    pids = {pid for pid in _descendants(os.getpid()) if _comm(pid) == "p2pd"}
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    total, owned = 0, False
+    for line in out.splitlines():
+        if not line.startswith(("\t", " ")):  # a socket line; its details follow on the next line
+            owned = any(f"pid={pid}," in line for pid in pids)
+        elif owned:
+            for field in line.split():
+                if field.startswith("bytes_sent:"):
+                    total += int(field.split(":", 1)[1])
+    return total
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -> dict[str, Any]:
     from farloco.node.dhtnode import make_dht
     from farloco.optim.registry import get_codec
     from farloco.protocol.auth import Authenticator
@@ -58,7 +120,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str,
 
     initial = [] if rank == 0 else receive()["maddrs"]
     dht = make_dht(
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        host_maddrs=[f"/ip4/{host}/tcp/0"],
         initial_peers=initial,
         record_validators=make_record_validators(RUN),
         start=True,
@@ -70,7 +132,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str,
 
     async def main() -> dict[str, Any]:
         auth = Authenticator(f"{RUN}:h", b"bench-secret", peer_id)
-        server, client = RpcServer(auth, host="127.0.0.1"), RpcClient(auth)
+        server, client = RpcServer(auth, host=host), RpcClient(auth)
         exchange = Exchange(server, client, peer_id)
         membership = DHTMembership(dht, RUN, "h", {}, ttl=8.0, heartbeat_interval=1.0, auth=auth)
         matchmaker = DHTMatchmaker(dht, RUN, membership, server=server, client=client)
@@ -105,6 +167,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str,
         send({"ready": True})
         start_at = receive()["start_at"]
         await asyncio.sleep(max(0.0, start_at - time.time()))
+        dht_sent = p2pd_bytes_sent()
         try:
             for round_id in range(rounds):
                 if time.time() > start_at + MAX_SECONDS:
@@ -131,11 +194,12 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str,
                 except (MatchmakingError, ExchangeAborted) as exc:
                     entry.update(failed=str(exc))
                 log.append(entry)
+            dht_sent = p2pd_bytes_sent() - dht_sent
         finally:
             beats.cancel()
             await matchmaker.close()
             await server.stop(0.5)
-        return {"peer": peer_id, "log": log, "wait": matchmaker.last_wait}
+        return {"peer": peer_id, "log": log, "wait": matchmaker.last_wait, "p2pd_sent": dht_sent}
 
     try:
         return asyncio.run(main())
@@ -143,13 +207,13 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float) -> dict[str,
         dht.shutdown()
 
 
-def worker_hivemind(rank: int, peers: int, rounds: int, work: float) -> dict[str, Any]:
+def worker_hivemind(rank: int, peers: int, rounds: int, work: float, host: str) -> dict[str, Any]:
     import hivemind
 
     from farloco.node.dhtnode import make_dht
 
     initial = [] if rank == 0 else receive()["maddrs"]
-    dht = make_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial, start=True)
+    dht = make_dht(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=initial, start=True)
     if rank == 0:
         send({"maddrs": [str(m) for m in dht.get_visible_maddrs()]})
     peer_id = dht.peer_id.to_base58()
@@ -169,6 +233,7 @@ def worker_hivemind(rank: int, peers: int, rounds: int, work: float) -> dict[str
         send({"ready": True})
         start_at = receive()["start_at"]
         time.sleep(max(0.0, start_at - time.time()))
+        p2pd_sent = p2pd_bytes_sent()
         for round_id in range(rounds):
             if time.time() > start_at + MAX_SECONDS:
                 break
@@ -187,21 +252,22 @@ def worker_hivemind(rank: int, peers: int, rounds: int, work: float) -> dict[str
             entry["known"] = time.time()
             entry["members"] = sorted(str(p) for p in gathered) if gathered else [peer_id]
             log.append(entry)
+        p2pd_sent = p2pd_bytes_sent() - p2pd_sent
     finally:
         averager.shutdown()
         dht.shutdown()
-    return {"peer": peer_id, "log": log}
+    return {"peer": peer_id, "log": log, "p2pd_sent": p2pd_sent}
 
 
 def worker_main(argv: list[str]) -> None:
-    impl, rank, peers, rounds, work = argv
+    impl, rank, peers, rounds, work, host = argv
     if os.environ.get("BENCH_LOG"):  # the matchmaker's decisions on stderr, stamped
         import logging
 
         logging.basicConfig(level=logging.INFO, format=f"%(created).3f p{rank} %(name)s %(message)s")
     torch.set_num_threads(1)
     run = worker_farloco if impl == "farloco" else worker_hivemind
-    send({"report": run(int(rank), int(peers), int(rounds), float(work))})
+    send({"report": run(int(rank), int(peers), int(rounds), float(work), host)})
 
 
 # -- the driver ---------------------------------------------------------------------------------------------
@@ -256,14 +322,28 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
     }
 
 
-def run_config(impl: str, peers: int, rounds: int, work: float) -> dict[str, Any]:
+def run_config(
+    impl: str, peers: int, rounds: int, work: float, wan: NamespaceWAN | None = None
+) -> dict[str, Any]:
+    def command(rank: int) -> list[str]:
+        host = wan.address(rank + 1) if wan else "127.0.0.1"
+        prefix = list(wan.prefix_command(rank + 1)) if wan else []
+        script = os.path.abspath(__file__)
+        return [
+            *prefix,
+            sys.executable,
+            script,
+            "--worker",
+            impl,
+            str(rank),
+            str(peers),
+            str(rounds),
+            str(work),
+            host,
+        ]
+
     procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", impl, str(rank), str(peers), str(rounds), str(work)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        subprocess.Popen(command(rank), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for rank in range(peers)
     ]
 
@@ -290,7 +370,37 @@ def run_config(impl: str, peers: int, rounds: int, work: float) -> dict[str, Any
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return {"impl": impl, "peers": peers, "work_s": work, **summarize(reports, peers, work)}
+    # bytes each peer's p2pd sent per round it took part in (farloco: its DHT traffic; hivemind: everything)
+    per_round = [r["p2pd_sent"] / max(1, len(r["log"])) for r in reports]
+    return {
+        "impl": impl,
+        "peers": peers,
+        "work_s": work,
+        **summarize(reports, peers, work),
+        "p2pd_bytes_per_round": round(sum(per_round) / len(per_round)),
+    }
+
+
+class Hog:
+    """One busy process per core at normal priority for as long as the context lasts: a machine whose every core
+    has a neighbour that never sleeps."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Hog:
+        if self.enabled:
+            self.procs = [
+                subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 1)
+            ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:
@@ -304,16 +414,29 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=0, help="rounds per run (default: 300 at 0.1 s, 60 at 1 s, 10 at 10 s)"
     )
+    parser.add_argument("--hog", action="store_true", help="a busy process on every core during each run")
+    parser.add_argument(
+        "--netns",
+        metavar="RATE",
+        help="each peer in a network namespace of its own, on a bridge whose links tc tbf shapes to RATE "
+        "(e.g. 100mbit; needs root)",
+    )
     args = parser.parse_args()
     impls = ["farloco", "hivemind"] if args.impl == "both" else [args.impl]
+    if args.netns and (why := netns.unavailable()):
+        parser.error(f"--netns: {why}")
     print(f"# load before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores", flush=True)
     for work in args.work:
         rounds = args.rounds or (300 if work <= 0.2 else 60 if work <= 2 else 10)
         for peers in args.peers:
             for impl in impls:
                 started = time.time()
-                row = run_config(impl, peers, rounds, work)
-                row["wall_s"] = round(time.time() - started, 1)
+                wan = NamespaceWAN(peers, args.netns) if args.netns else None
+                with wan or contextlib.nullcontext(), Hog(args.hog):
+                    row = run_config(impl, peers, rounds, work, wan)
+                row.update(
+                    wall_s=round(time.time() - started, 1), hog=args.hog, link=args.netns or "loopback"
+                )
                 print(json.dumps(row), flush=True)
 
 

@@ -1,9 +1,11 @@
 """Round matchmaking: which peers exchange together in outer round r (one group per round).
 
-The rule (a pure function, `decide`, of an injected `now` and the records a peer sees, plus a thin DHT driver):
+The rule (a pure function, `decide`, of an injected `now` and the records a peer sees, plus a thin driver,
+`DHTMatchmaker`, that carries the records over the members' own gRPC links and keeps a copy in the DHT):
 
-1. A peer that finished its local work for round r stores a *ready* record under `farloco/{run}/round/{r}`
-   (sub-key = its public key, so the record is signed): peer id, gRPC address, ready_at (DHT time).
+1. A peer that finished its local work for round r sends a *ready* record (peer id, gRPC address, ready_at in
+   DHT time) to every live member over its authenticated link, and stores it in the background under
+   `farloco/{run}/round/{r}` (sub-key = its public key, so the record is signed) for peers its links miss.
 2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + wait`, where `wait` is the
    straggler wait proposed in the opening record (each peer proposes one from the round's own arrival
    statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`;
@@ -14,7 +16,7 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    live member whose member record says round r (and is not leaving) is ready and no member's record says
    a later round (such a member left round r, so r's group may already exist), and at the latest at the
    freeze deadline; it then publishes the group (sorted members with addresses; group_id = sha256 of the
-   round and member ids) under `farloco/{run}/round/{r}/group`.
+   round and member ids): pushed to its members over the links, and stored under `farloco/{run}/round/{r}/group`.
 4. Followers wait for a group record. If none appears, candidate k (k >= 1) takes over in the window
    `[freeze + k*leader_timeout, freeze + k*leader_timeout + leader_timeout/2)` and publishes the ready peers
    it sees minus the k candidates ranked before it (they failed to lead, so they are presumed dead). Every
@@ -27,8 +29,8 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    window has passed without a group, every remaining peer is late.
 
 Why it agrees: windows of different candidates are `leader_timeout/2` apart, the eligibility cutoff is
-`leader_timeout/2` before the freeze, so if a record reaches every peer within `leader_timeout/2` (DHT
-propagation, store latency and clock skew together), at the freeze every peer sees the same candidates and at
+`leader_timeout/2` before the freeze, so if a record reaches every peer within `leader_timeout/2` (over a link
+or through the DHT, clock skew included), at the freeze every peer sees the same candidates and at
 most one candidate publishes. The early freeze is safe if a member's record moves to round r at least
 twice that bound before it declares itself ready for r, which holds because the record moves when the local
 work of round r starts. The lowest-leader tie-break only matters when those bounds are broken.
