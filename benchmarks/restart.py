@@ -156,8 +156,7 @@ def run_config(
             rows.append({"peers": peers, "inner_steps": inner_steps, "kill": kill + 1, **figures})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        for node in everyone:
-            stop_process(node.process)
+        stop_process(*(node.process for node in everyone))
         stop_process(bootstrap)
     return rows
 

@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,8 @@ import torch
 
 from farloco.node.config import Config, ConfigError, diff_run, run_hash, run_section, to_toml
 from farloco.node.control import ControlServer
-from farloco.node.dhtnode import make_dht
-from farloco.node.handoff import Handoff, flatten, layout_of
+from farloco.node.dhtnode import DHTStartError, daemon_alive, make_dht, stop_dht
+from farloco.node.handoff import COMMAND_STOP, Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
 from farloco.protocol import shares
@@ -312,6 +312,12 @@ class Agent:
 
     def _on_trainer_failure(self, reason: str) -> None:
         """Called from the launcher's thread for each failed rank group."""
+        if getattr(self, "handoff", None) is not None and self.handoff.command == COMMAND_STOP:
+            # We told the ranks to stop (a leave): one that did not in time was ended by us, and the ranks the
+            # launcher starts again see STOP and exit at once. Part of the leave, not a failure.
+            log.info("trainer %s while the node stops its ranks", reason)
+            self.events.write("trainer_stopped", reason=reason)
+            return
         restarting = self.launcher_failures.failures <= self.launcher_failures.max_restarts
         log.warning(
             "trainer %s; %s", reason, "the launcher restarts the ranks" if restarting else "no restarts left"
@@ -423,7 +429,7 @@ class Agent:
         try:
             # asyncio.run would wait without bound for a task that ignores cancellation; leaving is bounded.
             run_bounded(self._main(), cleanup_timeout=3.0)
-        except AgentError as exc:
+        except (AgentError, DHTStartError) as exc:
             self.error = str(exc)
             self.status = Status.FAILED
             log.error("%s", exc)
@@ -466,7 +472,7 @@ class Agent:
             await self._serve(DHTMembership)
         finally:
             log.info("shutting down the DHT node")
-            self.dht.shutdown()
+            stop_dht(self.dht)
             log.info("DHT node stopped")
 
     async def _serve(self, membership_cls: Any) -> None:
@@ -594,12 +600,16 @@ class Agent:
             return max(0.2, (end - time.monotonic()) * share)
 
         self.status = Status.LEAVING if self.status is not Status.FAILED else self.status
+        if getattr(self, "handoff", None) is not None:
+            self.handoff.stop()  # the ranks wind down while we deregister; _stop_trainers waits for them
         await cancel_and_wait(self._heartbeat_task, timeout=1.0)
         await cancel_and_wait(self._record_task, timeout=1.0)
         await cancel_and_wait(self._inner_load_task, timeout=1.0)
         try:
             bound = left(0.4)
-            await wait_for(self.membership.remove(retry_seconds=min(timeouts.dht_retry, bound)), bound)
+            await self._while_dht_daemon_lives(
+                wait_for(self.membership.remove(retry_seconds=min(timeouts.dht_retry, bound)), bound)
+            )
         except (MembershipError, TimeoutError) as exc:
             log.warning(
                 "could not store our departure on the DHT (%s); the others drop us once our record expires "
@@ -624,6 +634,23 @@ class Agent:
         self.events.write("stopped", round_id=self.round_id, error=self.error)
         if getattr(self, "handoff", None) is not None:
             self.handoff.close()
+
+    async def _while_dht_daemon_lives(self, work: Awaitable[Any]) -> Any:
+        """`work` (a DHT call), cut short with TimeoutError as soon as the DHT's p2pd is gone: a signal sent to
+        the whole node (Slurm, systemd) ends p2pd as it starts our leave, and a DHT call would then wait out its
+        whole bound for nothing."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                await asyncio.wait({task}, timeout=0.1)  # first: the work has started when we may cancel it
+                if task.done():
+                    return task.result()
+                if not daemon_alive(self.dht):
+                    raise TimeoutError(
+                        "the DHT's daemon (p2pd) is gone: a signal to the whole node ends it too"
+                    )
+        finally:
+            await cancel_and_wait(task, timeout=1.0)
 
     def _secret(self) -> bytes:
         path = self.config.auth.secret_file

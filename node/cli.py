@@ -148,8 +148,10 @@ def bootstrap(
     import signal
     import threading
 
-    from farloco.node.dhtnode import make_dht
+    from farloco.node.dhtnode import make_dht, stop_dht
+    from farloco.node.logs import setup_logging
 
+    setup_logging(None)  # text on a terminal, JSON lines otherwise (journald, docker logs, Slurm output)
     # Handlers first: a SIGTERM that lands while the DHT starts must still shut it down cleanly.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -169,7 +171,7 @@ def bootstrap(
         tmp.write_text("\n".join(maddrs) + "\n")
         tmp.replace(maddr_file)
     stop.wait()
-    dht.shutdown()
+    stop_dht(dht)
 
 
 # ---- steering a running node ------------------------------------------------------------------------------------
@@ -351,6 +353,28 @@ def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"ok: run {cfg.run.name!r}, run_hash {run_hash(cfg)}")
+
+
+@config.command("get")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("key", metavar="SECTION.KEY")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+def config_get(path: Path, key: str, overrides: tuple[str, ...]) -> None:
+    """Print one resolved value of a config (defaults filled in), for scripts: e.g. timeouts.leave_timeout."""
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    section_name, _, name = key.partition(".")
+    section = getattr(cfg, section_name, None)
+    if not name or section is None or not dataclasses.is_dataclass(section):
+        sections = [f.name for f in dataclasses.fields(cfg)]
+        raise click.ClickException(f"expected SECTION.KEY with SECTION one of {sections}, got {key!r}")
+    if name not in {f.name for f in dataclasses.fields(section)}:
+        keys = [f.name for f in dataclasses.fields(section)]
+        raise click.ClickException(f"expected a key of [{section_name}], one of {keys}, got {name!r}")
+    value = getattr(section, name)
+    click.echo(value if isinstance(value, str) else json.dumps(value))
 
 
 @main.group()

@@ -169,18 +169,23 @@ def start_peer(
     return PeerProcess(name, run_dir, process, log_path)
 
 
-def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """SIGTERM (a graceful leave for a node), then SIGKILL, for the process and its whole session."""
-    if process.poll() is None:
-        process.terminate()
+def stop_process(*processes: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM (a graceful leave for a node) to every process at once, then SIGKILL to those still there after
+    `timeout` seconds, and to each one's whole session. All at once: nodes that leave one after the other each
+    wait for the ones still training, and a lone survivor trains on until its own stop."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    for process in processes:
         try:
-            process.wait(timeout=timeout)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    # Children that outlived their parent (the DHT process, trainer ranks) share its session id.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+        # Children that outlived their parent (the DHT process, trainer ranks) share its session id.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def run_demo(
@@ -225,8 +230,7 @@ def run_demo(
             peers.append(start_peer(f"peer-{i}", root, config_path, maddr, first_ranks if i == 0 else 1))
         ok = _watch(peers, rounds, console)
     finally:
-        for peer in peers:
-            stop_process(peer.process)
+        stop_process(*(peer.process for peer in peers))
         if bootstrap is not None:
             stop_process(bootstrap)
     elapsed = time.monotonic() - started

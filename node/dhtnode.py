@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +56,26 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
     ever): past that the child is killed and DHTStartError names what it was started with.
     With an `identity_path`, its DHT node id follows from that identity (`stable_node_id`)."""
     import hivemind
+    import torch.multiprocessing
 
+    # hivemind switches torch's sharing strategy to "file_system" when imported: its shared tensors then go
+    # through a helper process, torch_shm_manager, that each process starts on first use. A SIGTERM sent to
+    # every process of a node (Slurm's scancel --signal=TERM, systemd's control-group stop) kills that helper
+    # as the leave begins, and every DHT call after it (each makes an MPFuture, whose buffer is shared memory)
+    # failed with "Broken pipe", in a C++ thread an abort. Nothing farloco shares needs a name: hivemind's
+    # MPFuture buffers reach the DHT child by fork, which "file_descriptor" (torch's Linux default) serves
+    # without a helper.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
     if kwargs.get("identity_path") and "node_id" not in kwargs:
         kwargs["node_id"] = stable_node_id(str(kwargs["identity_path"]))
 
     class _DHT(hivemind.DHT):  # type: ignore[misc]
         def run(self) -> None:
             _set_parent_death_signal(signal.SIGKILL)
+            # Its owner stops it (shutdown) and the kernel kills it with its owner. A SIGTERM sent to the whole
+            # node (Slurm's scancel --signal=TERM, systemd's control-group stop) is the owner's cue to leave,
+            # which needs this process a while longer to deregister.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             # The child is a fork: it inherits every object of the parent, grpc's included, but not the parent's
             # threads. Had the cyclic gc collected an inherited grpc object here, its dealloc would join a thread
             # that does not exist in this process and spin at 100% CPU for good (seen: a DHT started after a
@@ -87,7 +102,63 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
             f"{kwargs.get('host_maddrs')}, initial_peers={kwargs.get('initial_peers')}); check that those "
             "addresses can be bound and reached"
         ) from None
+    except Exception as exc:  # hivemind's P2PDaemonError and friends, raised in the child and passed back
+        if dht.is_alive():
+            dht.kill()
+            dht.join(5)
+        raise DHTStartError(_start_failure(str(exc), kwargs)) from None
     return dht
+
+
+def _start_failure(error: str, kwargs: dict[str, Any]) -> str:
+    """One line saying why the DHT node did not start, naming the addresses involved."""
+    error = " ".join(error.split())
+    initial = [str(m) for m in kwargs.get("initial_peers") or []]
+    if initial and ("bootstrap peers" in error or "connect" in error):
+        return (
+            f"could not reach any initial peer (tried {', '.join(initial)}): {error}; check that the bootstrap "
+            "node runs, that this address and port reach it from here, and the peer id after /p2p/"
+        )
+    return f"the DHT node did not start (host_maddrs={kwargs.get('host_maddrs')}): {error}"
+
+
+def daemon_alive(dht: Any) -> bool:
+    """Whether the DHT child process and its libp2p daemon (p2pd) both still run.
+
+    A SIGTERM sent to every process of a node (Slurm's `scancel --signal=TERM`, systemd's control-group stop)
+    kills p2pd, whose Go runtime exits on it, while the DHT child, which ignores it, lives on: every DHT call
+    then waits out its timeout. Leaving checks this first. Linux reads /proc; elsewhere a live child is enough."""
+    pid = getattr(dht, "pid", None)
+    if pid is None or not dht.is_alive():
+        return False
+    if not sys.platform.startswith("linux"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                name, _, rest = f.read().rpartition(")")
+        except OSError:
+            continue
+        if name.endswith("(p2pd") and int(rest.split()[1]) == pid:
+            return True
+    return False
+
+
+def stop_dht(dht: Any) -> None:
+    """Stop a DHT started by `make_dht`: hivemind's graceful shutdown (a few seconds at most) while its daemon
+    lives, at once when the daemon is or goes away (a graceful shutdown without p2pd only waits out hivemind's
+    grace period: a SIGTERM to the whole node reaches p2pd as it reaches us), and for sure (hivemind's own
+    fallback is a SIGTERM, which the child ignores: see make_dht)."""
+    if daemon_alive(dht):
+        graceful = threading.Thread(target=dht.shutdown, name="farloco-dht-shutdown", daemon=True)
+        graceful.start()
+        while graceful.is_alive() and daemon_alive(dht):
+            graceful.join(0.1)
+    if dht.is_alive():
+        dht.kill()
+        dht.join(5)
 
 
 REACH_TIMEOUT = 4.0  # per dial + ping, and for the routing-table lookup after

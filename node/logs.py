@@ -104,6 +104,7 @@ def setup_logging(log_format: str | None, *, verbose: bool = False, run_dir: Pat
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_drop_p2pd_closing_noise)
     # torch (torch._logging, at import) does the same on "torch", "torch.distributed" and a few more, in its own
     # glog-like format: imported here so that its stderr handlers exist to be removed now, not added later.
     import torch  # noqa: F401
@@ -117,6 +118,14 @@ def setup_logging(log_format: str | None, *, verbose: bool = False, run_dir: Pat
                 candidate.removeHandler(handler)
             if own:
                 candidate.propagate = True
+
+
+def _drop_p2pd_closing_noise(record: logging.LogRecord) -> bool:
+    """p2pd logs an ERROR each time it closes its control socket on a normal stop ("error accepting connection:
+    accept unix ...: use of closed network connection"): every leave under Slurm or systemd, which signal p2pd
+    too, would print one. Only that line is dropped; p2pd's other errors pass."""
+    message = record.getMessage()
+    return not ("error accepting connection" in message and "use of closed network connection" in message)
 
 
 class SyncProgress:

@@ -289,13 +289,46 @@ def should_stop(handoff: Handoff, parent: int, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+# How long a rank given SIGTERM waits for the agent's STOP before it dies of the signal after all.
+SIGTERM_GRACE = 10.0
+
+
+def defer_sigterm(handoff_path: Path, grace: float = SIGTERM_GRACE) -> None:
+    """A SIGTERM that reaches the rank and its agent together (Slurm's `scancel --signal=TERM` and systemd's
+    control-group stop signal every process of the node) is the agent's to act on: it leaves gracefully and
+    stops the ranks through the hand-off, and a rank killed by that signal meanwhile would be a failed rank the
+    launcher restarts. So the rank notes the signal and keeps going; if no STOP comes within `grace` seconds (the
+    launcher itself stopping the rank group for a restart, or an agent that is gone), it dies of the signal as
+    it would have."""
+    import signal
+    import threading
+
+    def expire() -> None:
+        try:
+            stopping = Handoff.attach(handoff_path).command == COMMAND_STOP
+        except (OSError, ValueError):
+            stopping = False
+        if not stopping:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_term(signum: int, frame: object) -> None:
+        timer = threading.Timer(grace, expire)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="farloco trainer rank (started by the agent, not by hand)")
     parser.add_argument("--handoff", required=True, help="path of the agent's shared-memory hand-off file")
     parser.add_argument("--config", required=True, help="the node's resolved config (TOML)")
     parser.add_argument("--dataset", required=True, help="prepared dataset directory")
     parser.add_argument("--slot", type=int, required=True, help="this node's data slot")
-    run_rank(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    defer_sigterm(Path(args.handoff))
+    run_rank(args)
 
 
 if __name__ == "__main__":

@@ -505,9 +505,11 @@ class DHTMatchmaker:
     Without links (tests of the DHT path alone) the ready record is stored first and a refusal raises
     MatchmakingError, as before.
 
-    DHT polling starts at `min_poll_interval` and doubles up to `poll_interval`. Reads use `latest=True` (a full
-    traversal merging every replica's sub-keys); a plain get stops at the first copy it finds, often our own
-    partial one, and would miss other peers' records.
+    DHT polling starts at `min_poll_interval` and doubles up to `poll_interval` (with links: a first read at once,
+    then every `poll_interval`, since the links carry the round and the DHT only backs them up; reading it
+    every few ms cost each peer three DHT traversals per poll, CPU the round's critical path competes for).
+    Reads use `latest=True` (a full traversal merging every replica's sub-keys); a plain get stops at the first
+    copy it finds, often our own partial one, and would miss other peers' records.
     """
 
     def __init__(
@@ -823,7 +825,7 @@ class DHTMatchmaker:
         """Read the round's ready and group records and the member table, again and again, into `view`."""
         key = round_key(self.run_name, round_id)
         group_key = f"{key}/group"
-        interval = self.min_poll_interval
+        interval = self.min_poll_interval if self.client is None else self.poll_interval
         rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
         while True:
             try:

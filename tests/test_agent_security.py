@@ -285,11 +285,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
             agent.status = _status(agent.peer)
         yield made
     finally:
-        for peer in peers:  # every agent leaves at once rather than one after the other
-            if peer.process.poll() is None:
-                peer.process.terminate()
-        for peer in peers:
-            stop_process(peer.process)
+        stop_process(*(peer.process for peer in peers))
         for node in nodes:
             node.dht.shutdown()
         stop_process(bootstrap)
@@ -688,9 +684,5 @@ def test_joiner_resumes_from_another_donor_when_its_donor_dies_mid_transfer(tmp_
             theirs = {e["round_id"]: e["outer_hash"] for e in read_events(b.run_dir) if e["event"] == "round"}
         assert theirs.get(mine["round_id"]) == mine["outer_hash"], (mine, theirs)
     finally:
-        for peer in peers:
-            if peer.process.poll() is None:
-                peer.process.terminate()
-        for peer in peers:
-            stop_process(peer.process)
+        stop_process(*(peer.process for peer in peers))
         stop_process(bootstrap)

@@ -107,8 +107,7 @@ def test_a_partitioned_node_says_it_is_isolated_commits_nothing_alone_and_rejoin
                 peers,
             )
         finally:
-            for process in processes:
-                stop_process(process)
+            stop_process(*processes)
     by_round = [{e["round_id"]: e for e in _events(p, "round")} for p in peers]
     last = min(max(r) for r in by_round)
     for round_id in range(last - 2, last + 1):  # one swarm again: both in the group, one hash

@@ -43,8 +43,7 @@ def test_four_nodes_in_four_namespaces_form_one_swarm(tmp_path: Path) -> None:
             for peer in peers:
                 assert peer.process.returncode == 0, peer.log_path.read_text(errors="replace")[-3000:]
         finally:
-            for process in processes:
-                stop_process(process)
+            stop_process(*processes)
     rounds = {
         p.name: {e["round_id"]: e for e in read_events(p.run_dir) if e["event"] == "round"} for p in peers
     }

@@ -202,8 +202,7 @@ def test_leaving_mid_exchange_is_bounded_by_leave_timeout(tmp_path: Path) -> Non
         for process in [*psutil.Process(b.pid).children(recursive=True), psutil.Process(b.pid)]:
             if process.is_running():
                 process.resume()
-        stop_process(a)
-        stop_process(b)
+        stop_process(a, b)
         stop_process(bootstrap)
     assert left.returncode == 0, left.stdout + left.stderr
     assert a.returncode == 0 and took < LEAVE_TIMEOUT + EXIT_SLACK, took

@@ -180,11 +180,7 @@ def run_swarm(root: Path, overrides: list[str], num_rounds: int) -> tuple[list[P
             time.sleep(0.3)
         statuses = [ControlClient(p.run_dir).status() for p in peers]
     finally:
-        for peer in peers:  # all leave at once: a lone survivor would train on until its own stop
-            if peer.process.poll() is None:
-                peer.process.terminate()
-        for peer in peers:
-            stop_process(peer.process)
+        stop_process(*(peer.process for peer in peers))
         stop_process(bootstrap)
     return peers, statuses
 
@@ -376,11 +372,7 @@ def test_streaming_joiner_syncs_the_fragment_everyone_syncs(tmp_path: Path) -> N
         peers.append(start_peer("c", tmp_path, config_path, maddr, 1))
         wait_until(peers, lambda p: len(rounds_of(peers[2])) >= 4, "4 rounds of the joiner")
     finally:
-        for peer in peers:
-            if peer.process.poll() is None:
-                peer.process.terminate()
-        for peer in peers:
-            stop_process(peer.process)
+        stop_process(*(peer.process for peer in peers))
         stop_process(bootstrap)
     joiner_events = read_events(peers[2].run_dir)
     assert any(e["event"] == "synced" for e in joiner_events)

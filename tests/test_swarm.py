@@ -65,8 +65,7 @@ class Swarm:
         return peer
 
     def close(self) -> None:
-        for peer in self.peers:
-            stop_process(peer.process)
+        stop_process(*(peer.process for peer in self.peers))
         stop_process(self.bootstrap)
 
 
