@@ -65,7 +65,7 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
     # failed with "Broken pipe", in a C++ thread an abort. Nothing farloco shares needs a name: hivemind's
     # MPFuture buffers reach the DHT child by fork, which "file_descriptor" (torch's Linux default) serves
     # without a helper.
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")  # type: ignore[no-untyped-call]
     if kwargs.get("identity_path") and "node_id" not in kwargs:
         kwargs["node_id"] = stable_node_id(str(kwargs["identity_path"]))
 
