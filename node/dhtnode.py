@@ -141,7 +141,8 @@ def daemon_alive(dht: Any) -> bool:
                 name, _, rest = f.read().rpartition(")")
         except OSError:
             continue
-        if name.endswith("(p2pd") and int(rest.split()[1]) == pid:
+        state, ppid = rest.split()[:2]
+        if name.endswith("(p2pd") and int(ppid) == pid and state not in ("Z", "X"):  # a zombie is gone
             return True
     return False
 

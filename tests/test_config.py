@@ -113,3 +113,23 @@ def test_outer_names_and_options_are_config_errors(override: str, message: str) 
     with pytest.raises(ConfigError) as info:
         build_outer(config, num_params=4096)
     assert message in str(info.value)
+
+
+def test_config_get_prints_one_resolved_value_for_scripts(tmp_path: Path) -> None:
+    """What deploy/slurm/farloco.sbatch reads its leave margin with; defaults are filled in."""
+    from click.testing import CliRunner
+
+    from farloco.node.cli import main
+
+    path = tmp_path / "node.toml"
+    path.write_text('[run]\nname = "x"\n[timeouts]\nleave_timeout = 12.5\n')
+    runner = CliRunner()
+    assert runner.invoke(main, ["config", "get", str(path), "timeouts.leave_timeout"]).output == "12.5\n"
+    assert runner.invoke(main, ["config", "get", str(path), "run.name"]).output == "x\n"
+    assert runner.invoke(main, ["config", "get", str(path), "timeouts.member_ttl"]).output == "8.0\n"
+    wrong = runner.invoke(main, ["config", "get", str(path), "timeouts.nope"])
+    assert (
+        wrong.exit_code != 0 and "expected a key of [timeouts]" in wrong.output and "'nope'" in wrong.output
+    )
+    wrong = runner.invoke(main, ["config", "get", str(path), "nope"])
+    assert wrong.exit_code != 0 and "SECTION.KEY" in wrong.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from farloco.node.dhtnode import make_dht, stable_node_id
+from farloco.node.dhtnode import daemon_alive, make_dht, stable_node_id, stop_dht
 from farloco.protocol.membership import make_record_validators, members_key
 
 pytestmark = pytest.mark.dht
@@ -88,3 +89,58 @@ def test_the_others_stores_keep_working_after_a_peer_restarts_with_its_identity(
         for dht in [*started, boot]:
             if dht.is_alive():  # a killed one answers nothing any more  # type: ignore[attr-defined]
                 dht.shutdown()  # type: ignore[attr-defined]
+
+
+def _p2pd_of(dht: object) -> int:
+    """The pid of the DHT child's libp2p daemon."""
+    pid = dht.pid  # type: ignore[attr-defined]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                name, _, rest = f.read().rpartition(")")
+                if name.endswith("(p2pd") and int(rest.split()[1]) == pid and rest.split()[0] != "Z":
+                    return int(entry)
+    raise AssertionError("the DHT child has no p2pd")
+
+
+def test_a_sigterm_to_the_whole_node_leaves_the_dht_child_to_its_owner_and_stopping_it_is_quick() -> None:
+    """What Slurm and systemd do on a leave: SIGTERM to every process of the node. The DHT child ignores it (the
+    agent still needs it to deregister), p2pd dies of it; `daemon_alive` says so, and `stop_dht` then stops the
+    child at once instead of waiting out hivemind's grace period for a daemon that is gone."""
+    dht = make_dht(ready_timeout=60, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        assert daemon_alive(dht)
+        os.kill(dht.pid, signal.SIGTERM)
+        os.kill(_p2pd_of(dht), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while daemon_alive(dht) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dht.is_alive(), "the DHT child must outlive a SIGTERM (its owner stops it)"
+        assert not daemon_alive(dht)
+        started = time.monotonic()
+        stop_dht(dht)
+        assert time.monotonic() - started < 2.0
+        assert not dht.is_alive()
+    finally:
+        if dht.is_alive():
+            dht.kill()
+            dht.join(5)
+
+
+def test_stop_dht_is_graceful_while_the_daemon_lives() -> None:
+    dht = make_dht(ready_timeout=60, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    p2pd = _p2pd_of(dht)
+    stop_dht(dht)
+    assert not dht.is_alive()
+    deadline = time.monotonic() + 10
+    while _running(p2pd) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(p2pd), "p2pd outlived its DHT"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

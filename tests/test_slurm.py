@@ -145,6 +145,7 @@ def test_the_sbatch_runs_leaves_and_resumes_on_a_real_slurm_cluster(
     cluster.run("scancel", "--signal=TERM", first)
     fields = cluster.wait_job(first, 60)
     took = time.monotonic() - started
+    print(f"scancel --signal=TERM -> job {fields['JobState']} in {took:.1f} s")  # pytest -s shows it
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, output(first))
     assert took <= LEAVE_BOUND, (
         f"the job took {took:.1f} s to leave (bound {LEAVE_BOUND} s):\n{output(first)}"
