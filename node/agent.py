@@ -41,6 +41,7 @@ from farloco.node.dhtnode import DHTStartError, daemon_alive, make_dht, stop_dht
 from farloco.node.handoff import COMMAND_STOP, Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
 from farloco.node.model import build_model, model_config, num_parameters
+from farloco.node.outer import OuterError, OuterRound, theta_hash
 from farloco.protocol import shares
 from farloco.protocol.faults import FlakyDHT, parse_dht_faults
 from farloco.protocol.isolation import IsolationWatch
@@ -118,11 +119,6 @@ def build_outer(config: Config, num_params: int) -> tuple[Any, Any]:
     except (StrategyError, TypeError) as exc:
         raise ConfigError(f"run.strategy / run.strategy_options: {exc}") from exc
     return codec, strategy
-
-
-def theta_hash(theta: torch.Tensor) -> str:
-    """sha256 of theta_outer's bytes: equal on every peer that holds a bit-identical model."""
-    return hashlib.sha256(theta.numpy().tobytes()).hexdigest()
 
 
 def ddp_bytes_per_round(num_params: int, inner_steps: int, num_peers: int) -> int:
@@ -209,6 +205,9 @@ class Agent:
         del model
         # Built before anything listens, so a bad strategy or codec is a config error, not a half-started node.
         self.codec, self.strategy = build_outer(config, self.num_params)
+        self.outer = OuterRound(self.theta, self.strategy, self.codec)
+        # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
+        self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._overlap_steps = overlap_steps(config)
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
         self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights
@@ -494,14 +493,11 @@ class Agent:
         self.server = RpcServer(auth, host=net.host, port=net.grpc_port, tls=tls, data_port=data_port)
         self.client = RpcClient(auth, tls=tls)
         self.exchange = Exchange(self.server, self.client, self.peer_id)
-        self._mean_out: torch.Tensor | None = None
-        self._sent_out: torch.Tensor | None = None
         self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]
         self.grpc_address = f"{net.announce_host or net.host}:{port}"
-        self._snapshot = self._make_snapshot()
         self.membership = membership_cls(
             self.dht,
             run.name,
@@ -662,19 +658,18 @@ class Agent:
         return hashlib.sha256(b"farloco-run-secret:" + self.run_hash.encode()).digest()
 
     # ---- state: snapshot for donors, install from a donor -------------------------------------------------------
-    def _make_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        tensors = {"theta": self.theta.clone()}
-        for name, tensor in self.strategy.state_dict().items():
-            tensors[f"strategy.{name}"] = tensor.clone()
-        meta = {
-            "round_id": self.round_id,
-            "run_hash": self.run_hash,
-            "outer_hash": self.outer_hash,
-            "run_config": run_section(self.config),
-        }
-        return meta, tensors
-
     def _state_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The committed state as donors serve it: copies, made on the first request for this state (on the
+        event loop, between rounds, so never half-way through a commit) and kept until the state changes. A
+        node no joiner asks costs no copy per round."""
+        if self._snapshot is None or self._snapshot[0]["round_id"] != self.round_id:
+            meta = {
+                "round_id": self.round_id,
+                "run_hash": self.run_hash,
+                "outer_hash": self.outer_hash,
+                "run_config": run_section(self.config),
+            }
+            self._snapshot = (meta, self.outer.snapshot())
         return self._snapshot
 
     def _install_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -693,7 +688,7 @@ class Agent:
         )
         self.round_id = int(meta["round_id"])
         self.outer_hash = theta_hash(self.theta)
-        self._snapshot = self._make_snapshot()
+        self._snapshot = None
 
     async def _sync_from(self, donors: list[str], why: str) -> None:
         from farloco.protocol.statesync import fetch_state
@@ -765,9 +760,12 @@ class Agent:
             log.warning("the ranks could not load %s: they start with a fresh optimizer state", directory)
         self.events.write("inner_resumed", path=str(directory), **outcome)
 
-    async def _checkpoint(self, staged: Path | None = None, inner_seq: int = 0) -> None:
-        """Write the committed outer state (the snapshot donors serve) off the event loop, then prune. With
-        `staged`, first wait for the ranks to write their inner state into it (request `inner_seq`)."""
+    async def _checkpoint(
+        self, tensors: dict[str, torch.Tensor], staged: Path | None = None, inner_seq: int = 0
+    ) -> None:
+        """Write the committed outer state `tensors` (the snapshot donors serve, taken at commit) off the event
+        loop, then prune. With `staged`, first wait for the ranks to write their inner state into it (request
+        `inner_seq`)."""
         import shutil
 
         from farloco.node.checkpoint import (
@@ -778,7 +776,6 @@ class Agent:
             save_checkpoint,
         )
 
-        _, tensors = self._snapshot  # clones taken at commit: later rounds never touch them
         round_id = self.round_id
         waited = time.monotonic()
         inner = await self._wait_inner(inner_seq) if staged is not None else None
@@ -1104,8 +1101,7 @@ class Agent:
                     return
                 steps_done = self._overlap_steps
             if reload and self._merge_pending:
-                load = self.handoff.local.clone()
-                self.strategy.merge_into_local(self.theta, load)
+                load = self.outer.merged(self.handoff.local, self.handoff.theta)
             elif reload:  # state sync: start the round afresh from the swarm's theta_outer
                 load, steps_done = self.theta, 0
             else:
@@ -1142,10 +1138,15 @@ class Agent:
         evals = [r.eval_loss for r in reports if r.eval_seq == seq]
         if evals:
             self.eval_loss = evals[0]
-        theta_local = self.handoff.local.clone()
-        if not torch.isfinite(theta_local).all():
-            raise AgentError(f"round {self.round_id}: the trainer ranks produced non-finite parameters")
-        if self._overlap_steps and not (run.max_rounds and self.round_id + 1 >= run.max_rounds):
+        overlap = bool(self._overlap_steps) and not (run.max_rounds and self.round_id + 1 >= run.max_rounds)
+        # While the ranks wait for us their weights stay put and are read in place; when they train on during
+        # the exchange (overlap) we read a copy, taken before they can overwrite it.
+        theta_local = self.outer.read_local(self.handoff.local, copy=overlap)
+        try:
+            contribution = self.outer.contribution(theta_local)
+        except OuterError as exc:
+            raise AgentError(f"round {self.round_id}: {exc}") from None
+        if overlap:
             # streaming-diloco: the ranks run the next round's first tau inner steps while we exchange (their
             # reports and weights for this round were read above, before they can overwrite them).
             self._overlap_seq = self.handoff.publish(
@@ -1154,7 +1155,6 @@ class Agent:
                 step_base=(self.round_id + 1) * run.inner_steps,
                 inner_steps=self._overlap_steps,
             )
-        contribution = self.strategy.make_contribution(self.theta, theta_local)
         self.status = Status.EXCHANGING
         # No member-record store here: our record moved to this round when its work started (what the early
         # freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links.
@@ -1175,7 +1175,7 @@ class Agent:
             # We could not even declare ourselves ready: whatever the others did, take it from them.
             self.events.write("matchmaking_failed", round_id=self.round_id, error=str(exc))
             self._left_out(shares.NO_GROUP)
-            self.strategy.rollback()
+            self.outer.rollback()
             return await self._catch_up(self.round_id + 1, "matchmaking failed")
         except LateForRound as exc:
             self.counters.rounds_late += 1
@@ -1183,7 +1183,7 @@ class Agent:
                 "late", round_id=self.round_id, reason=exc.reason, group_formed=exc.group_formed
             )
             self._left_out(shares.LATE if exc.group_formed else shares.NO_GROUP)
-            self.strategy.rollback()
+            self.outer.rollback()
             if exc.group_formed:
                 # The group moves to round r+1 without us: take its state at that boundary.
                 return await self._catch_up(self.round_id + 1, "late for round")
@@ -1198,26 +1198,25 @@ class Agent:
             return self._abort(f"healing a fork: the winning side's state did not arrive ({exc})", 1)
         if resynced:
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
-            contribution = self.strategy.make_contribution(self.theta, theta_local)
+            try:
+                contribution = self.outer.contribution(theta_local)
+            except OuterError as exc:
+                raise AgentError(f"round {self.round_id}: {exc}") from None
         try:
             if len(group.members) == 1:
-                transmitted = self.codec.decode(self.codec.encode(contribution))
-                averaged, sent, received, fp32_bytes = transmitted, 0, 0, 0
+                transmitted, averaged = self.outer.alone(contribution)
+                sent, received, fp32_bytes = 0, 0, 0
                 contributors: tuple[str, ...] = (self.peer_id,)
             else:
-                # One mean buffer reused across rounds (only `apply` reads it): fresh 4-byte-per-parameter pages
-                # every round cost about as much as summing them.
-                # So is the buffer of what the swarm saw of our contribution (only `propose` reads it).
-                if self._mean_out is None or self._mean_out.numel() != contribution.numel():
-                    self._mean_out = torch.empty(contribution.numel(), dtype=torch.float32)
-                    self._sent_out = torch.empty(contribution.numel(), dtype=torch.float32)
+                # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
+                mean_out, sent_out = self.outer.exchange_buffers(contribution.numel())
                 result = await self.exchange.average(
                     group,
                     contribution,
                     self.codec,
                     timeout=timeouts.exchange_timeout,
-                    out=self._mean_out,
-                    transmitted_out=self._sent_out,
+                    out=mean_out,
+                    transmitted_out=sent_out,
                 )
                 transmitted, averaged = result.transmitted, result.averaged
                 contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received
@@ -1238,20 +1237,19 @@ class Agent:
         self._account_round(group, contributors)
         fragment = getattr(self.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.num_params)
-        self.strategy.propose(contribution, transmitted)
-        self.strategy.apply(self.theta, averaged)
-        self.strategy.commit()
+        self.outer_hash = self.outer.commit(contribution, transmitted, averaged)
         self._merge_pending = True
         self.round_id += 1
-        self.outer_hash = theta_hash(self.theta)
-        self._snapshot = self._make_snapshot()
+        self._snapshot = None
         self._inject_faults()
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:
             if self._checkpoint_task is not None:
                 await self._checkpoint_task  # one at a time, in round order (and its prune before staging)
             staged, inner_seq = self._stage_inner()
-            self._checkpoint_task = asyncio.create_task(self._checkpoint(staged, inner_seq))
+            # The copies donors would be served: later rounds never touch them while the write goes on.
+            _, tensors = self._state_snapshot()
+            self._checkpoint_task = asyncio.create_task(self._checkpoint(tensors, staged, inner_seq))
         ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
         self.counters.ddp_bytes += ddp
         self.counters.rounds_committed += 1
@@ -1318,7 +1316,7 @@ class Agent:
         self.counters.rounds_aborted += 1
         self.events.write("aborted", round_id=self.round_id, reason=reason, num_peers=num_peers)
         log.warning("round %d aborted: %s", self.round_id, reason)
-        self.strategy.rollback()  # the residual is not eaten
+        self.outer.rollback()  # the residual is not eaten
         return self._advance_without_update(reason)
 
     def _advance_without_update(self, reason: str) -> bool:
@@ -1326,7 +1324,7 @@ class Agent:
         still agrees), and the ranks keep their weights so the missed work rolls into the next delta. Round ids
         only ever move forward, so no round's matchmaking records are ever reused."""
         self.round_id += 1
-        self._snapshot = self._make_snapshot()
+        self._snapshot = None
         log.info("round %d closed without an update (%s)", self.round_id - 1, reason)
         return False
 
@@ -1524,7 +1522,7 @@ class Agent:
             if kind == "corrupt-theta" and at.isdigit() and int(at) == self.round_id:
                 self.theta[0] += 1e-3
                 self.outer_hash = theta_hash(self.theta)
-                self._snapshot = self._make_snapshot()
+                self._snapshot = None
                 log.warning("fault injected: theta_outer corrupted after round %d", self.round_id)
 
 

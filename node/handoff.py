@@ -176,7 +176,8 @@ class Handoff:
                 raise ValueError(
                     f"hand-off publish: expected float32[{self.num_params}], got {theta.dtype}{list(theta.shape)}"
                 )
-            self.theta.copy_(theta)
+            if theta.data_ptr() != self.theta.data_ptr():  # built in place (OuterRound.merged): no copy
+                self.theta.copy_(theta)
         self.header[SLOT_RELOAD] = 1 if theta is not None else 0
         self.header[SLOT_ROUND_ID] = round_id
         self.header[SLOT_STEP_BASE] = step_base

@@ -14,6 +14,13 @@ Every update is built from separate elementwise multiplies and adds in a fixed o
 no reductions), so the same inputs give bit-identical theta on every node. Strategy state is a flat dict of
 tensors (0-d tensors for scalars) that safetensors can store; the staged, uncommitted state is never part of it,
 so a checkpoint always holds a committed round.
+
+At 100M+ parameters the round is bound by memory traffic, not arithmetic, so the agent's path allocates nothing
+of the model's size: `make_contribution(..., out=buffer)` writes into a buffer the caller keeps,
+`propose(..., reuse=True)` turns that buffer into the staged error-feedback state in place, and `commit()`
+installs it by swapping buffers and hands back the one it replaced (the caller's next `out`). Multi-pass updates
+(the Nesterov step) run in cache-sized chunks with the same operations in the same order: the same bits as one
+pass over the whole vector, at a fraction of the memory traffic.
 """
 
 from __future__ import annotations
@@ -25,9 +32,17 @@ from typing import ClassVar
 
 import torch
 
-from farloco.optim.wire import Codec
+from farloco.optim.wire import Codec, all_finite
 
 HParam = float | int | bool
+
+# Values per chunk of the chunked passes: 4 x 128K x 4 bytes = 2 MiB of operands, about an L2 cache.
+CHUNK = 1 << 17
+
+
+def chunks(numel: int, size: int = CHUNK) -> list[slice]:
+    """Contiguous slices covering [0, numel) in order, `size` values each (the last one shorter)."""
+    return [slice(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
 class StrategyError(ValueError):
@@ -39,6 +54,9 @@ class OuterStrategy(abc.ABC):
     the swarm averages the codec-transmitted contributions, then every node applies the same outer step."""
 
     name: ClassVar[str]
+    # merge_into_local keeps the ranks' own progress (only part of theta_local is replaced); False: the ranks
+    # simply continue from theta_outer.
+    keeps_local_progress: ClassVar[bool] = False
     # Allowed hyper-parameters and their types; defaults come from `_defaults` (some depend on the codec).
     hparam_types: ClassVar[Mapping[str, type]]
 
@@ -100,12 +118,18 @@ class OuterStrategy(abc.ABC):
 
     # ---- the round ------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
-        """The fp32 flat vector to encode this round. Pure: the strategy state does not change."""
+    def make_contribution(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The fp32 flat vector to encode this round, written into `out` when given (a float32 vector of
+        `contribution_numel()` values, returned). Pure: the strategy state does not change."""
 
     @abc.abstractmethod
-    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The error-feedback state to install if the round commits."""
+    def _stage(
+        self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
+    ) -> dict[str, torch.Tensor]:
+        """The error-feedback state to install if the round commits (`reuse`: computed in place in
+        `contribution`, whose buffer the caller gave up)."""
 
     @abc.abstractmethod
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
@@ -115,23 +139,36 @@ class OuterStrategy(abc.ABC):
         """Length of this round's contribution (all parameters, except for fragment-wise strategies)."""
         return self.num_params
 
-    def propose(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> None:
-        """Stage the new error-feedback state from what `contribution` became on the wire; do not apply it yet."""
+    def propose(self, contribution: torch.Tensor, transmitted: torch.Tensor, *, reuse: bool = False) -> None:
+        """Stage the new error-feedback state from what `contribution` became on the wire; do not apply it yet.
+
+        `reuse=True`: the caller gives up `contribution` (typically the `out` of `make_contribution`): the staged
+        state is computed in place in it, and `commit()` installs it without a copy (see the module docstring).
+        `transmitted` may be `contribution` itself (a lossless codec: nothing was lost)."""
         expected = self.contribution_numel()
         self._check_vector("contribution", contribution, expected)
         self._check_vector("transmitted", transmitted, expected)
-        self._staged = self._stage(contribution, transmitted)
+        self._staged = self._stage(contribution, transmitted, reuse)
 
-    def commit(self) -> None:
-        """The round committed: the staged error-feedback state becomes current."""
+    def commit(self) -> torch.Tensor | None:
+        """The round committed: the staged error-feedback state becomes current. Returns the state buffer that a
+        reused contribution buffer replaced (free for the caller's next `make_contribution(out=...)`), or None."""
         if self._staged is None:
             raise StrategyError(
                 f"{self.name} commit: expected a proposed round, got none (call propose first)"
             )
         state = self._buffers()
+        freed = None
         for key, tensor in self._staged.items():
-            self._install(state[key], tensor)
+            buffer = state[key]
+            if tensor.shape == buffer.shape and tensor.is_contiguous() and tensor.storage_offset() == 0:
+                # A whole-vector staged tensor of its own (never a view into live state): swap, no copy.
+                setattr(self, key, tensor)
+                freed = buffer
+            else:
+                self._install(buffer, tensor)
         self._staged = None
+        return freed
 
     def _install(self, buffer: torch.Tensor, staged: torch.Tensor) -> None:
         """Copy one staged tensor into its state buffer (fragment-wise strategies stage only a slice)."""
@@ -145,7 +182,7 @@ class OuterStrategy(abc.ABC):
         """The outer step, in place on theta_outer, from the swarm mean of transmitted contributions."""
         self._check_vector("theta_outer", theta_outer, self.num_params)
         self._check_vector("averaged", averaged, self.contribution_numel())
-        if not bool(torch.isfinite(averaged).all()):
+        if not all_finite(averaged):
             raise StrategyError(f"{self.name} averaged: expected only finite values, got NaN/Inf")
         self._outer_step(theta_outer, averaged)
         self._num_rounds += 1
@@ -210,10 +247,42 @@ class OuterStrategy(abc.ABC):
                 f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
             )
 
-    def _pseudo_gradient(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+    def _pseudo_gradient(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
         self._check_vector("theta_outer", theta_outer, self.num_params)
         self._check_vector("theta_local", theta_local, self.num_params)
-        return theta_outer - theta_local
+        if out is None:
+            return theta_outer - theta_local
+        self._check_vector("out", out, self.contribution_numel())
+        return torch.sub(theta_outer, theta_local, out=out)
+
+    def _decayed_plus_gradient(
+        self,
+        state: torch.Tensor,
+        decay: float,
+        theta_outer: torch.Tensor,
+        theta_local: torch.Tensor,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """state * decay + (theta_outer - theta_local), in that order (SparseLoCo's and DeMo's contribution), into
+        `out` chunk by chunk (no temporary of the model's size) or a new tensor."""
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        if out is None:
+            contribution = state * decay
+            return contribution.add_(theta_outer - theta_local)
+        self._check_vector("out", out, self.num_params)
+        scratch = torch.empty(min(CHUNK, self.num_params))
+        for part in chunks(self.num_params):
+            delta = torch.sub(theta_outer[part], theta_local[part], out=scratch[: part.stop - part.start])
+            torch.mul(state[part], decay, out=out[part]).add_(delta)
+        return out
+
+    @staticmethod
+    def _residual(contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool) -> torch.Tensor:
+        """contribution - transmitted: what the codec lost (in place in a reused contribution)."""
+        return contribution.sub_(transmitted) if reuse else contribution - transmitted
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in sorted(self.hparams.items()))
@@ -225,12 +294,18 @@ def _nesterov_step(
 ) -> None:
     """torch.optim.SGD(nesterov=True) semantics: b <- mu*b + g; theta <- theta - lr*(g + mu*b).
 
-    Each operation is a separate IEEE multiply or add, in a fixed order, so every node gets the same bits.
+    Each operation is a separate IEEE multiply or add, in a fixed order, so every node gets the same bits. Run
+    chunk by chunk: the five passes over a chunk stay in cache, and the step needs a chunk of scratch, not a
+    vector of the model's size.
     """
-    momentum_buffer.mul_(momentum).add_(gradient)
-    step = momentum_buffer * momentum
-    step.add_(gradient).mul_(lr)
-    theta.sub_(step)
+    numel = theta.numel()
+    scratch = torch.empty(min(CHUNK, numel))
+    for part in chunks(numel):
+        b, g = momentum_buffer[part], gradient[part]
+        b.mul_(momentum).add_(g)
+        step = torch.mul(b, momentum, out=scratch[: part.stop - part.start])
+        step.add_(g).mul_(lr)
+        theta[part].sub_(step)
 
 
 class DiLoCo(OuterStrategy):
@@ -252,14 +327,18 @@ class DiLoCo(OuterStrategy):
         self.momentum_buffer = torch.zeros(self.num_params)
         self.residual = torch.zeros(self.num_params) if self.hparams["error_feedback"] else None
 
-    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
-        contribution = self._pseudo_gradient(theta_outer, theta_local)
+    def make_contribution(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        contribution = self._pseudo_gradient(theta_outer, theta_local, out)
         if self.residual is not None:
             contribution.add_(self.residual)
         return contribution
 
-    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {} if self.residual is None else {"residual": contribution - transmitted}
+    def _stage(
+        self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
+    ) -> dict[str, torch.Tensor]:
+        return {} if self.residual is None else {"residual": self._residual(contribution, transmitted, reuse)}
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         _nesterov_step(
@@ -288,16 +367,23 @@ class SparseLoCo(OuterStrategy):
         self._require("beta", 0 <= self._float("beta") <= 1, "0 <= beta <= 1")
         self.error_buffer = torch.zeros(self.num_params)
 
-    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
-        delta = self._pseudo_gradient(theta_outer, theta_local)
-        contribution = self.error_buffer * self._float("beta")
-        return contribution.add_(delta)
+    def make_contribution(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._decayed_plus_gradient(
+            self.error_buffer, self._float("beta"), theta_outer, theta_local, out
+        )
 
-    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"error_buffer": contribution - transmitted}
+    def _stage(
+        self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
+    ) -> dict[str, torch.Tensor]:
+        return {"error_buffer": self._residual(contribution, transmitted, reuse)}
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
-        theta_outer.sub_(averaged * self._float("lr"))
+        lr = self._float("lr")
+        scratch = torch.empty(min(CHUNK, self.num_params))
+        for part in chunks(self.num_params):
+            theta_outer[part].sub_(torch.mul(averaged[part], lr, out=scratch[: part.stop - part.start]))
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"error_buffer": self.error_buffer}
@@ -321,19 +407,24 @@ class DeMo(OuterStrategy):
         self._require("weight_decay", self._float("weight_decay") >= 0, ">= 0")
         self.momentum = torch.zeros(self.num_params)
 
-    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
-        gradient = self._pseudo_gradient(theta_outer, theta_local)
-        contribution = self.momentum * self._float("beta")
-        return contribution.add_(gradient)
+    def make_contribution(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._decayed_plus_gradient(self.momentum, self._float("beta"), theta_outer, theta_local, out)
 
-    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"momentum": contribution - transmitted}
+    def _stage(
+        self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
+    ) -> dict[str, torch.Tensor]:
+        return {"momentum": self._residual(contribution, transmitted, reuse)}
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr, weight_decay = self._float("lr"), self._float("weight_decay")
         if weight_decay:
             theta_outer.mul_(1.0 - lr * weight_decay)
-        theta_outer.sub_(torch.sign(averaged).mul_(lr))
+        scratch = torch.empty(min(CHUNK, self.num_params))
+        for part in chunks(self.num_params):
+            step = torch.sign(averaged[part], out=scratch[: part.stop - part.start])
+            theta_outer[part].sub_(step.mul_(lr))
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum}
@@ -349,6 +440,7 @@ class StreamingDiLoCo(OuterStrategy):
     """
 
     name = "streaming-diloco"
+    keeps_local_progress = True
     hparam_types: ClassVar[Mapping[str, type]] = {
         "lr": float,
         "momentum": float,
@@ -394,19 +486,27 @@ class StreamingDiLoCo(OuterStrategy):
         part = self.current_fragment()
         return int(part.stop) - int(part.start)
 
-    def make_contribution(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+    def make_contribution(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self._check_vector("theta_outer", theta_outer, self.num_params)
         self._check_vector("theta_local", theta_local, self.num_params)
         part = self.current_fragment()
-        contribution = theta_outer[part] - theta_local[part]
+        if out is None:
+            contribution = theta_outer[part] - theta_local[part]
+        else:
+            self._check_vector("out", out, self.contribution_numel())
+            contribution = torch.sub(theta_outer[part], theta_local[part], out=out)
         if self.residual is not None:
             contribution.add_(self.residual[part])
         return contribution
 
-    def _stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _stage(
+        self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
+    ) -> dict[str, torch.Tensor]:
         # Remember the fragment now: `apply` advances the schedule before the node calls `commit`.
         self._staged_fragment = self.current_fragment()
-        return {} if self.residual is None else {"residual": contribution - transmitted}
+        return {} if self.residual is None else {"residual": self._residual(contribution, transmitted, reuse)}
 
     def _install(self, buffer: torch.Tensor, staged: torch.Tensor) -> None:
         buffer[self._staged_fragment].copy_(staged)

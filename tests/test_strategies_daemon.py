@@ -110,14 +110,11 @@ def committed_rounds(agent: Agent, num_rounds: int) -> None:
     generator = torch.Generator().manual_seed(0)
     for _ in range(num_rounds):
         theta_local = agent.theta + 1e-3 * torch.randn(agent.theta.shape, generator=generator)
-        contribution = agent.strategy.make_contribution(agent.theta, theta_local)
+        contribution = agent.outer.contribution(theta_local)
         transmitted = agent.codec.decode(agent.codec.encode(contribution))
-        agent.strategy.propose(contribution, transmitted)
-        agent.strategy.apply(agent.theta, transmitted)
-        agent.strategy.commit()
+        agent.outer_hash = agent.outer.commit(contribution, transmitted, transmitted)
         agent.round_id += 1
-    agent.outer_hash = theta_hash(agent.theta)
-    agent._snapshot = agent._make_snapshot()
+    assert agent.outer_hash == theta_hash(agent.theta)
 
 
 def test_joiner_and_resumed_node_sync_the_same_fragment(tmp_path: Path) -> None:
@@ -132,7 +129,7 @@ def test_joiner_and_resumed_node_sync_the_same_fragment(tmp_path: Path) -> None:
     # a joiner installs what a donor serves over state sync
     joiner = Agent(config, tmp_path / "joiner")
     assert joiner.strategy.current_fragment() == joiner.strategy.fragments[0]
-    meta, tensors = donor._snapshot
+    meta, tensors = donor._state_snapshot()
     joiner._install_state(meta, tensors)
     assert joiner.strategy.current_fragment() == expected
     assert joiner.outer_hash == donor.outer_hash

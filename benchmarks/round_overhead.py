@@ -1,0 +1,300 @@
+"""Benchmark of the agent's side of one outer round, phase by phase, in ns per parameter and host bytes per
+parameter, with a plain memcpy of the same bytes in the same process as the yardstick.
+
+    python benchmarks/round_overhead.py                                   # 128M and 350M, fp32 and int8, every strategy
+    python benchmarks/round_overhead.py --params 128e6 --strategy diloco --codec int8 --rounds 5
+
+What runs is the agent's own code (farloco.node.outer.OuterRound, the hand-off, the strategy and codec), on a
+flat theta of `--params` float32 values; the network is left out. Each round, as `Agent._round` does it:
+
+- `read`: the ranks' weights from the shared-memory hand-off (a view; a copy for streaming-diloco, whose ranks
+  train on during the exchange);
+- `contribution`: pseudo-gradient + error feedback into the reused work buffer, checked finite;
+- `encode`: what the exchange does with our own contribution (`encode_decoded` into the transmitted buffer;
+  nothing for fp32, whose raw bytes go out as they are);
+- `decode+sum`: one peer's contribution of the same length decoded into the mean buffer and summed with ours,
+  then halved (a group of two, every value: each member decodes and sums half the vector and decodes the other
+  half of the mean, the same count);
+- `stage`, `step`, `install`, `hash`: error feedback staged in place, the outer step on theta, the staged state
+  swapped in, sha256 of theta;
+- `publish`: what the ranks load next (theta, or the merged weights for streaming-diloco) into the hand-off.
+
+Reported apart, because they do not happen every round: `snapshot` (the copies a donor serves, built on a
+joiner's first request) and `checkpoint` (the same copies, written atomically by `save_checkpoint` in a worker
+thread every `checkpoint.every_rounds`).
+
+Memory: the peak of the process's private memory (Private_Clean + Private_Dirty of /proc/self/smaps_rollup,
+sampled every 2 ms during the rounds) above what it held after imports, less the stand-in peer's payload (a real
+exchange streams it in chunks), per parameter. The hand-off is shared
+with a stand-in rank process that maps it and touches every page, as the trainer ranks do, so it counts as
+shared, not private. Each configuration runs in a fresh process, with the agent's torch thread count
+(`--threads`, default: what a 2-core node with one rank of one thread leaves the agent, 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STRATEGIES = ("diloco", "streaming-diloco", "sparseloco", "demo")
+PHASES = ("read", "contribution", "encode", "decode+sum", "stage", "step", "install", "hash", "publish")
+
+
+def private_bytes() -> int:
+    """Private_Clean + Private_Dirty of this process, in bytes."""
+    total = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+class PeakSampler(threading.Thread):
+    """Samples private_bytes() every `interval` seconds until stopped; `.peak` is the largest seen."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.peak, self._done = interval, private_bytes(), threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, private_bytes())
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        self.peak = max(self.peak, private_bytes())
+        return self.peak
+
+
+def _nbytes(payload: Any) -> int:
+    return payload.numel() * payload.element_size() if isinstance(payload, torch.Tensor) else len(payload)
+
+
+def memcpy_ns_per_param(numel: int) -> float:
+    """Best of 3 copies of `numel` float32 values between two warm buffers."""
+    src, dst = torch.rand(numel), torch.empty(numel)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e9 / numel
+
+
+def one(args: argparse.Namespace) -> dict[str, Any]:
+    from farloco.node.checkpoint import save_checkpoint
+    from farloco.node.handoff import Handoff
+    from farloco.node.outer import OuterRound
+    from farloco.optim import get_codec, make_strategy
+    from farloco.optim.strategies import CHUNK, chunks
+    from farloco.protocol.tcpstream import tune_malloc
+
+    tune_malloc()  # as the agent does
+    torch.set_num_threads(args.threads)
+    numel = int(float(args.params))
+    baseline = private_bytes()
+    codec = get_codec(args.codec)
+    hparams: dict[str, Any] = {"lr": 0.7, "momentum": 0.9} if "diloco" in args.strategy else {}
+    if args.strategy == "streaming-diloco":
+        hparams["num_fragments"] = 4
+    strategy = make_strategy(args.strategy, numel, codec, **hparams)
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(numel, generator=generator).mul_(0.02)
+    outer = OuterRound(theta, strategy, codec)
+    handoff = Handoff.create(numel, 1)
+    rank = subprocess.Popen(  # the stand-in rank: maps the hand-off and touches every page, then waits
+        [sys.executable, "-c", "import sys, torch\nfrom farloco.node.handoff import Handoff\n"
+         "from pathlib import Path\nh = Handoff.attach(Path(sys.argv[1])); h.theta.sum(); h.local.sum(); print('ok', flush=True)\n"
+         "sys.stdin.read()", str(handoff.path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    peer_payloads: list[Any] = []
+    payload_bytes = 0
+    scratch = torch.empty(CHUNK)
+    try:
+        handoff.publish(theta, round_id=0, step_base=0, inner_steps=1)
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
+        overlap = args.strategy == "streaming-diloco"
+        samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        sampler = PeakSampler()
+        sampler.start()
+        for round_index in range(args.rounds):
+            # The ranks' inner steps (not timed): local = theta_outer + a small step, chunk by chunk so that the
+            # stand-in allocates nothing of the model's size.
+            for part in chunks(numel):
+                noise = torch.randn(
+                    part.stop - part.start, generator=generator, out=scratch[: part.stop - part.start]
+                )
+                torch.add(handoff.theta[part], noise, alpha=1e-3, out=handoff.local[part])
+            n = strategy.contribution_numel()
+            if not peer_payloads or peer_payloads[0][0] != n:  # a peer's contribution (fragments differ)
+                other = torch.randn(n, generator=generator).mul_(1e-3)
+                peer_payloads[:] = [(n, other if codec.lossless else codec.encode(other, checksum=False))]
+                del other
+                # The stand-in peer's payload is the benchmark's, not the agent's: a real exchange streams it in
+                # chunks. Its bytes are taken off the peak below.
+                payload_bytes = max(payload_bytes, _nbytes(peer_payloads[0][1]))
+            timings: dict[str, float] = {}
+
+            def timed(phase: str, started: float, timings: dict[str, float] = timings) -> float:
+                now = time.perf_counter()
+                timings[phase] = now - started
+                return now
+
+            t = time.perf_counter()
+            theta_local = outer.read_local(handoff.local, copy=overlap)
+            t = timed("read", t)
+            contribution = outer.contribution(theta_local)
+            t = timed("contribution", t)
+            mean, sent = outer.exchange_buffers(n)
+            if codec.lossless:  # raw float32 on the wire: no codec call
+                transmitted = contribution
+            else:
+                transmitted = codec.encode_decoded(contribution, checksum=False, out=sent)[1]
+            t = timed("encode", t)
+            payload = peer_payloads[0][1]
+            if codec.lossless:
+                torch.add(transmitted, payload, out=mean)
+            else:
+                codec.decode(payload, checksum=False, out=mean)
+                mean.add_(transmitted)
+            mean.mul_(0.5)
+            t = timed("decode+sum", t)
+            outer.stage(contribution, transmitted)
+            t = timed("stage", t)
+            outer.step(mean)
+            t = timed("step", t)
+            outer.install()
+            t = timed("install", t)
+            outer.rehash()
+            t = timed("hash", t)
+            load = outer.merged(handoff.local, handoff.theta)
+            handoff.publish(load, round_id=round_index + 1, step_base=0, inner_steps=1)
+            timed("publish", t)
+            for phase, seconds in timings.items():
+                samples[phase].append(seconds)
+        peak = sampler.stop()
+        # Not every round: a joiner's snapshot, and a checkpoint written from it.
+        started = time.perf_counter()
+        tensors = outer.snapshot()
+        snapshot_s = time.perf_counter() - started
+        with tempfile.TemporaryDirectory(dir=args.checkpoint_dir) as root:
+            started = time.perf_counter()
+            save_checkpoint(
+                Path(root), 1, tensors, {"run_hash": "bench", "inner_step": "0", "run_name": "bench"}
+            )
+            checkpoint_s = time.perf_counter() - started
+        del tensors
+    finally:
+        rank.kill()
+        rank.wait()
+        handoff.close()
+    steady = {phase: statistics.median(values[1:] or values) for phase, values in samples.items()}
+    ns = {phase: round(seconds * 1e9 / numel, 2) for phase, seconds in steady.items()}
+    return {
+        "params": numel,
+        "strategy": args.strategy,
+        "codec": args.codec,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "ns_per_param": ns,
+        "round_ns_per_param": round(sum(steady.values()) * 1e9 / numel, 2),
+        "first_round_ns_per_param": round(sum(v[0] for v in samples.values()) * 1e9 / numel, 2),
+        "snapshot_ns_per_param": round(snapshot_s * 1e9 / numel, 2),
+        "checkpoint_ns_per_param": round(checkpoint_s * 1e9 / numel, 2),
+        "memcpy_ns_per_param": round(memcpy_ns_per_param(numel), 2),
+        "peak_private_bytes_per_param": round((peak - baseline - payload_bytes) / numel, 2),
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = [
+        "params",
+        "strategy",
+        "codec",
+        *PHASES,
+        "round",
+        "memcpy",
+        "x memcpy",
+        "snapshot",
+        "checkpoint",
+        "B/param",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        ns = row["ns_per_param"]
+        lines.append(
+            "| " + " | ".join([
+                f"{row['params'] / 1e6:.0f}M", row["strategy"], row["codec"],
+                *(f"{ns[p]:.1f}" for p in PHASES),
+                f"**{row['round_ns_per_param']:.1f}**", f"{row['memcpy_ns_per_param']:.2f}",
+                f"{row['round_ns_per_param'] / row['memcpy_ns_per_param']:.0f}",
+                f"{row['snapshot_ns_per_param']:.1f}", f"{row['checkpoint_ns_per_param']:.1f}",
+                f"{row['peak_private_bytes_per_param']:.1f}",
+            ]) + " |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", nargs="*", default=["128e6", "350e6"], help="parameter counts")
+    parser.add_argument("--strategy", nargs="*", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--codec", nargs="*", default=["fp32", "int8"])
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="rounds per configuration (the first is warm-up)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="the agent's torch threads")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="where the checkpoint is written (default: the temp dir)"
+    )
+    parser.add_argument("--markdown", action="store_true", help="also print a table for BENCHMARKS.md")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        args.params, args.strategy, args.codec = args.params[0], args.strategy[0], args.codec[0]
+        print(json.dumps(one(args)), flush=True)
+        return
+    print(
+        f"# load before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, torch {torch.__version__}",
+        flush=True,
+    )
+    rows = []
+    for params in args.params:
+        for strategy in args.strategy:
+            for codec in args.codec:
+                command = [
+                    sys.executable, __file__, "--one", "--params", params, "--strategy", strategy,
+                    "--codec", codec, "--rounds", str(args.rounds), "--threads", str(args.threads),
+                ]  # fmt: skip
+                if args.checkpoint_dir:
+                    command += ["--checkpoint-dir", args.checkpoint_dir]
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    print(json.dumps({"params": params, "strategy": strategy, "codec": codec,
+                                      "error": result.stderr.strip().splitlines()[-1:]}), flush=True)  # fmt: skip
+                    continue
+                row = json.loads(result.stdout.strip().splitlines()[-1])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.markdown and rows:
+        print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

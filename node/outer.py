@@ -1,0 +1,133 @@
+"""The agent's outer state and the arithmetic of one round, with the buffers it reuses.
+
+A round on the agent, phase by phase (`benchmarks/round_overhead.py` times each one, as written here)::
+
+    theta_local = outer.read_local(handoff, copy=overlapped)   # the ranks' weights: a view, or a copy if the
+                                                               # ranks train on while we exchange
+    contribution = outer.contribution(theta_local)   # pseudo-gradient + error feedback, checked finite
+    mean, sent = outer.exchange_buffers(n)           # the exchange encodes, decodes, averages into these
+    transmitted, averaged = outer.alone(contribution)    # (or this, in a group of one: nothing is encoded)
+    outer_hash = outer.commit(contribution, transmitted, averaged)   # stage EF, outer step, install, hash
+    load = outer.merged(handoff)                     # what the ranks load next round
+    tensors = outer.snapshot()                       # only when a joiner asks, or a checkpoint is due
+
+Nothing of the model's size is allocated per round: the contribution is written into a work buffer that the
+strategy turns into the new error-feedback state and swaps in at commit (handing back the buffer it replaced),
+the exchange writes into two buffers kept across rounds, the finiteness check is one vectorised sum, the hash
+reads theta in place. At 100M+ parameters a fresh buffer costs about as much as the arithmetic done in it (page
+faults and zeroing), and a round that touches each value a few times is bound by memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from farloco.node.checkpoint import theta_sha256
+from farloco.optim import Codec, OuterStrategy
+from farloco.optim.wire import all_finite, nonfinite_error
+
+
+class OuterError(RuntimeError):
+    """The ranks handed over something the round cannot use (non-finite values); the message says what."""
+
+
+def theta_hash(theta: torch.Tensor) -> str:
+    """sha256 of theta_outer's bytes, read in place: equal on every peer that holds a bit-identical model."""
+    return theta_sha256(theta)
+
+
+class OuterRound:
+    """theta_outer, the outer strategy and codec, and the per-round buffers (allocated once, on first use)."""
+
+    def __init__(self, theta: torch.Tensor, strategy: OuterStrategy, codec: Codec) -> None:
+        if theta.dtype != torch.float32 or theta.ndim != 1 or theta.numel() != strategy.num_params:
+            raise ValueError(
+                f"theta: expected float32[{strategy.num_params}], got {theta.dtype}{list(theta.shape)}"
+            )
+        self.theta = theta
+        self.strategy = strategy
+        self.codec = codec
+        fragments = getattr(strategy, "fragments", None)
+        # The longest contribution any round makes (a fragment's, for fragment-wise strategies).
+        self.max_numel = max(f.stop - f.start for f in fragments) if fragments else strategy.num_params
+        self._work: torch.Tensor | None = None
+        self._mean: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
+
+    # ---- the round's phases -------------------------------------------------------------------------------------
+    @staticmethod
+    def read_local(local: torch.Tensor, *, copy: bool) -> torch.Tensor:
+        """The ranks' weights after their inner steps. A view of the hand-off while the ranks wait for us; a copy
+        when they train on during the exchange (streaming-diloco's overlap), which would change it under us."""
+        return local.clone() if copy else local
+
+    def contribution(self, theta_local: torch.Tensor) -> torch.Tensor:
+        """This round's contribution, in the work buffer (valid until `commit` or the next call)."""
+        if self._work is None:
+            self._work = torch.empty(self.max_numel, dtype=torch.float32)
+        out = self._work[: self.strategy.contribution_numel()]
+        contribution = self.strategy.make_contribution(self.theta, theta_local, out=out)
+        # theta_outer and the error-feedback state are finite (checked when they came in), so a non-finite
+        # contribution means non-finite weights from the ranks (or an overflow as bad).
+        if not all_finite(contribution):
+            detail = nonfinite_error("theta_outer - theta_local", contribution)
+            raise OuterError(f"the trainer ranks produced non-finite parameters: {detail}")
+        return contribution
+
+    def exchange_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, transmitted) outputs for `Exchange.average(out=, transmitted_out=)`, `numel` long, reused."""
+        if self._mean is None or self._sent is None:
+            self._mean = torch.empty(self.max_numel, dtype=torch.float32)
+            self._sent = torch.empty(self.max_numel, dtype=torch.float32)
+        return self._mean[:numel], self._sent[:numel]
+
+    def alone(self, contribution: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(transmitted, averaged) for a group of one: nothing crosses a wire, so nothing is lost to a codec and
+        nothing is encoded; the mean of one contribution is itself (a copy: `commit` consumes the contribution)."""
+        mean, _ = self.exchange_buffers(contribution.numel())
+        mean.copy_(contribution)
+        return contribution, mean
+
+    def commit(self, contribution: torch.Tensor, transmitted: torch.Tensor, averaged: torch.Tensor) -> str:
+        """Stage the error feedback (in place in the contribution), take the outer step on theta, install the
+        staged state (a buffer swap) and return theta's new hash."""
+        self.stage(contribution, transmitted)
+        self.step(averaged)
+        self.install()
+        return self.rehash()
+
+    # commit's phases, apart for benchmarks/round_overhead.py
+    def stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> None:
+        self.strategy.propose(contribution, transmitted, reuse=True)
+
+    def step(self, averaged: torch.Tensor) -> None:
+        self.strategy.apply(self.theta, averaged)
+
+    def install(self) -> None:
+        freed = self.strategy.commit()
+        if freed is not None:
+            self._work = freed  # the replaced state buffer is the next round's work buffer
+
+    def rehash(self) -> str:
+        return theta_hash(self.theta)
+
+    def rollback(self) -> None:
+        """The round did not commit: the error-feedback state stays as it was (the work buffer is scratch)."""
+        self.strategy.rollback()
+
+    def merged(self, local: torch.Tensor, publish_buffer: torch.Tensor) -> torch.Tensor:
+        """What the ranks load after a committed round: theta_outer itself, or for strategies that keep the
+        ranks' local progress (streaming-diloco) their weights with the synced fragment merged in, built in
+        `publish_buffer` (the hand-off's theta region: the publish then copies nothing)."""
+        if not self.strategy.keeps_local_progress:
+            return self.theta
+        publish_buffer.copy_(local)
+        self.strategy.merge_into_local(self.theta, publish_buffer)
+        return publish_buffer
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of theta and the committed strategy state (a donor's served state, a checkpoint's tensors)."""
+        tensors = {"theta": self.theta.clone()}
+        for name, tensor in self.strategy.state_dict().items():  # state_dict() returns copies
+            tensors[f"strategy.{name}"] = tensor
+        return tensors

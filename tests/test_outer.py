@@ -1,0 +1,116 @@
+"""The agent's round arithmetic (farloco.node.outer): the buffer-reusing path gives the same bits as the plain
+strategy API, the chunked passes the same bits as whole-vector ones, and bad input from the ranks is named."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from farloco.node.outer import OuterError, OuterRound, theta_hash
+from farloco.optim import get_codec, make_strategy
+from farloco.optim.strategies import CHUNK, _nesterov_step
+
+# Longer than two chunks, and not a multiple of one: the chunked passes' edges are covered.
+NUMEL = 2 * CHUNK + 12_345
+CASES = [
+    ("diloco", "int8", {}),
+    ("diloco", "fp32", {}),
+    ("streaming-diloco", "int8", {"num_fragments": 3}),
+    ("sparseloco", "topk", {}),
+    ("demo", "int8", {"weight_decay": 0.01}),
+]
+
+
+def reference_nesterov(theta: torch.Tensor, b: torch.Tensor, g: torch.Tensor, lr: float, mu: float) -> None:
+    """The whole-vector form the chunked step must match bit for bit."""
+    b.mul_(mu).add_(g)
+    step = b * mu
+    step.add_(g).mul_(lr)
+    theta.sub_(step)
+
+
+def test_the_chunked_nesterov_step_gives_the_bits_of_the_whole_vector_step() -> None:
+    generator = torch.Generator().manual_seed(3)
+    theta, b, g = (torch.randn(NUMEL, generator=generator) for _ in range(3))
+    theta2, b2 = theta.clone(), b.clone()
+    for _ in range(3):
+        _nesterov_step(theta, b, g, 0.7, 0.9)
+        reference_nesterov(theta2, b2, g, 0.7, 0.9)
+    assert torch.equal(theta, theta2) and torch.equal(b, b2)
+
+
+@pytest.mark.parametrize(("name", "codec_name", "hparams"), CASES)
+def test_the_agents_buffer_reusing_round_matches_the_plain_strategy_api(
+    name: str, codec_name: str, hparams: dict[str, float]
+) -> None:
+    """Two peers' worth of rounds through OuterRound (out=, reuse=True, buffer swaps) and through the plain
+    allocating calls: theta, the strategy state and the hash agree bit for bit after every round."""
+    codec = get_codec(codec_name)
+    generator = torch.Generator().manual_seed(7)
+    theta = torch.randn(NUMEL, generator=generator).mul_(0.02)
+    fast = OuterRound(theta.clone(), make_strategy(name, NUMEL, codec, **hparams), codec)
+    plain = make_strategy(name, NUMEL, codec, **hparams)
+    plain_theta = theta.clone()
+    for _ in range(4):
+        local = plain_theta + torch.randn(NUMEL, generator=generator).mul_(1e-3)
+        contribution = fast.contribution(local)
+        expected = plain.make_contribution(plain_theta, local)
+        assert torch.equal(contribution, expected)
+        transmitted = codec.decode(codec.encode(expected))
+        other = torch.randn(expected.numel(), generator=generator).mul_(1e-3)
+        averaged = (transmitted + other) * 0.5
+        outer_hash = fast.commit(contribution, transmitted.clone(), averaged.clone())
+        plain.propose(expected, transmitted)
+        plain.apply(plain_theta, averaged)
+        plain.commit()
+        assert torch.equal(fast.theta, plain_theta)
+        assert outer_hash == hashlib.sha256(plain_theta.numpy().tobytes()).hexdigest()
+        fast_state, plain_state = fast.strategy.state_dict(), plain.state_dict()
+        assert fast_state.keys() == plain_state.keys()
+        for key in plain_state:
+            assert torch.equal(fast_state[key], plain_state[key]), key
+        # The ranks continue from what `merged` builds, as from the plain merge.
+        publish_buffer = torch.empty(NUMEL)
+        load = fast.merged(local, publish_buffer)
+        expected_load = local.clone()
+        plain.merge_into_local(plain_theta, expected_load)
+        assert torch.equal(load, expected_load)
+
+
+def test_a_round_alone_sends_nothing_loses_nothing_and_keeps_the_work_buffer_apart() -> None:
+    codec = get_codec("int8")
+    outer = OuterRound(torch.zeros(1000), make_strategy("diloco", 1000, codec), codec)
+    local = torch.full((1000,), -0.5)
+    contribution = outer.contribution(local)
+    transmitted, averaged = outer.alone(contribution)
+    assert averaged.data_ptr() != contribution.data_ptr()  # commit consumes the contribution in place
+    outer.commit(contribution, transmitted, averaged)
+    # Nothing crossed a wire: no residual, the whole pseudo-gradient 0.5 was applied: -0.7 * (0.5 + 0.9 * 0.5).
+    assert torch.equal(outer.strategy.state_dict()["residual"], torch.zeros(1000))
+    assert torch.allclose(outer.theta, torch.full((1000,), -0.5 * 0.7 * 1.9))
+    assert outer.rehash() == theta_hash(outer.theta)
+
+
+def test_non_finite_weights_from_the_ranks_are_named() -> None:
+    codec = get_codec("fp32")
+    outer = OuterRound(torch.zeros(100), make_strategy("diloco", 100, codec), codec)
+    local = torch.zeros(100)
+    local[17] = float("nan")
+    with pytest.raises(OuterError, match=r"non-finite parameters: .*1 NaN/Inf \(first at index 17"):
+        outer.contribution(local)
+    with pytest.raises(ValueError, match=r"expected float32\[100\], got torch.float64\[100\]"):
+        OuterRound(torch.zeros(100, dtype=torch.float64), outer.strategy, codec)
+
+
+def test_a_rolled_back_round_leaves_the_error_feedback_untouched() -> None:
+    codec = get_codec("int8")
+    outer = OuterRound(torch.zeros(1000), make_strategy("diloco", 1000, codec), codec)
+    local = torch.linspace(-1, 1, 1000)
+    contribution = outer.contribution(local)
+    transmitted = codec.decode(codec.encode(contribution))
+    outer.stage(contribution, transmitted)
+    outer.rollback()
+    assert torch.equal(outer.strategy.state_dict()["residual"], torch.zeros(1000))
+    assert torch.equal(outer.contribution(local), -local)  # the work buffer is scratch again
