@@ -53,13 +53,18 @@ class OuterRound:
         self._work: torch.Tensor | None = None
         self._mean: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
+        self._local_copy: torch.Tensor | None = None
 
     # ---- the round's phases -------------------------------------------------------------------------------------
-    @staticmethod
-    def read_local(local: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    def read_local(self, local: torch.Tensor, *, copy: bool) -> torch.Tensor:
         """The ranks' weights after their inner steps. A view of the hand-off while the ranks wait for us; a copy
-        when they train on during the exchange (streaming-diloco's overlap), which would change it under us."""
-        return local.clone() if copy else local
+        when they train on during the exchange (streaming-diloco's overlap), which would change it under us (into
+        a buffer kept across rounds: fresh pages every round cost several times the copy)."""
+        if not copy:
+            return local
+        if self._local_copy is None or self._local_copy.numel() != local.numel():
+            self._local_copy = torch.empty_like(local)
+        return self._local_copy.copy_(local)
 
     def contribution(self, theta_local: torch.Tensor) -> torch.Tensor:
         """This round's contribution, in the work buffer (valid until `commit` or the next call)."""

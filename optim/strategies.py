@@ -530,9 +530,12 @@ class StreamingDiLoCo(OuterStrategy):
         if self._merge_fragment is None:
             raise StrategyError(f"{self.name} merge_into_local: expected a preceding apply, got none")
         part, alpha = self._merge_fragment, self._float("alpha")
-        merged = theta_local[part] * alpha
-        merged.add_(theta_outer[part] * (1.0 - alpha))
-        theta_local[part] = merged
+        start = int(part.start)
+        scratch = torch.empty(min(CHUNK, int(part.stop) - start))
+        for sub in chunks(int(part.stop) - start):  # in place, chunk by chunk: local*alpha + outer*(1-alpha)
+            piece = slice(start + sub.start, start + sub.stop)
+            outer = torch.mul(theta_outer[piece], 1.0 - alpha, out=scratch[: sub.stop - sub.start])
+            theta_local[piece].mul_(alpha).add_(outer)
         self._merge_fragment = None
 
     def _buffers(self) -> dict[str, torch.Tensor]:
