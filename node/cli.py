@@ -473,7 +473,8 @@ def report(run_dirs: tuple[Path, ...], out_dir: Path | None) -> None:
 @click.option(
     "--codec",
     default=None,
-    help="Wire codec: fp32 (the default; dct-topk for --strategy demo), fp16, bf16, int8, int4, topk, dct-topk.",
+    help="Wire codec: fp32, fp16, bf16, int8, int4, topk, dct-topk (default: int8 for diloco, the default "
+    "strategy, to show what compression saves; dct-topk for --strategy demo; fp32 otherwise).",
 )
 @click.option("--ranks", type=int, default=1, show_default=True, help="Trainer ranks of the first peer.")
 @click.option(
@@ -498,6 +499,14 @@ def demo(
     extra = list(overrides)
     if strategy:
         extra.append(f'run.strategy="{strategy}"')
+    if (
+        codec is None
+        and (strategy or "diloco") == "diloco"
+        and not any(o.startswith("run.codec") for o in extra)
+    ):
+        # What people come for: DiLoCo's pseudo-gradients in int8 send 4x fewer bytes than fp32 at no visible
+        # cost in the demo's loss (error feedback keeps what int8 rounds away).
+        codec = "int8"
     if codec:
         extra.append(f'run.codec="{codec}"')
     sys.exit(
