@@ -117,6 +117,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     theta = torch.randn(numel, generator=generator).mul_(0.02)
     outer = OuterRound(theta, strategy, codec)
     handoff = Handoff.create(numel, 1)
+    theta = outer.share_with(handoff.theta)  # as the agent does once its hand-off exists
     rank = subprocess.Popen(  # the stand-in rank: maps the hand-off and touches every page, then waits
         [sys.executable, "-c", "import sys, torch\nfrom farloco.node.handoff import Handoff\n"
          "from pathlib import Path\nh = Handoff.attach(Path(sys.argv[1])); h.theta.sum(); h.local.sum(); print('ok', flush=True)\n"

@@ -972,6 +972,8 @@ class Agent:
         else:
             dataset = Path(run.dataset)
         self.handoff = Handoff.create(self.num_params, self.config.node.num_ranks)
+        # theta_outer lives in the hand-off from now on where the ranks simply load it (OuterRound.share_with).
+        self.theta = self.outer.share_with(self.handoff.theta)
         self._trainer_thread = threading.Thread(
             target=self._supervise_trainers, args=(dataset,), name="farloco-trainers", daemon=True
         )

@@ -55,6 +55,18 @@ class OuterRound:
         self._sent: torch.Tensor | None = None
         self._local_copy: torch.Tensor | None = None
 
+    def share_with(self, publish_buffer: torch.Tensor) -> torch.Tensor:
+        """Keep theta_outer in the hand-off's theta region itself (returned), when the ranks simply load theta
+        after a round: one copy of theta on the host instead of two (4 bytes per parameter), and nothing to copy
+        at publish. The ranks read that region only at the start of a sequence, and the agent changes theta only
+        after every rank finished its sequence. Strategies that publish merged weights there (streaming-diloco)
+        keep a private theta."""
+        if self.strategy.keeps_local_progress:
+            return self.theta
+        publish_buffer.copy_(self.theta)
+        self.theta = publish_buffer
+        return publish_buffer
+
     # ---- the round's phases -------------------------------------------------------------------------------------
     def read_local(self, local: torch.Tensor, *, copy: bool) -> torch.Tensor:
         """The ranks' weights after their inner steps. A view of the hand-off while the ranks wait for us; a copy
