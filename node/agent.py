@@ -4,7 +4,8 @@ It owns everything network-facing and the outer state:
 - the hivemind DHT node (created first: it forks, and grpcio does not survive a fork taken after its threads
   started), the member record and its heartbeats;
 - the gRPC server and clients (exchange, state transfer), on an asyncio loop in the main thread;
-- the outer state: a CPU master copy of theta_outer, the outer strategy (optimizer + error-feedback state), the
+- the outer state (node/outer.py): the CPU master copy of theta_outer (kept in the hand-off's theta region where
+  the ranks load it as is), the outer strategy (optimizer + error-feedback state), the
   round id;
 - the trainer ranks, launched and supervised in a thread through torch's elastic launcher, fed through the
   shared-memory hand-off;
