@@ -105,10 +105,15 @@ def test_fetch_from_two_donors_splits_the_work() -> None:
     run(body)
 
 
+HANG = object()  # a fault's answer: send nothing more on this stream (until the server stops and cancels it)
+
+
 async def faulty_donor(
-    state: tuple[dict[str, Any], dict[str, torch.Tensor]], fault: Callable[[int, Frame], Frame | None]
+    state: tuple[dict[str, Any], dict[str, torch.Tensor]],
+    fault: Callable[[int, Frame], Frame | object | None],
 ) -> tuple[RpcServer, str]:
-    """A donor whose GetState answers go through `fault(chunk_index, frame)`; None ends the stream abruptly."""
+    """A donor whose GetState answers go through `fault(chunk_index, frame)`; None ends the stream abruptly, HANG
+    holds it open without sending anything more."""
     server = RpcServer(Authenticator("run", SECRET, "faulty"))
     inner = StateServer(lambda: state)
     count = 0
@@ -121,6 +126,9 @@ async def faulty_donor(
                 changed = fault(count, frame)
                 if changed is None:
                     raise ConnectionResetError("donor process died")
+                if changed is HANG:
+                    await asyncio.Event().wait()
+                assert isinstance(changed, Frame)
                 frame = changed
             yield frame
 
@@ -168,12 +176,16 @@ def test_donor_server_stopped_mid_transfer_is_resumed_from_the_other_donor(
     async def body() -> None:
         stopping: list[RpcServer] = []
 
-        def stop_after_two(i: int, frame: Frame) -> Frame:
-            if i == 2:
+        def stop_mid_segment(i: int, frame: Frame) -> object:
+            # The victim's first segment never completes: its server stops (grace 0) while the stream is open.
+            # (Stopping it after a chunk that ended its segment made the test depend on scheduling: under load the
+            # other donor could take every remaining segment first, and nothing was left to resume.)
+            if i == 1:
                 asyncio.get_running_loop().create_task(stopping[0].stop(0))
+                return HANG
             return frame
 
-        victim, victim_address = await faulty_donor(state, stop_after_two)
+        victim, victim_address = await faulty_donor(state, stop_mid_segment)
         stopping.append(victim)
         healthy, _, healthy_address = await donor(state, "healthy")
         client = RpcClient(Authenticator("run", SECRET, "joiner"))
