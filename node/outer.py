@@ -31,9 +31,9 @@ class OuterError(RuntimeError):
     """The ranks handed over something the round cannot use (non-finite values); the message says what."""
 
 
-def theta_hash(theta: torch.Tensor) -> str:
-    """sha256 of theta_outer's bytes, read in place: equal on every peer that holds a bit-identical model."""
-    return theta_sha256(theta)
+# sha256 of theta_outer's bytes, read in place: equal on every peer that holds a bit-identical model. One function
+# for the agent's outer_hash and the checkpoint's integrity hash, so the two can never disagree.
+theta_hash = theta_sha256
 
 
 class OuterRound:
