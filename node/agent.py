@@ -70,6 +70,9 @@ class Status(enum.Enum):
 DAEMON_STRATEGIES = ("diloco", "streaming-diloco", "demo", "sparseloco")
 # tau of streaming-diloco when strategy_options gives none: one inner step hides the exchange of a fragment.
 DEFAULT_OVERLAP_STEPS = 1
+# Seconds a rank finishing its inner step gets at the end of a leave before it is SIGKILLed (it was told STOP
+# when the leave was asked for, so this is a floor, not its whole share).
+RANK_STOP_FLOOR = 2.0
 
 
 class AgentError(RuntimeError):
@@ -302,6 +305,11 @@ class Agent:
         if mode != "drain" and self._leave_requested_at is None:
             # A drain finishes its round first; every other leave is bounded by timeouts.leave_timeout from here.
             self._leave_requested_at = time.monotonic()
+        if mode != "drain" and getattr(self, "handoff", None) is not None:
+            # A leaving node uses no more inner steps (the round in flight, if it ends in time, needs only what
+            # the ranks already handed off), so they stop now, after the step they are in: they get the whole
+            # leave to exit, not what the round's wind-down leaves of it. One write to the shared header.
+            self.handoff.stop()
         if self._loop is not None and self._leave_event is not None:
             self._loop.call_soon_threadsafe(self._leave_event.set)
 
@@ -784,7 +792,13 @@ class Agent:
             inner["seconds"] = time.monotonic() - waited  # the ranks' save, from request (commit) to done
         if staged is not None and (inner is None or inner["result"] != "ok"):
             # Never commit a partial inner/: the checkpoint holds the outer state alone, resuming uses fresh AdamW.
-            log.error("the ranks did not save their inner state for round %d (%s)", round_id, inner)
+            if inner is None and self.leave_mode not in (None, "drain"):
+                log.info(
+                    "round %d's checkpoint holds the outer state only: the ranks stopped for the leave",
+                    round_id,
+                )
+            else:
+                log.error("the ranks did not save their inner state for round %d (%s)", round_id, inner)
             await asyncio.to_thread(shutil.rmtree, staged / INNER_DIR, True)
         meta = {
             "run_hash": self.run_hash,
@@ -1038,7 +1052,9 @@ class Agent:
         if getattr(self, "handoff", None) is None or self._trainer_thread is None:
             return
         self.handoff.stop()
-        if not self._trainers_exited.wait(timeout=max(0.1, timeout - 2.0)):
+        # The ranks were told STOP when the leave was asked for; whatever the round's wind-down left of the
+        # budget, a rank finishing its inner step gets RANK_STOP_FLOOR seconds more before it is SIGKILLed.
+        if not self._trainers_exited.wait(timeout=max(RANK_STOP_FLOOR, timeout - 2.0)):
             for rank in range(self.handoff.world_size):
                 pid = self.handoff.report(rank).pid
                 if pid:
