@@ -144,6 +144,10 @@ class RunConfig:
     tau: int = 0
     """Overlap: a round's exchange starts at its sync point and its result lands `tau` inner steps later, on
     the then-current local weights (streaming-diloco; 0 = the round blocks)."""
+    outer_update: Literal["sync", "delayed", "eager"] = "sync"
+    """`run.outer_update` of the daemon (diloco, sparseloco): sync blocks at every round; delayed starts the next
+    inner phase at once from theta_outer, which takes each round's mean one round late; eager does the same
+    and previews the worker's own fresh contribution in its start point."""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -153,6 +157,11 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig {self.name}: expected sync_every >= 1 and 0 <= tau < sync_every, "
                 f"got sync_every={self.sync_every}, tau={self.tau}"
+            )
+        if self.outer_update != "sync" and (self.tau or self.strategy not in ("diloco", "sparseloco")):
+            raise ValueError(
+                f"RunConfig {self.name}: outer_update={self.outer_update} expects diloco or sparseloco with "
+                f"tau 0, got {self.strategy} tau={self.tau}"
             )
 
     def make_codec(self) -> Codec:
@@ -215,7 +224,45 @@ def default_configs() -> list[RunConfig]:
         ),
         # Tuned (sweep_configs): sign-SGD wants ~1/3 of AdamW's lr, as Lion does; 3e-3 closed 37% of the gap.
         demo_config(k=12, chunk=1024, lr=1e-3, beta=0.999),
+        *overlapped_configs(),
     ]
+
+
+def overlapped_configs() -> list[RunConfig]:
+    """diloco H=10 int8 and sparseloco H=10 with the one-round-delayed and the eager outer update (Kale et al.
+    2025, arXiv 2502.12996): what it costs in loss that the workers never wait for the exchange."""
+    sparse = {"k": 64, "chunk": 4096, "value_bits": 2}
+    rows = []
+    for update in ("delayed", "eager"):
+        note = "next phase starts at once; the mean lands a round late" + (
+            ", own fresh update previewed" if update == "eager" else ""
+        )
+        rows.append(
+            RunConfig(
+                f"diloco-h10-int8-{update}",
+                "outer",
+                "diloco",
+                "int8",
+                hparams={"lr": 0.5, "momentum": 0.9},
+                sync_every=10,
+                outer_update=update,
+                note=note,
+            )
+        )
+        rows.append(
+            RunConfig(
+                f"sparseloco-h10-top64of4096-2bit-{update}",
+                "outer",
+                "sparseloco",
+                "topk",
+                codec_options=sparse,
+                hparams={"lr": 1.0, "beta": 0.95},
+                sync_every=10,
+                outer_update=update,
+                note=note,
+            )
+        )
+    return rows
 
 
 def sweep_configs() -> list[RunConfig]:
@@ -427,6 +474,9 @@ class Bench:
                 self._reported(result, step)
 
     def _run_outer(self, result: RunResult) -> None:
+        if result.config.outer_update != "sync":
+            self._run_overlapped(result)
+            return
         config = result.config
         strategies: list[OuterStrategy] = [
             make_strategy(config.strategy, self.num_params, config.make_codec(), **config.hparams)
@@ -480,6 +530,54 @@ class Bench:
                 result.eval_loss[step], result.bytes_per_worker[step] = evaluate(model, self.held_out), sent
                 self._reported(result, step)
 
+    def _run_overlapped(self, result: RunResult) -> None:
+        """The daemon's `run.outer_update = delayed | eager` (node/agent.py `_overlapped_loop`): at a sync point
+        each worker's contribution is measured from the weights its inner phase started from, the round in
+        flight (the previous one) lands on theta_outer, and the next inner phase starts at once from theta_outer
+        (delayed) or from theta_outer plus the worker's preview of its own fresh contribution (eager:
+        `OuterStrategy.eager_preview`); the exchange of this round runs during that phase. theta_outer stays
+        bit-identical on every worker. Reported losses are theta_outer's with the round in flight landed (what
+        the swarm holds once it commits, as a run that stops there would)."""
+        config = result.config
+        strategies = [
+            make_strategy(config.strategy, self.num_params, config.make_codec(), **config.hparams)
+            for _ in range(NUM_WORKERS)
+        ]
+        theta0 = flat_parameters(self.initial)
+        thetas = [theta0.clone() for _ in range(NUM_WORKERS)]
+        starts = [theta0.clone() for _ in range(NUM_WORKERS)]  # where each worker's inner phase began
+        previews = [torch.zeros_like(theta0) for _ in range(NUM_WORKERS)]  # eager: own last transmitted
+        learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
+        sent = 0
+        pending: Exchanged | None = None
+        for step in range(1, self.setup.steps + 1):
+            for learner, sampler in zip(learners, self.samplers, strict=True):
+                learner.step(step - 1, sampler.batch(step - 1))
+            if step % config.sync_every == 0 or step == self.setup.steps:
+                if pending is not None:
+                    land_shared(strategies, thetas, pending)
+                exchanged = self._exchange(strategies, starts, learners, [None] * NUM_WORKERS)
+                sent += exchanged.bytes_sent
+                result.peak_bytes_per_sync = max(result.peak_bytes_per_sync, exchanged.bytes_sent)
+                for w, (s, learner) in enumerate(zip(strategies, learners, strict=True)):
+                    starts[w] = thetas[w].clone()
+                    if config.outer_update == "eager":
+                        s.eager_preview(starts[w], exchanged.transmitted[w], previews[w], NUM_WORKERS)
+                        previews[w] = exchanged.transmitted[w].clone()
+                    load_flat(learner.model, starts[w])
+                pending = exchanged
+            self._tick(config, step)
+            if step in self.setup.report_steps:
+                if any(not torch.equal(thetas[0], theta) for theta in thetas[1:]):
+                    raise RuntimeError(f"{config.name}: the workers' theta_outer diverged at step {step}")
+                landed = thetas[0].clone()
+                if pending is not None:  # on a copy of one worker's strategy: the run goes on unchanged
+                    land_shared([copy.deepcopy(strategies[0])], [landed], pending, workers=[0])
+                model = self.fresh_model()
+                load_flat(model, landed)
+                result.eval_loss[step], result.bytes_per_worker[step] = evaluate(model, self.held_out), sent
+                self._reported(result, step)
+
     def _exchange(
         self,
         strategies: list[OuterStrategy],
@@ -525,6 +623,19 @@ class Bench:
             s.commit()
             s.merge_into_local(theta, local)
             load_flat(learner.model, local)
+
+
+def land_shared(
+    strategies: list[OuterStrategy],
+    thetas: list[torch.Tensor],
+    exchanged: Exchanged,
+    workers: Sequence[int] | None = None,
+) -> None:
+    """A round in flight commits on theta_outer only (the ranks' weights are left alone: delayed/eager)."""
+    for s, theta, w in zip(strategies, thetas, workers or range(len(strategies)), strict=True):
+        s.propose(exchanged.contributions[w], exchanged.transmitted[w])
+        s.apply(theta, exchanged.averaged)
+        s.commit()
 
 
 @dataclass
@@ -605,6 +716,7 @@ def describe(config: RunConfig) -> dict[str, Any]:
         "hparams": config.hparams,
         "sync_every": config.sync_every,
         "tau": config.tau,
+        "outer_update": config.outer_update,
     }
 
 

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +161,24 @@ class Counters:
     hash_mismatches: int = 0
     resyncs: int = 0
     last_round_seconds: float = math.nan
+    # Wall time the ranks sat idle waiting for the agent between two sequences (all of it: the round, in sync
+    # mode; the round in flight's rest and the hand-off, with run.outer_update = delayed or eager).
+    ranks_idle_seconds: float = 0.0
+    last_contributors: int = 0
+
+
+@dataclass
+class Prepared:
+    """A round's input taken from the ranks: their weights and the contribution made from them."""
+
+    theta_local: torch.Tensor
+    contribution: torch.Tensor
+    fixed_reference: bool
+    """The contribution is measured from where the ranks started (not theta_outer): a state sync mid-round
+    leaves it as it is."""
+    trained_from: str = ""
+    """run.outer_update delayed/eager: the outer_hash of the theta_outer the ranks' sequence started from (with
+    eager, the one their preview was built on); the round event reports it."""
 
 
 class Agent:
@@ -181,6 +199,9 @@ class Agent:
         self.train_loss = math.nan
         self.leave_mode: str | None = None
         self._leave_requested_at: float | None = None  # monotonic time of the first non-drain leave request
+        self._idle_since: float | None = (
+            None  # when the ranks last finished a sequence we have not followed up
+        )
         self.error: str | None = None
         self.peer_id = ""
         self.multiaddrs: list[str] = []
@@ -364,6 +385,12 @@ class Agent:
             "Straggler wait this node proposed last round (adapts between match_timeout_min and match_timeout).",
         )
         metric("inner_step_seconds", status["inner_step_seconds"], "Mean inner step time of the last round.")
+        metric(
+            "ranks_idle_seconds_total",
+            self.counters.ranks_idle_seconds,
+            "Seconds the trainer ranks waited for the agent between two sequences of inner steps.",
+            "counter",
+        )
         metric("tokens_per_second", status["tokens_per_second"], "Training tokens per second in inner steps.")
         metric(
             "trainer_restarts_total",
@@ -557,7 +584,10 @@ class Agent:
         """What the node does until it leaves: join, start the ranks, run rounds."""
         await self._join()  # starts the trainer ranks and the heartbeat once our data slot is known
         self._request_inner_load()
-        await self._round_loop()
+        if self.config.run.outer_update == "sync":
+            await self._round_loop()
+        else:
+            await self._overlapped_loop()
 
     def _leave_grace(self) -> float:
         """Seconds, from the leave request, that the node's own work may take to wind down by itself."""
@@ -987,8 +1017,11 @@ class Agent:
         else:
             dataset = Path(run.dataset)
         self.handoff = Handoff.create(self.num_params, self.config.node.num_ranks)
-        # theta_outer lives in the hand-off from now on where the ranks simply load it (OuterRound.share_with).
-        self.theta = self.outer.share_with(self.handoff.theta)
+        # theta_outer lives in the hand-off from now on where the ranks simply load it (OuterRound.share_with),
+        # unless the ranks train from another theta while a round is in flight (run.outer_update delayed/eager):
+        # there the hand-off's theta is the reference of their next contribution, theta_outer a private vector.
+        if run.outer_update == "sync":
+            self.theta = self.outer.share_with(self.handoff.theta)
         self._trainer_thread = threading.Thread(
             target=self._supervise_trainers, args=(dataset,), name="farloco-trainers", daemon=True
         )
@@ -1062,6 +1095,16 @@ class Agent:
                         os.kill(pid, signal.SIGKILL)
             self._trainers_exited.wait(timeout=2.0)
 
+    def _publish_work(
+        self, load: torch.Tensor | None, *, round_id: int, step_base: int, inner_steps: int
+    ) -> int:
+        """Hand the ranks their next sequence (`Handoff.publish`), adding the time they waited for it since
+        their last one ended to `counters.ranks_idle_seconds`."""
+        if self._idle_since is not None:
+            self.counters.ranks_idle_seconds += time.monotonic() - self._idle_since
+            self._idle_since = None
+        return self.handoff.publish(load, round_id=round_id, step_base=step_base, inner_steps=inner_steps)
+
     def _trainer_failure(self) -> str | None:
         if self._trainers_exited.is_set() and self.handoff.command == 0:
             return f"trainer ranks exited ({self._trainer_error or 'without error'})"
@@ -1079,6 +1122,8 @@ class Agent:
             with contextlib.suppress(asyncio.TimeoutError):
                 await wait_for(self._leave_event.wait(), timeout=0.01)
             self._leave_event.clear()
+        if self._idle_since is None:
+            self._idle_since = time.monotonic()  # the ranks wait for us from here to the next publish
         return True
 
     # ---- rounds ------------------------------------------------------------------------------------------------
@@ -1097,7 +1142,7 @@ class Agent:
                 return
             # The members wait for us in this round from now on (our record says so a heartbeat later).
             self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
-            seq = self.handoff.publish(
+            seq = self._publish_work(
                 load,
                 round_id=self.round_id,
                 step_base=self.round_id * run.inner_steps + steps_done,
@@ -1129,7 +1174,107 @@ class Agent:
             if self.leave_mode == "drain":
                 return
 
-    async def _unless_leaving_now(self, work: Coroutine[Any, Any, bool]) -> bool | None:
+    async def _overlapped_loop(self) -> None:
+        """run.outer_update = delayed | eager (Kale et al. 2025): the ranks never wait for the exchange.
+
+        When the ranks end sequence s, the round in flight (s-1) is awaited, usually long done, committing its
+        mean on theta_outer; the contribution of sequence s is measured from where the ranks started it (the
+        hand-off's theta); the ranks start sequence s+1 at once from theta_outer (delayed), or from theta_outer
+        with this node's fresh contribution previewed in place of its stale one (eager,
+        `OuterRound.eager_start`); and round s is exchanged while they train. theta_outer, the hashes, the
+        commits, state sync and catch-up are those of the synchronous loop: every peer holds the same
+        theta_outer, one round behind what its ranks train on. The ranks wait only when a round takes longer than
+        their inner steps, and after the last round (run.max_rounds)."""
+        run = self.config.run
+        pending: asyncio.Task[bool] | None = None
+        # eager: what the swarm saw of our contribution to the round just applied
+        stale: torch.Tensor | None = None
+        # The members wait for us in a round from its announcement: here for the first, then as soon as the
+        # round before it closed (`_round_in_flight`), while our ranks already work on it.
+        self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
+        started_from = self.outer_hash
+        # Where the ranks' current sequence started, kept by us: the hand-off's theta gets the next start at the
+        # hand-off, before the contribution of the sequence just ended is made (off the ranks' path).
+        reference = self.outer.reference(self.theta)
+        seq = self._publish_work(
+            self.theta,
+            round_id=self.round_id,
+            step_base=self.round_id * run.inner_steps,
+            inner_steps=run.inner_steps,
+        )
+        self.status = Status.TRAINING
+        try:
+            while True:
+                ranks_done = await self._wait_ranks(seq)
+                if pending is not None:
+                    committed = self.counters.rounds_committed
+                    # A graceful leave lets the round in flight end (bounded by the leave's grace).
+                    outcome = await self._unless_leaving_now(pending)
+                    pending = None
+                    if outcome is None:
+                        self.events.write("withdrew", round_id=self.round_id, mode="now")
+                        return
+                    if self.counters.rounds_committed == committed:
+                        stale = None  # the round did not commit with our contribution in its mean
+                if not ranks_done:
+                    self.events.write("withdrew", round_id=self.round_id)
+                    return
+                if run.max_rounds and self.round_id >= run.max_rounds:
+                    self.events.write("finished", round_id=self.round_id)
+                    return
+                if self.leave_mode is not None:
+                    return
+                last = bool(run.max_rounds) and self.round_id + 1 >= run.max_rounds
+                trained_from, started_from = started_from, self.outer_hash
+                self._read_reports(seq)  # before the next sequence's first eval overwrites them
+                # The ranks' weights stay put in the hand-off until their next sequence ends: read in place.
+                prepared: Prepared | None = None
+                if last:
+                    prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
+                    prepared.trained_from = trained_from
+                    outcome = await self._unless_leaving_now(self._round(seq, prepared))
+                    if outcome is None:
+                        self.events.write("withdrew", round_id=self.round_id, mode="now")
+                        return
+                    continue
+                start = self.theta
+                if run.outer_update == "eager":
+                    # The preview needs this round's contribution: made before the ranks go on.
+                    prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
+                    group = self.counters.last_contributors or len(self._live_ids()) + 1
+                    stale = self.outer.eager_start(self.handoff.theta, prepared.contribution, stale, group)
+                    start = self.handoff.theta
+                round_seq = seq
+                seq = self._publish_work(
+                    start,
+                    round_id=self.round_id + 1,
+                    step_base=(self.round_id + 1) * run.inner_steps,
+                    inner_steps=run.inner_steps,
+                )
+                # The ranks train on from here; the rest of the hand-off is off their path.
+                if prepared is None:
+                    prepared = self._prepare_round(round_seq, copy=False, reference=reference, reports=False)
+                prepared.trained_from = trained_from
+                reference.copy_(self.handoff.theta)  # the start of the sequence just published
+                pending = asyncio.create_task(
+                    self._round_in_flight(round_seq, prepared), name="farloco-round"
+                )
+        finally:
+            if pending is not None:
+                await cancel_and_wait(pending)
+
+    async def _round_in_flight(self, seq: int, prepared: Prepared) -> bool:
+        """`_round` while the ranks train on: once it closed (committed, aborted, caught up), the next round's
+        work is already under way, so it is announced at once, and the node's status says it trains."""
+        try:
+            return await self._round(seq, prepared)
+        finally:
+            if self.status in (Status.EXCHANGING, Status.SYNCING, Status.ISOLATED):
+                self.status = Status.TRAINING
+            if self.leave_mode is None:
+                self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
+
+    async def _unless_leaving_now(self, work: Awaitable[bool]) -> bool | None:
         """Run one round's exchange; `leave --now` abandons it (None): the others drop us from the exchange."""
         task = asyncio.ensure_future(work)
         try:
@@ -1143,8 +1288,32 @@ class Agent:
             if not task.done():  # we were cancelled ourselves (a bounded leave): the round goes with us
                 await cancel_and_wait(task)
 
-    async def _round(self, seq: int) -> bool:
-        """Exchange and apply round `self.round_id`. Returns whether the ranks must reload theta."""
+    def _read_reports(self, seq: int) -> None:
+        """The ranks' train loss of sequence `seq` and the held-out loss of the theta it started from."""
+        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
+        self.train_loss = sum(r.train_loss for r in reports) / len(reports)
+        evals = [r.eval_loss for r in reports if r.eval_seq == seq]
+        if evals:
+            self.eval_loss = evals[0]
+
+    def _prepare_round(
+        self, seq: int, *, copy: bool, reference: torch.Tensor | None = None, reports: bool = True
+    ) -> Prepared:
+        """Read sequence `seq`'s reports (unless read already) and the ranks' weights (a copy when they train
+        on meanwhile and would overwrite them) and make the round's contribution, measured from `reference`
+        (default: theta_outer)."""
+        if reports:
+            self._read_reports(seq)
+        theta_local = self.outer.read_local(self.handoff.local, copy=copy)
+        try:
+            contribution = self.outer.contribution(theta_local, reference)
+        except OuterError as exc:
+            raise AgentError(f"round {self.round_id}: {exc}") from None
+        return Prepared(theta_local, contribution, fixed_reference=reference is not None)
+
+    async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
+        """Exchange and apply round `self.round_id` (its contribution `prepared` already, when the ranks train on
+        meanwhile). Returns whether the ranks must reload theta."""
         from farloco.protocol.exchange import ExchangeAborted
         from farloco.protocol.matchmaking import LateForRound, MatchmakingError
         from farloco.protocol.statesync import StateSyncError
@@ -1152,23 +1321,20 @@ class Agent:
 
         run, timeouts = self.config.run, self.config.timeouts
         started = time.monotonic()
-        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
-        self.train_loss = sum(r.train_loss for r in reports) / len(reports)
-        evals = [r.eval_loss for r in reports if r.eval_seq == seq]
-        if evals:
-            self.eval_loss = evals[0]
-        overlap = bool(self._overlap_steps) and not (run.max_rounds and self.round_id + 1 >= run.max_rounds)
-        # While the ranks wait for us their weights stay put and are read in place; when they train on during
-        # the exchange (overlap) we read a copy, taken before they can overwrite it.
-        theta_local = self.outer.read_local(self.handoff.local, copy=overlap)
-        try:
-            contribution = self.outer.contribution(theta_local)
-        except OuterError as exc:
-            raise AgentError(f"round {self.round_id}: {exc}") from None
+        overlap = (
+            prepared is None
+            and bool(self._overlap_steps)
+            and not (run.max_rounds and self.round_id + 1 >= run.max_rounds)
+        )
+        if prepared is None:
+            # While the ranks wait for us their weights stay put and are read in place; when they train on
+            # during the exchange (overlap) we read a copy, taken before they can overwrite it.
+            prepared = self._prepare_round(seq, copy=overlap)
+        theta_local, contribution = prepared.theta_local, prepared.contribution
         if overlap:
             # streaming-diloco: the ranks run the next round's first tau inner steps while we exchange (their
             # reports and weights for this round were read above, before they can overwrite them).
-            self._overlap_seq = self.handoff.publish(
+            self._overlap_seq = self._publish_work(
                 None,
                 round_id=self.round_id + 1,
                 step_base=(self.round_id + 1) * run.inner_steps,
@@ -1215,8 +1381,9 @@ class Agent:
             # We hold the losing side of a fork and could not fetch the winner's state: contributing would
             # average into two models again. Sit this round out; the next one compares hashes again.
             return self._abort(f"healing a fork: the winning side's state did not arrive ({exc})", 1)
-        if resynced:
+        if resynced and not prepared.fixed_reference:
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
+            # (Measured from where the ranks started instead, it is their own progress whatever theta is now.)
             try:
                 contribution = self.outer.contribution(theta_local)
             except OuterError as exc:
@@ -1254,6 +1421,7 @@ class Agent:
                 f"{len(contributors)} contributors < run.min_peers={run.min_peers}", len(contributors)
             )
         self._account_round(group, contributors)
+        self.counters.last_contributors = len(contributors)
         fragment = getattr(self.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.num_params)
         self.outer_hash = self.outer.commit(contribution, transmitted, averaged)
@@ -1289,6 +1457,8 @@ class Agent:
             overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
             fp32_bytes=fp32_bytes,
             seconds=self.counters.last_round_seconds,
+            ranks_idle_seconds=self.counters.ranks_idle_seconds,
+            trained_from=prepared.trained_from,
         )
         # Our record moves to the next round in the background: the round's path holds no DHT store (the next
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).

@@ -24,6 +24,9 @@ class ConfigError(ValueError):
     """A config file, key or value that cannot be used; the message names the key, the value and what was expected."""
 
 
+OUTER_UPDATES = ("sync", "delayed", "eager")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What the swarm trains and how. Identical on every peer (hashed into `run_hash`)."""
@@ -68,6 +71,11 @@ class RunConfig:
     """Seed of the initial parameters (all peers start from the same theta_0) and the data order."""
     data_slots: int = 8
     """The training data is cut into this many disjoint slices; a node trains on the slice of its slot."""
+    outer_update: str = "sync"
+    """When a round's mean reaches the ranks (diloco, sparseloco). 'sync': the ranks wait for the exchange and
+    start the next round from its result. 'delayed': they start the next round at once from theta_outer, which
+    takes each round's mean one round late, so the exchange runs while they train (Kale et al. 2025).
+    'eager': as delayed, and each node previews its own fresh update in the weights its ranks start from."""
     min_peers: int = 1
     """Commit rule: a round commits only if at least this many peers contributed, else it is aborted."""
     max_rounds: int = 0
@@ -78,6 +86,13 @@ class RunConfig:
         _non_negative(
             self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
         )
+        if self.outer_update not in OUTER_UPDATES:
+            raise ConfigError(f"run.outer_update: expected one of {OUTER_UPDATES}, got {self.outer_update!r}")
+        if self.outer_update != "sync" and self.strategy not in ("diloco", "sparseloco"):
+            raise ConfigError(
+                f"run.outer_update={self.outer_update!r}: expected strategy diloco or sparseloco (streaming-diloco "
+                f"overlaps with strategy_options.tau), got strategy {self.strategy!r}"
+            )
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"run.outer_momentum: expected a number in [0, 1), got {self.outer_momentum!r}")
         if not self.name or any(c in self.name for c in "/ \t\n"):

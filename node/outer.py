@@ -54,6 +54,9 @@ class OuterRound:
         self._mean: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
         self._local_copy: torch.Tensor | None = None
+        self._reference: torch.Tensor | None = None
+        self._fresh: torch.Tensor | None = None  # eager: what the swarm sees of this round's contribution
+        self._stale: torch.Tensor | None = None  # ... and of the previous round's
 
     def share_with(self, publish_buffer: torch.Tensor) -> torch.Tensor:
         """Keep theta_outer in the hand-off's theta region itself (returned), when the ranks simply load theta
@@ -78,12 +81,15 @@ class OuterRound:
             self._local_copy = torch.empty_like(local)
         return self._local_copy.copy_(local)
 
-    def contribution(self, theta_local: torch.Tensor) -> torch.Tensor:
-        """This round's contribution, in the work buffer (valid until `commit` or the next call)."""
+    def contribution(self, theta_local: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """This round's contribution, in the work buffer (valid until `commit` or the next call), measured from
+        `reference`, the weights the ranks' inner steps started from: theta_outer itself unless the ranks started
+        elsewhere (run.outer_update = delayed or eager: one commit behind, or a preview)."""
         if self._work is None:
             self._work = torch.empty(self.max_numel, dtype=torch.float32)
         out = self._work[: self.strategy.contribution_numel()]
-        contribution = self.strategy.make_contribution(self.theta, theta_local, out=out)
+        start = self.theta if reference is None else reference
+        contribution = self.strategy.make_contribution(start, theta_local, out=out)
         # theta_outer and the error-feedback state are finite (checked when they came in), so a non-finite
         # contribution means non-finite weights from the ranks (or an overflow as bad).
         if not all_finite(contribution):
@@ -127,6 +133,36 @@ class OuterRound:
 
     def rehash(self) -> str:
         return theta_hash(self.theta)
+
+    def reference(self, start: torch.Tensor) -> torch.Tensor:
+        """A buffer kept across rounds holding a copy of `start`: where the ranks' sequence began, what their
+        contribution is measured from when theta_outer has moved on meanwhile (run.outer_update delayed/eager)."""
+        if self._reference is None:
+            self._reference = torch.empty(self.strategy.num_params, dtype=torch.float32)
+        return self._reference.copy_(start)
+
+    def eager_start(
+        self, start: torch.Tensor, contribution: torch.Tensor, stale: torch.Tensor | None, group_size: int
+    ) -> torch.Tensor:
+        """run.outer_update = eager: theta_outer, written into `start` (the hand-off's theta region), with this
+        node's fresh contribution previewed in it as the swarm will see it (through the codec) in place of its
+        `stale` one from the round just applied (None: that round's mean did not hold ours). Returns what the
+        swarm will see of `contribution`, to pass as `stale` next round (a buffer kept across rounds)."""
+        if self._fresh is None:
+            self._fresh = torch.empty(self.strategy.num_params, dtype=torch.float32)
+            self._stale = torch.zeros(self.strategy.num_params, dtype=torch.float32)
+        assert self._stale is not None
+        fresh = self._fresh
+        self.codec.encode_decoded(contribution, checksum=False, out=fresh)
+        if stale is None:
+            self._stale.zero_()
+        elif stale.data_ptr() != self._stale.data_ptr():
+            self._stale.copy_(stale)
+        start.copy_(self.theta)
+        self.strategy.eager_preview(start, fresh, self._stale, group_size)
+        # The fresh one is next round's stale: swap the two buffers.
+        self._fresh, self._stale = self._stale, fresh
+        return fresh
 
     def rollback(self) -> None:
         """The round did not commit: the error-feedback state stays as it was (the work buffer is scratch)."""

@@ -187,6 +187,31 @@ class OuterStrategy(abc.ABC):
         self._outer_step(theta_outer, averaged)
         self._num_rounds += 1
 
+    def eager_scale(self) -> float:
+        """c such that the outer step moves theta by -c * averaged plus what its state alone contributes: the
+        step is linear in `averaged` (the eager update's local preview, `node/outer.py`, is built on that).
+        Only strategies with a one-round-delayed form define it."""
+        raise StrategyError(
+            f"{self.name}: expected a strategy with a delayed outer update (diloco, sparseloco)"
+        )
+
+    def eager_preview(
+        self, start: torch.Tensor, fresh: torch.Tensor, stale: torch.Tensor, group_size: int
+    ) -> None:
+        """The eager update's start point (Kale et al. 2025), in place on `start` (a copy of theta_outer just
+        after the delayed step): theta_outer moved as if this node's `fresh` transmitted contribution had taken
+        the place of its `stale` one in the mean of `group_size` members just applied. The step is linear in the
+        mean, so that is -eager_scale() / group_size * (fresh - stale). Chunked, no temporary of model size."""
+        for what, tensor in (("start", start), ("fresh", fresh), ("stale", stale)):
+            self._check_vector(what, tensor, self.num_params)
+        if group_size < 1:
+            raise StrategyError(f"{self.name} eager_preview: expected group_size >= 1, got {group_size}")
+        scale = self.eager_scale() / group_size
+        scratch = torch.empty(min(CHUNK, self.num_params))
+        for part in chunks(self.num_params):
+            delta = torch.sub(fresh[part], stale[part], out=scratch[: part.stop - part.start])
+            start[part].sub_(delta.mul_(scale))
+
     def merge_into_local(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> None:
         """After `apply`: set the local parameters the ranks continue from (default: replace by theta_outer)."""
         self._check_vector("theta_outer", theta_outer, self.num_params)
@@ -345,6 +370,10 @@ class DiLoCo(OuterStrategy):
             theta_outer, self.momentum_buffer, averaged, self._float("lr"), self._float("momentum")
         )
 
+    def eager_scale(self) -> float:
+        # b' = mu*b + g; theta' = theta - lr*(g + mu*b') = theta - lr*(1 + mu)*g - lr*mu^2*b
+        return self._float("lr") * (1.0 + self._float("momentum"))
+
     def _buffers(self) -> dict[str, torch.Tensor]:
         buffers = {"momentum_buffer": self.momentum_buffer}
         if self.residual is not None:
@@ -384,6 +413,9 @@ class SparseLoCo(OuterStrategy):
         scratch = torch.empty(min(CHUNK, self.num_params))
         for part in chunks(self.num_params):
             theta_outer[part].sub_(torch.mul(averaged[part], lr, out=scratch[: part.stop - part.start]))
+
+    def eager_scale(self) -> float:
+        return self._float("lr")
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"error_buffer": self.error_buffer}

@@ -10,7 +10,7 @@ import torch
 
 from farloco.node.outer import OuterError, OuterRound, theta_hash
 from farloco.optim import get_codec, make_strategy
-from farloco.optim.strategies import CHUNK, _nesterov_step
+from farloco.optim.strategies import CHUNK, StrategyError, _nesterov_step
 
 # Longer than two chunks, and not a multiple of one: the chunked passes' edges are covered.
 NUMEL = 2 * CHUNK + 12_345
@@ -114,3 +114,48 @@ def test_a_rolled_back_round_leaves_the_error_feedback_untouched() -> None:
     outer.rollback()
     assert torch.equal(outer.strategy.state_dict()["residual"], torch.zeros(1000))
     assert torch.equal(outer.contribution(local), -local)  # the work buffer is scratch again
+
+
+@pytest.mark.parametrize(("name", "codec", "options"), [CASES[0], CASES[3]])
+def test_the_eager_start_previews_the_fresh_contribution_in_place_of_the_stale_one(
+    name: str, codec: str, options: dict[str, float]
+) -> None:
+    """The eager start point is theta_outer moved as the outer step would have moved it had this node's fresh
+    transmitted contribution replaced its stale one in the mean of `group` members: checked against two real
+    outer steps from the same state (the step is linear in the mean), and the fresh one is what the codec keeps
+    of the contribution, kept as next round's stale."""
+    generator = torch.Generator().manual_seed(5)
+    theta, local, stale, others = (torch.randn(NUMEL, generator=generator) for _ in range(4))
+    strategy = make_strategy(name, NUMEL, get_codec(codec), **options)
+    outer = OuterRound(theta.clone(), strategy, get_codec(codec))
+    contribution = outer.contribution(local, reference=theta + 0.01)
+    torch.testing.assert_close(contribution, (theta + 0.01 - local) * 1.0, rtol=0, atol=0)  # no EF state yet
+    start = torch.empty(NUMEL)
+    group = 4
+    fresh = outer.eager_start(start, contribution, stale, group)
+    torch.testing.assert_close(fresh, get_codec(codec).decode(get_codec(codec).encode(contribution)))
+    # Two outer steps from the same state: the mean with the stale contribution, and with the fresh one.
+    with_stale = (others * (group - 1) + stale) / group
+    with_fresh = with_stale + (fresh - stale) / group
+    moved = []
+    for mean in (with_stale, with_fresh):
+        copy = make_strategy(name, NUMEL, get_codec(codec), **options)
+        copy.load_state_dict(strategy.state_dict())
+        target = theta.clone()
+        copy.apply(target, mean)
+        moved.append(target)
+    torch.testing.assert_close(start - theta, moved[1] - moved[0], rtol=0, atol=1e-5)
+    # None for stale: the round applied did not hold our contribution, so nothing of ours is taken out.
+    again = outer.eager_start(start, contribution, None, group)
+    torch.testing.assert_close(theta - start, again * strategy.eager_scale() / group, rtol=1e-5, atol=1e-6)
+
+
+def test_a_contribution_measured_from_a_reference_leaves_theta_outer_alone() -> None:
+    strategy = make_strategy("diloco", NUMEL, get_codec("fp32"))
+    theta = torch.randn(NUMEL)
+    outer = OuterRound(theta.clone(), strategy, get_codec("fp32"))
+    reference, local = torch.randn(NUMEL), torch.randn(NUMEL)
+    assert torch.equal(outer.contribution(local, reference), reference - local)
+    assert torch.equal(outer.theta, theta)
+    with pytest.raises(StrategyError, match="a delayed outer update"):
+        make_strategy("demo", NUMEL, get_codec("int8")).eager_scale()
