@@ -41,6 +41,7 @@ from farloco.node.control import ControlServer
 from farloco.node.dhtnode import DHTStartError, daemon_alive, make_dht, stop_dht
 from farloco.node.handoff import COMMAND_STOP, Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress, console_format
+from farloco.node.metrics import NodeMetrics
 from farloco.node.model import build_model, model_config, num_parameters
 from farloco.node.outer import OuterError, OuterRound, theta_hash
 from farloco.protocol import shares
@@ -193,6 +194,7 @@ class Agent:
         self.run_hash = run_hash(config)
         self.status = Status.STARTING
         self.counters = Counters()
+        self.metrics = NodeMetrics(self.metric_values)
         self.round_id = 0
         self.outer_hash = ""
         self.eval_loss = math.nan
@@ -355,104 +357,25 @@ class Agent:
             "trainer_failed", reason=reason, restarts=self.launcher_failures.restarts, restarting=restarting
         )
 
-    def metrics_text(self) -> str:
-        status = self.status_dict()
-        lines = []
-
-        def metric(name: str, value: Any, help_text: str, kind: str = "gauge") -> None:
-            if value is None or (isinstance(value, float) and math.isnan(value)):
-                return
-            lines.append(f"# HELP farloco_{name} {help_text}")
-            lines.append(f"# TYPE farloco_{name} {kind}")
-            lines.append(f"farloco_{name} {float(value)}")
-
-        metric("loss", status["loss"], "Mean inner training loss of the last round.")
-        metric("eval_loss", status["eval_loss"], "Held-out loss of theta_outer.")
-        metric("round_id", status["round_id"], "Current outer round.")
-        metric("inner_step", status["inner_step"], "Inner steps done by this node.")
-        metric("peers", status["num_peers"], "Live members of the swarm seen by this node.")
-        metric("bytes_sent_total", status["bytes_sent"], "Bytes of outer updates sent.", "counter")
-        metric(
-            "bytes_received_total", status["bytes_received"], "Bytes of outer updates received.", "counter"
-        )
-        metric(
-            "compression_ratio", status["compression_ratio"], "fp32 bytes per wire byte actually achieved."
-        )
-        metric("round_seconds", status["last_round_seconds"], "Duration of the last outer round.")
-        metric(
-            "match_wait_seconds",
-            status["match_wait_seconds"],
-            "Straggler wait this node proposed last round (adapts between match_timeout_min and match_timeout).",
-        )
-        metric("inner_step_seconds", status["inner_step_seconds"], "Mean inner step time of the last round.")
-        metric(
-            "ranks_idle_seconds_total",
-            self.counters.ranks_idle_seconds,
-            "Seconds the trainer ranks waited for the agent between two sequences of inner steps.",
-            "counter",
-        )
-        metric("tokens_per_second", status["tokens_per_second"], "Training tokens per second in inner steps.")
-        metric(
-            "trainer_restarts_total",
-            status["trainer_restarts"],
-            "Trainer rank groups restarted by the elastic launcher.",
-            "counter",
-        )
-        if self.launcher_failures.last_exit_code is not None:
-            reason = str(status["trainer_last_exit"]).replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(
-                "# HELP farloco_trainer_last_exit_code Exit code of the last failed rank (-N: signal N)."
-            )
-            lines.append("# TYPE farloco_trainer_last_exit_code gauge")
-            lines.append(
-                f'farloco_trainer_last_exit_code{{reason="{reason}"}} {self.launcher_failures.last_exit_code}'
-            )
-        sync = status["sync"]
+    def metric_values(self) -> dict[str, Any]:
+        """What `/metrics` shows at scrape time (node/metrics.py): the status, plus the counters kept by the
+        transport (refused RPCs by reason), the membership (DHT records not believed) and the isolation watch."""
+        values = self.status_dict()
+        sync = values.get("sync")
         if sync is not None:
-            metric("sync_bytes_done", sync["bytes_done"], "Bytes of outer state fetched by the running sync.")
-            metric("sync_bytes_total", sync["bytes_total"], "Bytes of outer state the running sync fetches.")
-        metric("rounds_committed_total", status["rounds_committed"], "Committed rounds.", "counter")
-        metric("rounds_aborted_total", status["rounds_aborted"], "Aborted rounds.", "counter")
-        metric(
-            "group_share", status["group_share"], "Fraction of the last 100 rounds this node contributed to."
-        )
-        for name, counts, help_text in (
-            ("left_out_total", status["left_out"], "Rounds this node did not contribute to, by reason."),
-            (
-                "peers_left_out_total",
-                status["peers_left_out"],
-                "Live members this node's groups left out, by reason.",
-            ),
-        ):
-            if counts:
-                lines.append(f"# HELP farloco_{name} {help_text}")
-                lines.append(f"# TYPE farloco_{name} counter")
-                lines += [f'farloco_{name}{{reason="{r}"}} {n}' for r, n in sorted(counts.items())]
-        metric(
-            "isolated",
-            int(status["isolated"]),
-            "1 while peers this node had vanished without leaving and none is live (it commits no round).",
-        )
-        metric("isolated_seconds", status["isolated_seconds"], "How long the current isolation has lasted.")
-        metric(
-            "isolations_total", self.isolation.episodes, "Times this node found itself isolated.", "counter"
-        )
-        # Refused RPCs are counted by the transport itself, by stable reason.
+            values["sync_bytes_done"], values["sync_bytes_total"] = sync["bytes_done"], sync["bytes_total"]
+        values["isolated"] = int(bool(values.get("isolated")))
+        values["isolations"] = self.isolation.episodes
+        values["ranks_idle_seconds"] = self.counters.ranks_idle_seconds
+        values["trainer_last_exit_code"] = self.launcher_failures.last_exit_code
         server = getattr(self, "server", None)
-        rejected = dict(server.rejections) if server is not None else {}
-        if rejected:
-            lines.append("# HELP farloco_rejected_messages_total Messages refused, by reason.")
-            lines.append("# TYPE farloco_rejected_messages_total counter")
-            for reason, count in sorted(rejected.items()):
-                lines.append(f'farloco_rejected_messages_total{{reason="{reason}"}} {count}')
+        values["rejected"] = dict(server.rejections) if server is not None else {}
         membership = getattr(self, "membership", None)
-        ignored = dict(membership.core.ignored) if membership is not None else {}
-        if ignored:
-            lines.append("# HELP farloco_ignored_dht_records_total DHT records not believed, by reason.")
-            lines.append("# TYPE farloco_ignored_dht_records_total counter")
-            for reason, count in sorted(ignored.items()):
-                lines.append(f'farloco_ignored_dht_records_total{{reason="{reason}"}} {count}')
-        return "\n".join(lines) + "\n"
+        values["ignored"] = dict(membership.core.ignored) if membership is not None else {}
+        return values
+
+    def metrics_text(self) -> str:
+        return self.metrics.text()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -1101,7 +1024,9 @@ class Agent:
         """Hand the ranks their next sequence (`Handoff.publish`), adding the time they waited for it since
         their last one ended to `counters.ranks_idle_seconds`."""
         if self._idle_since is not None:
-            self.counters.ranks_idle_seconds += time.monotonic() - self._idle_since
+            idle = time.monotonic() - self._idle_since
+            self.counters.ranks_idle_seconds += idle
+            self.metrics.ranks_idle.observe(idle)
             self._idle_since = None
         return self.handoff.publish(load, round_id=round_id, step_base=step_base, inner_steps=inner_steps)
 
@@ -1292,6 +1217,9 @@ class Agent:
         """The ranks' train loss of sequence `seq` and the held-out loss of the theta it started from."""
         reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
         self.train_loss = sum(r.train_loss for r in reports) / len(reports)
+        step_seconds = max(r.step_seconds for r in reports)
+        if step_seconds > 0:
+            self.metrics.inner_step_duration.observe(step_seconds)
         evals = [r.eval_loss for r in reports if r.eval_seq == seq]
         if evals:
             self.eval_loss = evals[0]
@@ -1396,6 +1324,7 @@ class Agent:
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
                 mean_out, sent_out = self.outer.exchange_buffers(contribution.numel())
+                exchange_started = time.monotonic()
                 result = await self.exchange.average(
                     group,
                     contribution,
@@ -1404,6 +1333,7 @@ class Agent:
                     out=mean_out,
                     transmitted_out=sent_out,
                 )
+                self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
                 transmitted, averaged = result.transmitted, result.averaged
                 contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received
                 fp32_bytes = result.fp32_bytes
@@ -1441,6 +1371,7 @@ class Agent:
         self.counters.ddp_bytes += ddp
         self.counters.rounds_committed += 1
         self.counters.last_round_seconds = time.monotonic() - started
+        self.metrics.round_duration.observe(self.counters.last_round_seconds)
         self.events.write(
             "round",
             round_id=self.round_id,

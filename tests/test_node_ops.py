@@ -118,11 +118,14 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
     finally:
         stop_process(node)
 
-    saved = {e["round_id"]: e["inner"] for e in read_events(run_dir) if e["event"] == "checkpoint"}
+    events = read_events(run_dir)
+    saved = {e["round_id"]: e["inner"] for e in events if e["event"] == "checkpoint"}
     checkpoints = sorted((run_dir / "checkpoints").glob("round-????????"))
     assert 1 <= len(checkpoints) <= 2  # checkpoint.keep
     newest = int(checkpoints[-1].name.removeprefix("round-"))
-    assert newest >= 2 and newest <= status["round_id"] + 1
+    # A committed round's (the node trained on while the test looked at it: however many rounds that took).
+    committed = max(e["round_id"] for e in events if e["event"] == "round")
+    assert newest >= 2 and newest <= committed and newest % 2 == 0, (newest, committed)
     assert saved[newest]["result"] == "ok" and saved[newest]["optimizer_step"] > 0
     assert len(list((checkpoints[-1] / "inner").glob("*.distcp"))) == num_ranks  # a file of shards per rank
 
@@ -190,7 +193,7 @@ def test_crashed_trainer_rank_is_restarted_and_counted_then_sigterm_leaves(tmp_p
         assert later["trainer_last_exit"] == f"local rank 0 (pid {crashed}) killed by SIGKILL"
         assert _metric(run_dir, "trainer_restarts_total") == ["farloco_trainer_restarts_total 1.0"]
         [exit_code] = _metric(run_dir, "trainer_last_exit_code")
-        assert exit_code.endswith(" -9") and "killed by SIGKILL" in exit_code
+        assert float(exit_code.rsplit(" ", 1)[1]) == -9 and "killed by SIGKILL" in exit_code
         node.send_signal(signal.SIGTERM)
         assert node.wait(timeout=60) == 0
     finally:
