@@ -12,7 +12,7 @@ Bytes sent per worker are the real payload sizes in the daemon's exchange patter
 all-gather (2(k-1)/k of the payload), sparse codecs all-gather (the payload to each of the k-1 peers). DDP sends a
 ring all-reduce of fp32 gradients every step (2(k-1)/k * 4 bytes * num_params), like `ddp_bytes_per_round`.
 
-Streaming DiLoCo follows the daemon's round loop (node/agent.py): a round every H/P inner steps, round r syncing
+Streaming DiLoCo follows the daemon's round loop (node/daemon/agent.py): a round every H/P inner steps, round r syncing
 fragment r mod P (so each fragment every H steps, staggered by H/P); the contribution is taken at the sync point,
 and the mean lands `tau` inner steps later (tau < H/P: the strategy object holds one round in flight), where the
 outer step is applied and merged with alpha into the local weights the workers have trained on meanwhile. Its
@@ -55,8 +55,8 @@ from typing import Any, Literal
 
 import torch
 
-from farloco.node.data import BatchSampler, TokenDataset, builtin_dataset, eval_batches, open_dataset
-from farloco.node.model import Transformer, build_model, lm_loss, model_config, num_parameters
+from farloco.node.training.data import BatchSampler, TokenDataset, builtin_dataset, eval_batches, open_dataset
+from farloco.node.training.model import Transformer, build_model, lm_loss, model_config, num_parameters
 from farloco.optim import Codec, OuterStrategy, get_codec, make_strategy, mean_of
 
 NUM_WORKERS = 4
@@ -88,7 +88,7 @@ class Setup:
     min_lr_ratio: float = 0.1
     """The cosine schedule's last lr, as a fraction of the peak."""
     weight_decay: float = 0.1
-    """AdamW weight decay (betas 0.9/0.95 as in farloco.node.trainer)."""
+    """AdamW weight decay (betas 0.9/0.95 as in farloco.node.training.trainer)."""
     grad_clip: float = 1.0
     """Gradient-norm clip of every AdamW step (the trainer's default)."""
     num_eval_batches: int = 4
@@ -531,7 +531,7 @@ class Bench:
                 self._reported(result, step)
 
     def _run_overlapped(self, result: RunResult) -> None:
-        """The daemon's `run.outer_update = delayed | eager` (node/agent.py `_overlapped_loop`): at a sync point
+        """The daemon's `run.outer_update = delayed | eager` (node/daemon/agent.py `_overlapped_loop`): at a sync point
         each worker's contribution is measured from the weights its inner phase started from, the round in
         flight (the previous one) lands on theta_outer, and the next inner phase starts at once from theta_outer
         (delayed) or from theta_outer plus the worker's preview of its own fresh contribution (eager:

@@ -138,7 +138,7 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
     from farloco.protocol.tcpstream import tune_malloc
     from farloco.protocol.types import Group, GroupMember
 
-    # What the daemon's agent does at start (node/agent.py Agent.run).
+    # What the daemon's agent does at start (node/daemon/agent.py Agent.run).
     tune_malloc()
     gc.freeze()
 
@@ -211,7 +211,7 @@ def worker_gloo(rank: int, peers: int, numel: int, reps: int, port: int) -> dict
 def worker_hivemind(rank: int, peers: int, numel: int, reps: int) -> dict[str, Any]:
     import hivemind
 
-    from farloco.node.dhtnode import make_dht
+    from farloco.node.daemon.dhtnode import make_dht
 
     if rank == 0:
         dht = make_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from farloco.node.demo import read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.demo import read_events, start_bootstrap, start_peer, stop_process
 
 MODES = ("sync", "delayed", "eager")
 

@@ -23,7 +23,7 @@ farloco's `match_timeout_min`). Reported per configuration:
   round messages and exchange go over its own gRPC/TCP sockets; hivemind: all of its traffic, matchmaking and
   all-reduce included).
 
-`--netns RATE` puts each peer in a network namespace of its own (farloco.node.netns: a bridge, both directions of
+`--netns RATE` puts each peer in a network namespace of its own (farloco.node.tools.netns: a bridge, both directions of
 every link shaped by `tc tbf`; no added delay, since this kernel has no netem).
 
 Peers talk to the driver through stdin/stdout JSON only; nothing is pickled across processes.
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from exchange import read_peer, receive, send, write_peer  # benchmarks/exchange.py: the same stdio protocol
 
-from farloco.node import netns
-from farloco.node.netns import NamespaceWAN
+from farloco.node.tools import netns
+from farloco.node.tools.netns import NamespaceWAN
 
 RUN = "bench-mm"
 NUMEL = 1024  # 4 KiB of fp32: the exchange is a formality, the matchmaking is measured
@@ -109,7 +109,7 @@ def _comm(pid: int) -> str:
 
 
 def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -> dict[str, Any]:
-    from farloco.node.dhtnode import make_dht
+    from farloco.node.daemon.dhtnode import make_dht
     from farloco.optim.registry import get_codec
     from farloco.protocol.auth import Authenticator
     from farloco.protocol.exchange import Exchange, ExchangeAborted
@@ -210,7 +210,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
 def worker_hivemind(rank: int, peers: int, rounds: int, work: float, host: str) -> dict[str, Any]:
     import hivemind
 
-    from farloco.node.dhtnode import make_dht
+    from farloco.node.daemon.dhtnode import make_dht
 
     initial = [] if rank == 0 else receive()["maddrs"]
     dht = make_dht(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=initial, start=True)

@@ -41,7 +41,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from farloco.node.demo import PeerProcess, demo_config, read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.demo import (
+    PeerProcess,
+    demo_config,
+    read_events,
+    start_bootstrap,
+    start_peer,
+    stop_process,
+)
 
 
 def rounds(peer: PeerProcess) -> list[dict[str, Any]]:

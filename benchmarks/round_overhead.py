@@ -4,7 +4,7 @@ parameter, with a plain memcpy of the same bytes in the same process as the yard
     python benchmarks/round_overhead.py                                   # 128M and 350M, fp32 and int8, every strategy
     python benchmarks/round_overhead.py --params 128e6 --strategy diloco --codec int8 --rounds 5
 
-What runs is the agent's own code (farloco.node.outer.OuterRound, the hand-off, the strategy and codec), on a
+What runs is the agent's own code (farloco.node.daemon.outer.OuterRound, the hand-off, the strategy and codec), on a
 flat theta of `--params` float32 values; the network is left out. Each round, as `Agent._round` does it:
 
 - `read`: the ranks' weights from the shared-memory hand-off (a view; a copy for streaming-diloco, whose ranks
@@ -98,8 +98,8 @@ def memcpy_ns_per_param(numel: int) -> float:
 
 def one(args: argparse.Namespace) -> dict[str, Any]:
     from farloco.node.checkpoint import save_checkpoint
+    from farloco.node.daemon.outer import OuterRound
     from farloco.node.handoff import Handoff
-    from farloco.node.outer import OuterRound
     from farloco.optim import get_codec, make_strategy
     from farloco.optim.strategies import CHUNK, chunks
     from farloco.protocol.tcpstream import tune_malloc

@@ -17,7 +17,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
-from farloco.node.data import open_dataset, prepare_dataset
+from farloco.node.training.data import open_dataset, prepare_dataset
 
 SKIP_PARTS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 

@@ -3,7 +3,7 @@ progress of a state sync; and the trainer failures the elastic launcher reports.
 
 One JSON line per record: `ts` (UTC, ISO 8601 with milliseconds), `level`, `logger`, `msg`, then every extra
 field given with `log.info(..., extra={...})`, and `exc` (the formatted traceback) when there is one. This is
-the daemon's diagnostic log; `logs/agent.jsonl` (farloco.node.agent.EventLog) stays the record of what the node
+the daemon's diagnostic log; `logs/agent.jsonl` (farloco.node.daemon.agent.EventLog) stays the record of what the node
 did, which `farloco report` reads.
 """
 
@@ -267,6 +267,6 @@ class LauncherFailures(logging.Handler):
 def _drop_orphan_warning(record: logging.LogRecord) -> bool:
     """The launcher runs in the agent's supervisor thread, where it cannot install signal handlers, and warns on
     every start that its ranks could be orphaned. They cannot: each rank exits as soon as its parent changes
-    (node/trainer.py) and the agent's signal handlers stop them on a leave; tests/test_node_leave.py SIGKILLs the
+    (node/training/trainer.py) and the agent's signal handlers stop them on a leave; tests/test_node_leave.py SIGKILLs the
     agent and checks that no rank (nor the DHT process) outlives it. So the warning is kept out of the logs."""
     return not (isinstance(record.msg, str) and record.msg.startswith("Failed to register signal handlers"))

@@ -189,7 +189,7 @@ class OuterStrategy(abc.ABC):
 
     def eager_scale(self) -> float:
         """c such that the outer step moves theta by -c * averaged plus what its state alone contributes: the
-        step is linear in `averaged` (the eager update's local preview, `node/outer.py`, is built on that).
+        step is linear in `averaged` (the eager update's local preview, `node/daemon/outer.py`, is built on that).
         Only strategies with a one-round-delayed form define it."""
         raise StrategyError(
             f"{self.name}: expected a strategy with a delayed outer update (diloco, sparseloco)"

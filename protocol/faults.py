@@ -2,7 +2,7 @@
 
 `FlakyDHT` wraps a real `hivemind.DHT` and refuses or never answers some of its calls; everything it does not
 refuse goes to the real DHT. The agent installs it when `FARLOCO_FAULTS` asks for it (see
-`farloco.node.agent`), so a real node can be made to meet a DHT that refuses its stores for a while:
+`farloco.node.daemon.agent`), so a real node can be made to meet a DHT that refuses its stores for a while:
 
 - `dht-refuse-stores=N`: the next N stores are refused (the answer hivemind gives when no replica took them);
 - `dht-refuse-stores-for=S`: every store is refused during the first S seconds;

@@ -31,9 +31,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from farloco.node.config import ConfigError, build_config, load_config, load_tls, run_hash, run_section
-from farloco.node.control import ControlClient, ControlError
-from farloco.node.demo import PeerProcess, demo_config, read_events, start_bootstrap, start_peer, stop_process
-from farloco.node.dhtnode import make_dht
+from farloco.node.daemon.control import ControlClient, ControlError
+from farloco.node.daemon.dhtnode import make_dht
+from farloco.node.tools.demo import (
+    PeerProcess,
+    demo_config,
+    read_events,
+    start_bootstrap,
+    start_peer,
+    stop_process,
+)
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.rpc import SERVICE, Frame, RpcClient, RpcError, TlsConfig, encode_frame
 
@@ -271,7 +278,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     nodes: list[DhtNode] = []
     try:
         # hivemind's DHT forks: start the in-process nodes before this process runs any gRPC (module docstring
-        # of node/agent.py), or the fork can inherit a lock a gRPC thread holds.
+        # of node/daemon/agent.py), or the fork can inherit a lock a gRPC thread holds.
         nodes += [_dht_node(maddr), _dht_node(maddr)]
         for name in ("a", "b"):
             tls = issue(authority, f"peer-{name}", root / f"tls-{name}")

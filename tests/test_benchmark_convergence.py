@@ -113,7 +113,7 @@ def test_unknown_config_is_refused(bench: ModuleType, capsys: pytest.CaptureFixt
 def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleType, cache_dir: Path) -> None:
     """Streaming DiLoCo with tau: the contribution is taken at the sync point, and the merged result is mixed
     into the weights the worker has trained on since (alpha of them), on the synced fragment only."""
-    from farloco.node.data import builtin_dataset, open_dataset
+    from farloco.node.training.data import builtin_dataset, open_dataset
 
     setup = bench.Setup(steps=2, report_steps=(2,), num_eval_batches=1)
     runner = bench.Bench(setup, open_dataset(builtin_dataset(cache_dir)), lambda _: None)
@@ -162,7 +162,7 @@ def test_stdlib_corpus_is_large_enough_for_long_runs_and_is_reused(tmp_path: Pat
         from stdlib_corpus import stdlib_dataset, stdlib_sources
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    from farloco.node.data import open_dataset
+    from farloco.node.training.data import open_dataset
 
     sources = stdlib_sources()
     assert sources == sorted(sources) and not any("test" in p.parts for p in sources)
@@ -189,7 +189,7 @@ def test_cosine_schedule_drives_every_config_and_runs_of_two_schedules_do_not_me
     with pytest.raises(ValueError, match=r"expected schedule constant\|cosine"):
         bench.Setup(steps=10, report_steps=(10,), schedule="linear")
 
-    from farloco.node.data import builtin_dataset, open_dataset
+    from farloco.node.training.data import builtin_dataset, open_dataset
 
     dataset = open_dataset(builtin_dataset(cache_dir))
     demo = next(c for c in bench.default_configs() if c.kind == "outer" and c.strategy == "demo")

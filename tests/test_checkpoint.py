@@ -81,7 +81,7 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 def test_theta_hash_is_the_agents_outer_hash() -> None:
-    from farloco.node.agent import theta_hash
+    from farloco.node.daemon.agent import theta_hash
 
     theta = _state(3)["theta"]
     assert theta_sha256(theta) == theta_hash(theta)
@@ -289,7 +289,7 @@ def _sharded(model_overrides: dict[str, int] | None = None, steps: int = 0, lr: 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from farloco.node.model import build_model, lm_loss, model_config
+    from farloco.node.training.model import build_model, lm_loss, model_config
 
     model = build_model(model_config("tiny", **(model_overrides or {})), seed=0)
     mesh = init_device_mesh("cpu", (1,))
@@ -360,7 +360,7 @@ def test_inner_state_that_is_missing_or_does_not_fit_leaves_a_fresh_optimizer(
     assert not load_inner_state(tmp_path / "inner", other_model, other_optimizer)
     assert not other_optimizer.state
     tokens = torch.randint(0, 256, (2, 17))
-    from farloco.node.model import lm_loss
+    from farloco.node.training.model import lm_loss
 
     lm_loss(other_model(tokens[:, :-1]), tokens[:, 1:]).backward()  # type: ignore[no-untyped-call]
     other_optimizer.step()  # and it trains on from a fresh state
@@ -405,7 +405,7 @@ _RESHARD = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
-    from farloco.node.model import build_model, lm_loss, model_config
+    from farloco.node.training.model import build_model, lm_loss, model_config
 
     def worker(rank, world, directory, port, mode):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -430,7 +430,7 @@ _RESHARD = textwrap.dedent(
         step, fingerprint = optimizer_fingerprint(optimizer, torch.device("cpu"))
         if rank == 0:
             print(mode, world, step, repr(fingerprint), flush=True)
-        dist.barrier()  # as node/trainer.py: nobody tears gloo down under another rank's last op
+        dist.barrier()  # as node/training/trainer.py: nobody tears gloo down under another rank's last op
         dist.destroy_process_group()
 
     def free_port():

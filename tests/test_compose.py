@@ -32,8 +32,8 @@ from typing import Any
 import pytest
 import yaml
 
-from farloco.node.demo import read_events, stop_process
-from farloco.node.netns import NamespaceWAN, unavailable
+from farloco.node.tools.demo import read_events, stop_process
+from farloco.node.tools.netns import NamespaceWAN, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(420)]
 

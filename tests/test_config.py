@@ -107,7 +107,7 @@ def test_examples_are_documented_and_valid(preset: str) -> None:
     ],
 )
 def test_outer_names_and_options_are_config_errors(override: str, message: str) -> None:
-    from farloco.node.agent import build_outer
+    from farloco.node.daemon.agent import build_outer
 
     config = load_config(None, ["run.codec=int8", override] if "codec_options" in override else [override])
     with pytest.raises(ConfigError) as info:
@@ -119,7 +119,7 @@ def test_config_get_prints_one_resolved_value_for_scripts(tmp_path: Path) -> Non
     """What deploy/slurm/farloco.sbatch reads its leave margin with; defaults are filled in."""
     from click.testing import CliRunner
 
-    from farloco.node.cli import main
+    from farloco.node.tools.cli import main
 
     path = tmp_path / "node.toml"
     path.write_text('[run]\nname = "x"\n[timeouts]\nleave_timeout = 12.5\n')

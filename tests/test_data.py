@@ -1,4 +1,4 @@
-"""Tests for farloco.node.data and farloco.node.tokenizer: shards, manifests, builtin corpus, sampling."""
+"""Tests for farloco.node.training.data and farloco.node.training.tokenizer: shards, manifests, builtin corpus, sampling."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from farloco.node.data import (
+from farloco.node.training.data import (
     BatchSampler,
     DatasetError,
     builtin_dataset,
@@ -20,7 +20,7 @@ from farloco.node.data import (
     prepare_dataset,
     token_dtype,
 )
-from farloco.node.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from farloco.node.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def _write(path: Path, text: str) -> Path:

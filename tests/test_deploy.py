@@ -27,8 +27,8 @@ import click
 import pytest
 import yaml
 
-from farloco.node.cli import main as cli_main
 from farloco.node.config import Config, build_config, load_config
+from farloco.node.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -224,7 +224,7 @@ def test_command_line_exists_in_the_cli(line: CommandLine) -> None:
     path, command, rest = _resolve(line.argv)
     if command is None:
         if path[0] in PENDING_COMMANDS:
-            pytest.skip(f"`farloco {path[0]}` is not in the CLI yet (pending wiring in node/cli.py)")
+            pytest.skip(f"`farloco {path[0]}` is not in the CLI yet (pending wiring in node/tools/cli.py)")
         pytest.fail(f"{line.where}: `farloco {' '.join(path)}` is not a command of the CLI")
     if isinstance(command, click.Group):
         pytest.fail(

@@ -1,4 +1,4 @@
-"""node/dhtnode.py: a DHT node restarted with its identity takes back its place in the DHT (real hivemind DHTs)."""
+"""node/daemon/dhtnode.py: a DHT node restarted with its identity takes back its place in the DHT (real hivemind DHTs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from farloco.node.dhtnode import daemon_alive, make_dht, stable_node_id, stop_dht
+from farloco.node.daemon.dhtnode import daemon_alive, make_dht, stable_node_id, stop_dht
 from farloco.protocol.membership import make_record_validators, members_key
 
 pytestmark = pytest.mark.dht

@@ -15,10 +15,16 @@ from safetensors import safe_open
 
 from farloco.node.checkpoint import checkpoints_dir, save_checkpoint
 from farloco.node.config import load_config, run_hash, to_toml
-from farloco.node.export import ExportError, export_run, export_theta
 from farloco.node.handoff import flatten, layout_of, unflatten
-from farloco.node.model import ModelConfig, Transformer, build_model, hf_state_dict_names, model_config
-from farloco.node.report import ReportError, make_report, read_run_log
+from farloco.node.tools.export import ExportError, export_run, export_theta
+from farloco.node.tools.report import ReportError, make_report, read_run_log
+from farloco.node.training.model import (
+    ModelConfig,
+    Transformer,
+    build_model,
+    hf_state_dict_names,
+    model_config,
+)
 
 # ---- export -----------------------------------------------------------------------------------------------------
 

@@ -1,6 +1,10 @@
-"""The package layout and the dependency direction between farloco's three code folders.
+"""The package layout and the dependency direction between farloco's three code folders, and between the rooms
+of node.
 
 optim and protocol are siblings that never import each other, and neither imports node: node composes them.
+Inside node: the shared modules at its top (config, handoff, checkpoint, logs, fsutil) import no room; the
+trainer side (node/training) never imports the daemon or the user tools; the daemon (node/daemon) never imports
+the user tools (node/tools), which may import everything.
 """
 
 from __future__ import annotations
@@ -11,10 +15,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ROOMS = ("farloco.node.daemon", "farloco.node.training", "farloco.node.tools")
 FORBIDDEN = {
     "optim": ("farloco.protocol", "farloco.node"),
     "protocol": ("farloco.optim", "farloco.node"),
+    "node/training": ("farloco.node.daemon", "farloco.node.tools"),
+    "node/daemon": ("farloco.node.tools",),
 }
+
+
+def test_shared_node_modules_import_no_room() -> None:
+    violations = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for path in sorted((ROOT / "node").glob("*.py"))
+        for lineno, module in imported_modules(path)
+        if module.startswith(ROOMS)
+    ]
+    assert not violations, "a shared module of node imports a room:\n" + "\n".join(violations)
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -16,7 +16,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from farloco.node.dhtnode import make_dht
+from farloco.node.daemon.dhtnode import make_dht
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.clock import FakeClock
 from farloco.protocol.membership import (

@@ -1,4 +1,4 @@
-"""node/metrics.py: the agent's /metrics through prometheus_client, read back with prometheus_client's own parser
+"""node/daemon/metrics.py: the agent's /metrics through prometheus_client, read back with prometheus_client's own parser
 (what a Prometheus server does with it): the status values as gauges and counters, counters by reason, the
 histograms observed as rounds happen, nothing for values that do not exist yet."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from farloco.node.metrics import NodeMetrics
+from farloco.node.daemon.metrics import NodeMetrics
 
 
 def parsed(metrics: NodeMetrics) -> dict[str, Any]:

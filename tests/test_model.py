@@ -1,4 +1,4 @@
-"""Tests for farloco.node.model: shapes, causality, deterministic init, presets, training, HF names, FSDP2."""
+"""Tests for farloco.node.training.model: shapes, causality, deterministic init, presets, training, HF names, FSDP2."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from farloco.node.model import (
+from farloco.node.training.model import (
     MODEL_PRESETS,
     ModelConfig,
     Transformer,
@@ -112,7 +112,7 @@ def test_init_does_not_depend_on_cpu_kernels() -> None:
     # forces the portable ones, standing in for a machine without AVX. The parameters must not change.
     script = (
         "import hashlib, torch\n"
-        "from farloco.node.model import ModelConfig, build_model\n"
+        "from farloco.node.training.model import ModelConfig, build_model\n"
         f"model = build_model(ModelConfig(**{dataclasses.asdict(MICRO)!r}), seed=0)\n"
         "digest = hashlib.sha256()\n"
         "for name, param in model.named_parameters():\n"
@@ -316,7 +316,7 @@ def test_hf_export_reproduces_logits(tie: bool) -> None:
 def test_rotary_matches_complex_rotation() -> None:
     # rotate_half pairs dimension i with i + head_dim/2; as complex numbers (x_i + i*x_{i+d/2}) the
     # embedding must be a rotation by position * inv_freq_i. This is the layout HF's Llama expects.
-    from farloco.node.model import apply_rotary, rotary_tables
+    from farloco.node.training.model import apply_rotary, rotary_tables
 
     head_dim, seq_len = 8, 6
     cos, sin = rotary_tables(head_dim, seq_len, 10000.0)

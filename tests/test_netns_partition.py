@@ -16,8 +16,15 @@ from typing import Any
 
 import pytest
 
-from farloco.node.demo import PeerProcess, demo_config, read_events, start_bootstrap, start_peer, stop_process
-from farloco.node.netns import NamespaceWAN, unavailable
+from farloco.node.tools.demo import (
+    PeerProcess,
+    demo_config,
+    read_events,
+    start_bootstrap,
+    start_peer,
+    stop_process,
+)
+from farloco.node.tools.netns import NamespaceWAN, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht]
 
@@ -50,7 +57,7 @@ def _in_namespace(wan: NamespaceWAN, i: int, code: str, *args: str) -> str:
     return result.stdout
 
 
-STATUS = "import json, sys; from farloco.node.control import ControlClient; print(json.dumps(ControlClient(sys.argv[1]).status()))"
+STATUS = "import json, sys; from farloco.node.daemon.control import ControlClient; print(json.dumps(ControlClient(sys.argv[1]).status()))"
 METRICS = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 
 

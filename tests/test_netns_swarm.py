@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from farloco.node.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
-from farloco.node.netns import NamespaceWAN, unavailable
+from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.netns import NamespaceWAN, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from farloco.node.control import ControlClient, ControlError
-from farloco.node.demo import read_events, start_bootstrap, stop_process
+from farloco.node.daemon.control import ControlClient, ControlError
+from farloco.node.tools.demo import read_events, start_bootstrap, stop_process
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300)]
 
@@ -30,7 +30,7 @@ def start_node(
 ) -> subprocess.Popen[bytes]:
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
+        sys.executable, "-m", "farloco.node.tools.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
         "--log-format", "json", "--set", f"timeouts.leave_timeout={LEAVE_TIMEOUT}", *extra,
     ]  # fmt: skip
     if initial_peer:
@@ -191,7 +191,7 @@ def test_leaving_mid_exchange_is_bounded_by_leave_timeout(tmp_path: Path) -> Non
         time.sleep(1.0)
         started = time.monotonic()
         left = subprocess.run(
-            [sys.executable, "-m", "farloco.node.cli", "leave", "--run-dir", str(tmp_path / "a")],
+            [sys.executable, "-m", "farloco.node.tools.cli", "leave", "--run-dir", str(tmp_path / "a")],
             capture_output=True,
             text=True,
             timeout=LEAVE_TIMEOUT + 60,

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from farloco.node.control import ControlClient, ControlError
-from farloco.node.demo import read_events, stop_process
+from farloco.node.daemon.control import ControlClient, ControlError
+from farloco.node.tools.demo import read_events, stop_process
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300)]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "farloco.node.cli", *args],
+        [sys.executable, "-m", "farloco.node.tools.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -39,7 +39,7 @@ def _start(
     run_dir: Path, log_path: Path, *extra: str, stderr_path: Path | None = None
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "farloco.node.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
+        [sys.executable, "-m", "farloco.node.tools.cli", "join", "--run-dir", str(run_dir), "--host", "127.0.0.1",
          "--set", "run.inner_steps=4", *extra],
         stdout=open(log_path, "wb"),
         stderr=open(stderr_path, "wb") if stderr_path else subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""The agent's round arithmetic (farloco.node.outer): the buffer-reusing path gives the same bits as the plain
+"""The agent's round arithmetic (farloco.node.daemon.outer): the buffer-reusing path gives the same bits as the plain
 strategy API, the chunked passes the same bits as whole-vector ones, and bad input from the ranks is named."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from farloco.node.outer import OuterError, OuterRound, theta_hash
+from farloco.node.daemon.outer import OuterError, OuterRound, theta_hash
 from farloco.optim import get_codec, make_strategy
 from farloco.optim.strategies import CHUNK, StrategyError, _nesterov_step
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from slurm_cluster import SlurmCluster, unavailable  # tests/slurm_cluster.py
 
-from farloco.node.demo import read_events
+from farloco.node.tools.demo import read_events
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300)]
 
@@ -179,7 +179,7 @@ def test_the_sbatch_runs_leaves_and_resumes_on_a_real_slurm_cluster(
 def test_a_node_that_cannot_reach_the_bootstrap_says_where_it_looked(tmp_path: Path) -> None:
     bootstrap = f"/ip4/127.0.0.1/tcp/{free_block(1)}/p2p/QmXDUvdV8QV1N7tWhxGtiJ2yvQ6WqKWBSJwZfPq3XrCeU2"
     result = subprocess.run(
-        [sys.executable, "-m", "farloco.node.cli", "join", "--config", str(run_config(tmp_path / "c.toml")),
+        [sys.executable, "-m", "farloco.node.tools.cli", "join", "--config", str(run_config(tmp_path / "c.toml")),
          "--run-dir", str(tmp_path / "node"), "--host", "127.0.0.1", "--port", "0", "--dht-port", "0",
          "--initial-peer", bootstrap, "--log-format", "text"],
         capture_output=True, text=True, timeout=120,

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from farloco.node.agent import Agent, build_outer, overlap_steps, theta_hash
 from farloco.node.checkpoint import checkpoint_name, checkpoints_dir, load_checkpoint, save_checkpoint
 from farloco.node.config import Config, ConfigError, build_config, load_config
-from farloco.node.control import ControlClient
-from farloco.node.demo import (
+from farloco.node.daemon.agent import Agent, build_outer, overlap_steps, theta_hash
+from farloco.node.daemon.control import ControlClient
+from farloco.node.tools.demo import (
     PeerProcess,
     demo_config,
     demo_rounds,
@@ -208,7 +208,7 @@ def committed_states(peers: list[PeerProcess]) -> dict[int, dict[str, torch.Tens
     """The outer state after each committed round, from the peers' per-round checkpoints (they agree, so any
     peer's will do), plus round 0: theta_0 from the seed."""
     from farloco.node.handoff import flatten, layout_of
-    from farloco.node.model import build_model, model_config
+    from farloco.node.training.model import build_model, model_config
 
     model = build_model(model_config("tiny"), seed=0)
     states: dict[int, dict[str, torch.Tensor]] = {0: {"theta": flatten(model, layout_of(model))}}
@@ -366,7 +366,7 @@ def test_farloco_demo_command_runs_every_strategy(
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "farloco.node.cli", "demo", "--peers", "2", "--strategy", strategy]
+    command = [sys.executable, "-m", "farloco.node.tools.cli", "demo", "--peers", "2", "--strategy", strategy]
     command += ["--codec", codec] if codec else []
     command += ["--rounds", rounds] if rounds else []
     command += ["--work-dir", str(tmp_path)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from farloco.node.demo import (
+from farloco.node.tools.demo import (
     PeerProcess,
     demo_config,
     read_events,
@@ -108,7 +108,16 @@ def test_peer_leaves_mid_run_others_keep_training(swarm: Swarm) -> None:
         lambda: all(len(rounds_of(p)) >= 2 for p in (a, b, c)), 240, "3 peers to commit 2 rounds", [a, b, c]
     )
     left = subprocess.run(
-        [sys.executable, "-m", "farloco.node.cli", "leave", "--run-dir", str(c.run_dir), "--timeout", "120"],
+        [
+            sys.executable,
+            "-m",
+            "farloco.node.tools.cli",
+            "leave",
+            "--run-dir",
+            str(c.run_dir),
+            "--timeout",
+            "120",
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -212,7 +221,7 @@ def test_survivors_go_on_after_a_member_is_sigkilled(swarm: Swarm) -> None:
         e for p in (a, b) for e in read_events(p.run_dir) if e["event"] == "left_out" and e["by"] == "leader"
     ]
     assert any(e["peer"] == c_id and e["reason"] in ("not_ready", "unreachable") for e in named), named
-    from farloco.node.control import ControlClient
+    from farloco.node.daemon.control import ControlClient
 
     shares = {m["peer_id"]: m["share"] for m in ControlClient(a.run_dir).peers()}
     assert shares[b_id] is not None and shares[b_id] >= 0.5, shares  # b was in most of a's recent rounds
@@ -345,7 +354,7 @@ def test_a_node_whose_only_peer_vanished_is_isolated_then_follows_min_peers(
     """SIGKILL one of two nodes: the survivor's peer vanished without leaving, so it is isolated (status, metric,
     event), commits no round alone and waits timeouts.isolation_timeout; then min_peers=1 goes on alone
     (`continuing_alone`) and min_peers=2 exits with an error naming the isolation."""
-    from farloco.node.control import ControlClient
+    from farloco.node.daemon.control import ControlClient
 
     made = Swarm(
         tmp_path,

@@ -111,7 +111,7 @@ def join(
             config.network, initial_peers=[*config.network.initial_peers, *initial_peers]
         )
         config = dataclasses.replace(config, network=network)
-    from farloco.node.agent import Agent
+    from farloco.node.daemon.agent import Agent
 
     try:
         agent = Agent(config, run_dir)
@@ -148,7 +148,7 @@ def bootstrap(
     import signal
     import threading
 
-    from farloco.node.dhtnode import make_dht, stop_dht
+    from farloco.node.daemon.dhtnode import make_dht, stop_dht
     from farloco.node.logs import setup_logging
 
     setup_logging(None)  # text on a terminal, JSON lines otherwise (journald, docker logs, Slurm output)
@@ -176,7 +176,7 @@ def bootstrap(
 
 # ---- steering a running node ------------------------------------------------------------------------------------
 def _client(run_dir: Path) -> Any:
-    from farloco.node.control import ControlClient, ControlError
+    from farloco.node.daemon.control import ControlClient, ControlError
 
     try:
         return ControlClient(run_dir)
@@ -204,7 +204,7 @@ def drain(run_dir: Path, timeout: float) -> None:
 
 
 def _leave(run_dir: Path, mode: str, timeout: float) -> None:
-    from farloco.node.control import ControlError
+    from farloco.node.daemon.control import ControlError
 
     client = _client(run_dir)
     try:
@@ -221,7 +221,7 @@ def _leave(run_dir: Path, mode: str, timeout: float) -> None:
 
 def _ask(run_dir: Path, what: str) -> Any:
     """GET `status` or `peers` from the node of `run_dir`; a node that does not answer is a clean CLI error."""
-    from farloco.node.control import ControlError
+    from farloco.node.daemon.control import ControlError
 
     try:
         return getattr(_client(run_dir), what)()
@@ -343,9 +343,9 @@ def config_example(preset: str) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     """Validate a config file; prints its run_hash."""
-    from farloco.node.agent import build_outer
     from farloco.node.config import run_hash
-    from farloco.node.model import build_model, model_config, num_parameters
+    from farloco.node.daemon.agent import build_outer
+    from farloco.node.training.model import build_model, model_config, num_parameters
 
     try:
         cfg = load_config(path, overrides)
@@ -394,7 +394,7 @@ def data() -> None:
 @click.option("--val-fraction", type=float, default=0.05, show_default=True)
 def data_prepare(inputs: tuple[Path, ...], out_dir: Path, tokenizer: str, val_fraction: float) -> None:
     """Tokenize .txt / .jsonl files (or directories of them) into shards for `run.dataset`."""
-    from farloco.node.data import prepare_dataset
+    from farloco.node.training.data import prepare_dataset
 
     files: list[Path] = []
     for item in inputs:
@@ -422,7 +422,7 @@ def data_prepare(inputs: tuple[Path, ...], out_dir: Path, tokenizer: str, val_fr
 )
 def export(run_dir: Path, out_dir: Path) -> None:
     """Write a run's newest checkpoint as a Hugging Face Llama model folder."""
-    from farloco.node.export import ExportError, export_run
+    from farloco.node.tools.export import ExportError, export_run
 
     try:
         path = export_run(run_dir, out_dir, progress=True)
@@ -449,7 +449,7 @@ def export(run_dir: Path, out_dir: Path) -> None:
 )
 def report(run_dirs: tuple[Path, ...], out_dir: Path | None) -> None:
     """Plot loss, bytes sent vs. data-parallel, round time and peers per round from the nodes' event logs."""
-    from farloco.node.report import ReportError, make_report
+    from farloco.node.tools.report import ReportError, make_report
 
     try:
         paths = make_report(list(run_dirs), out_dir or run_dirs[0] / "report")
@@ -494,7 +494,7 @@ def demo(
     overrides: tuple[str, ...],
 ) -> None:
     """Train the tiny model with N local peers on loopback, then print what happened."""
-    from farloco.node.demo import run_demo
+    from farloco.node.tools.demo import run_demo
 
     extra = list(overrides)
     if strategy:

@@ -40,7 +40,13 @@ from farloco.node.checkpoint import (
 from farloco.node.config import ConfigError, load_config, run_hash
 from farloco.node.fsutil import fsync_dir
 from farloco.node.handoff import layout_of, unflatten
-from farloco.node.model import ModelConfig, Transformer, export_hf_config, hf_state_dict_names, model_config
+from farloco.node.training.model import (
+    ModelConfig,
+    Transformer,
+    export_hf_config,
+    hf_state_dict_names,
+    model_config,
+)
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

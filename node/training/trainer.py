@@ -11,7 +11,7 @@ shards it with FSDP2 (`fully_shard` per transformer block, then the root) on a 1
 The inner optimizer state stays local across rounds, as in DiLoCo. Between sequences the ranks save it (with the
 model shards) into a checkpoint's inner/ folder, or load it back on resume, when the agent asks through the
 hand-off (`serve_inner_request`). A rank group restarted by the launcher starts with fresh AdamW state from the
-theta the agent last published. Run as `python -m farloco.node.trainer --handoff ... --run-dir ...`.
+theta the agent last published. Run as `python -m farloco.node.training.trainer --handoff ... --run-dir ...`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 
 from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
 from farloco.node.config import Config, load_config
-from farloco.node.data import BatchSampler, eval_batches, open_dataset
 from farloco.node.handoff import (
     COMMAND_STOP,
     INNER_FAILED,
@@ -43,7 +42,8 @@ from farloco.node.handoff import (
     ParamSlot,
     layout_of,
 )
-from farloco.node.model import Transformer, build_model, lm_loss, model_config
+from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
+from farloco.node.training.model import Transformer, build_model, lm_loss, model_config
 
 POLL_SECONDS = 0.002
 

@@ -111,7 +111,7 @@ def start_bootstrap(
             *prefix,
             sys.executable,
             "-m",
-            "farloco.node.cli",
+            "farloco.node.tools.cli",
             "bootstrap",
             "--host",
             host,
@@ -150,7 +150,7 @@ def start_peer(
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     command = [
         *prefix,
-        sys.executable, "-m", "farloco.node.cli", "join",
+        sys.executable, "-m", "farloco.node.tools.cli", "join",
         "--config", str(config_path),
         "--run-dir", str(run_dir),
         "--initial-peer", maddr,
@@ -250,8 +250,8 @@ def run_demo(
 
 def _check_outer(config_text: str) -> None:
     """Refuse a strategy/codec the daemon would refuse, before starting any process (ConfigError)."""
-    from farloco.node.agent import build_outer
-    from farloco.node.model import build_model, model_config, num_parameters
+    from farloco.node.daemon.agent import build_outer
+    from farloco.node.training.model import build_model, model_config, num_parameters
 
     config = build_config(tomllib.loads(config_text))
     build_outer(config, num_parameters(build_model(model_config(config.run.model), seed=config.run.seed)))

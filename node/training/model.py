@@ -296,7 +296,7 @@ def build_model(config: ModelConfig, seed: int) -> Transformer:
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross entropy. ``targets[b, t]`` is the token that follows ``inputs[b, t]`` (the
-    samplers in farloco.node.data already shift), so logits [B, T, V] and targets [B, T] line up."""
+    samplers in farloco.node.training.data already shift), so logits [B, T, V] and targets [B, T] line up."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(
             f"lm_loss: expected logits [B, T, V] and targets [B, T], "

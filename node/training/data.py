@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from farloco.node.fsutil import fsync_dir
-from farloco.node.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from farloco.node.training.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 MANIFEST_NAME = "dataset.json"
 FORMAT_NAME = "farloco-tokens"

@@ -1,6 +1,6 @@
 """Tokenizers for farloco's data pipeline: the offline byte tokenizer and Hugging Face tokenizer.json files.
 
-This file owns the ``Tokenizer`` protocol that ``farloco.node.data`` writes shards with, and the two
+This file owns the ``Tokenizer`` protocol that ``farloco.node.training.data`` writes shards with, and the two
 implementations:
 - ``ByteTokenizer``: token id = UTF-8 byte value, vocab 256, no download, no dependency. Documents are separated
   by byte 0 (NUL) rather than an extra id 256, so the vocabulary stays exactly 256 (the "tiny"/"small" model

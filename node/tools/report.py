@@ -1,6 +1,6 @@
 """`farloco report`: PNG plots of what one or more nodes did, read from their event logs.
 
-Owns the reading of `<run_dir>/logs/agent.jsonl` (the `EventLog` of `farloco.node.agent`) for reporting and the
+Owns the reading of `<run_dir>/logs/agent.jsonl` (the `EventLog` of `farloco.node.daemon.agent`) for reporting and the
 plots drawn from its `round` events: loss per round (train and eval), cumulative bytes sent against what plain
 data-parallel training would have sent (log scale), round time, and peers per round. Several run directories
 (one per peer) are overlaid on the same axes.

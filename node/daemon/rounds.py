@@ -1,0 +1,417 @@
+"""The outer rounds: the synchronous loop and the overlapped one (run.outer_update delayed/eager), and one
+round (`_round`): hand-off, matchmaking, hash check, exchange, commit. What the round does after each phase
+is decided by node/daemon/rules.py (a pure function of the round's facts); this module does the I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from farloco.node.daemon.core import (
+    AgentError,
+    Prepared,
+    Status,
+    _dht_now,
+    ddp_bytes_per_round,
+    log,
+)
+from farloco.node.daemon.outer import OuterError
+from farloco.node.daemon.rules import Action, Decision, RoundFacts, decide
+from farloco.node.daemon.swarm import SwarmAgent
+from farloco.protocol import shares
+from farloco.protocol.shares import left_out_reason
+from farloco.protocol.tasks import cancel_and_wait
+
+
+class RoundAgent(SwarmAgent):
+    """The round loop and one round."""
+
+    async def _round_loop(self) -> None:
+        run = self.config.run
+        # What the ranks load at their next sequence: theta_outer, the merged local weights after a committed
+        # round (streaming-diloco keeps the other fragments' local progress), or None: keep their weights.
+        load: torch.Tensor | None = self.theta
+        # Inner steps of this round the ranks already ran while the last exchange was in flight.
+        steps_done = 0
+        while True:
+            if run.max_rounds and self.round_id >= run.max_rounds:
+                self.events.write("finished", round_id=self.round_id)
+                return
+            if self.leave_mode is not None:
+                return
+            # The members wait for us in this round from now on (our record says so a heartbeat later).
+            self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
+            seq = self._publish_work(
+                load,
+                round_id=self.round_id,
+                step_base=self.round_id * run.inner_steps + steps_done,
+                inner_steps=run.inner_steps - steps_done,
+            )
+            self.status = Status.TRAINING
+            if not await self._wait_ranks(seq):
+                self.events.write("withdrew", round_id=self.round_id)
+                return
+            self._overlap_seq = None
+            reload = await self._unless_leaving_now(self._round(seq))
+            if reload is None:
+                self.events.write("withdrew", round_id=self.round_id, mode="now")
+                return
+            steps_done = 0
+            if self._overlap_seq is not None:
+                # The merge must land on the weights the ranks reached after their tau overlapped steps.
+                if not await self._wait_ranks(self._overlap_seq):
+                    self.events.write("withdrew", round_id=self.round_id)
+                    return
+                steps_done = self._overlap_steps
+            if reload and self._merge_pending:
+                load = self.outer.merged(self.handoff.local, self.handoff.theta)
+            elif reload:  # state sync: start the round afresh from the swarm's theta_outer
+                load, steps_done = self.theta, 0
+            else:
+                load = None
+            self._merge_pending = False
+            if self.leave_mode == "drain":
+                return
+
+    async def _overlapped_loop(self) -> None:
+        """run.outer_update = delayed | eager (Kale et al. 2025): the ranks never wait for the exchange.
+
+        When the ranks end sequence s, the round in flight (s-1) is awaited, usually long done, committing its
+        mean on theta_outer; the contribution of sequence s is measured from where the ranks started it (the
+        hand-off's theta); the ranks start sequence s+1 at once from theta_outer (delayed), or from theta_outer
+        with this node's fresh contribution previewed in place of its stale one (eager,
+        `OuterRound.eager_start`); and round s is exchanged while they train. theta_outer, the hashes, the
+        commits, state sync and catch-up are those of the synchronous loop: every peer holds the same
+        theta_outer, one round behind what its ranks train on. The ranks wait only when a round takes longer than
+        their inner steps, and after the last round (run.max_rounds)."""
+        run = self.config.run
+        pending: asyncio.Task[bool] | None = None
+        # eager: what the swarm saw of our contribution to the round just applied
+        stale: torch.Tensor | None = None
+        # The members wait for us in a round from its announcement: here for the first, then as soon as the
+        # round before it closed (`_round_in_flight`), while our ranks already work on it.
+        self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
+        started_from = self.outer_hash
+        # Where the ranks' current sequence started, kept by us: the hand-off's theta gets the next start at the
+        # hand-off, before the contribution of the sequence just ended is made (off the ranks' path).
+        reference = self.outer.reference(self.theta)
+        seq = self._publish_work(
+            self.theta,
+            round_id=self.round_id,
+            step_base=self.round_id * run.inner_steps,
+            inner_steps=run.inner_steps,
+        )
+        self.status = Status.TRAINING
+        try:
+            while True:
+                ranks_done = await self._wait_ranks(seq)
+                if pending is not None:
+                    committed = self.counters.rounds_committed
+                    # A graceful leave lets the round in flight end (bounded by the leave's grace).
+                    outcome = await self._unless_leaving_now(pending)
+                    pending = None
+                    if outcome is None:
+                        self.events.write("withdrew", round_id=self.round_id, mode="now")
+                        return
+                    if self.counters.rounds_committed == committed:
+                        stale = None  # the round did not commit with our contribution in its mean
+                if not ranks_done:
+                    self.events.write("withdrew", round_id=self.round_id)
+                    return
+                if run.max_rounds and self.round_id >= run.max_rounds:
+                    self.events.write("finished", round_id=self.round_id)
+                    return
+                if self.leave_mode is not None:
+                    return
+                last = bool(run.max_rounds) and self.round_id + 1 >= run.max_rounds
+                trained_from, started_from = started_from, self.outer_hash
+                self._read_reports(seq)  # before the next sequence's first eval overwrites them
+                # The ranks' weights stay put in the hand-off until their next sequence ends: read in place.
+                prepared: Prepared | None = None
+                if last:
+                    prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
+                    prepared.trained_from = trained_from
+                    outcome = await self._unless_leaving_now(self._round(seq, prepared))
+                    if outcome is None:
+                        self.events.write("withdrew", round_id=self.round_id, mode="now")
+                        return
+                    continue
+                start = self.theta
+                if run.outer_update == "eager":
+                    # The preview needs this round's contribution: made before the ranks go on.
+                    prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
+                    group = self.counters.last_contributors or len(self._live_ids()) + 1
+                    stale = self.outer.eager_start(self.handoff.theta, prepared.contribution, stale, group)
+                    start = self.handoff.theta
+                round_seq = seq
+                seq = self._publish_work(
+                    start,
+                    round_id=self.round_id + 1,
+                    step_base=(self.round_id + 1) * run.inner_steps,
+                    inner_steps=run.inner_steps,
+                )
+                # The ranks train on from here; the rest of the hand-off is off their path.
+                if prepared is None:
+                    prepared = self._prepare_round(round_seq, copy=False, reference=reference, reports=False)
+                prepared.trained_from = trained_from
+                reference.copy_(self.handoff.theta)  # the start of the sequence just published
+                pending = asyncio.create_task(
+                    self._round_in_flight(round_seq, prepared), name="farloco-round"
+                )
+        finally:
+            if pending is not None:
+                await cancel_and_wait(pending)
+
+    async def _round_in_flight(self, seq: int, prepared: Prepared) -> bool:
+        """`_round` while the ranks train on: once it closed (committed, aborted, caught up), the next round's
+        work is already under way, so it is announced at once, and the node's status says it trains."""
+        try:
+            return await self._round(seq, prepared)
+        finally:
+            if self.status in (Status.EXCHANGING, Status.SYNCING, Status.ISOLATED):
+                self.status = Status.TRAINING
+            if self.leave_mode is None:
+                self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
+
+    async def _unless_leaving_now(self, work: Awaitable[bool]) -> bool | None:
+        """Run one round's exchange; `leave --now` abandons it (None): the others drop us from the exchange."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                if self.leave_mode == "now":
+                    await cancel_and_wait(task)
+                    return None
+                await asyncio.wait({task}, timeout=0.05)
+            return task.result()
+        finally:
+            if not task.done():  # we were cancelled ourselves (a bounded leave): the round goes with us
+                await cancel_and_wait(task)
+
+    def _read_reports(self, seq: int) -> None:
+        """The ranks' train loss of sequence `seq` and the held-out loss of the theta it started from."""
+        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
+        self.train_loss = sum(r.train_loss for r in reports) / len(reports)
+        step_seconds = max(r.step_seconds for r in reports)
+        if step_seconds > 0:
+            self.metrics.inner_step_duration.observe(step_seconds)
+        evals = [r.eval_loss for r in reports if r.eval_seq == seq]
+        if evals:
+            self.eval_loss = evals[0]
+
+    def _prepare_round(
+        self, seq: int, *, copy: bool, reference: torch.Tensor | None = None, reports: bool = True
+    ) -> Prepared:
+        """Read sequence `seq`'s reports (unless read already) and the ranks' weights (a copy when they train
+        on meanwhile and would overwrite them) and make the round's contribution, measured from `reference`
+        (default: theta_outer)."""
+        if reports:
+            self._read_reports(seq)
+        theta_local = self.outer.read_local(self.handoff.local, copy=copy)
+        try:
+            contribution = self.outer.contribution(theta_local, reference)
+        except OuterError as exc:
+            raise AgentError(f"round {self.round_id}: {exc}") from None
+        return Prepared(theta_local, contribution, fixed_reference=reference is not None)
+
+    async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
+        """Exchange and apply round `self.round_id` (its contribution `prepared` already, when the ranks train on
+        meanwhile). Returns whether the ranks must reload theta."""
+        from farloco.protocol.exchange import ExchangeAborted
+        from farloco.protocol.matchmaking import LateForRound, MatchmakingError
+        from farloco.protocol.statesync import StateSyncError
+        from farloco.protocol.types import GroupMember
+
+        run, timeouts = self.config.run, self.config.timeouts
+        started = time.monotonic()
+        overlap = (
+            prepared is None
+            and bool(self._overlap_steps)
+            and not (run.max_rounds and self.round_id + 1 >= run.max_rounds)
+        )
+        if prepared is None:
+            # While the ranks wait for us their weights stay put and are read in place; when they train on
+            # during the exchange (overlap) we read a copy, taken before they can overwrite it.
+            prepared = self._prepare_round(seq, copy=overlap)
+        theta_local, contribution = prepared.theta_local, prepared.contribution
+        if overlap:
+            # streaming-diloco: the ranks run the next round's first tau inner steps while we exchange (their
+            # reports and weights for this round were read above, before they can overwrite them).
+            self._overlap_seq = self._publish_work(
+                None,
+                round_id=self.round_id + 1,
+                step_base=(self.round_id + 1) * run.inner_steps,
+                inner_steps=self._overlap_steps,
+            )
+        self.status = Status.EXCHANGING
+        # No member-record store here: our record moved to this round when its work started (what the early
+        # freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links.
+        isolated = await self._ride_out_isolation()
+        if isolated is not None:
+            self._left_out(shares.ISOLATED)
+            return isolated
+        me = GroupMember(self.peer_id, self.grpc_address)
+        facts = RoundFacts(self.round_id, run.min_peers, fixed_reference=prepared.fixed_reference)
+        group = None
+        try:
+            group = await self.matchmaker.form_group(
+                self.round_id,
+                me,
+                match_timeout=timeouts.match_timeout,
+                leader_timeout=timeouts.leader_timeout,
+                match_timeout_min=timeouts.match_timeout_min,
+            )
+            facts = replace(facts, matchmaking="grouped", group_size=len(group.members))
+        except MatchmakingError as exc:
+            self.events.write("matchmaking_failed", round_id=self.round_id, error=str(exc))
+            facts = replace(facts, matchmaking="failed")
+        except LateForRound as exc:
+            self.counters.rounds_late += 1
+            self.events.write(
+                "late", round_id=self.round_id, reason=exc.reason, group_formed=exc.group_formed
+            )
+            facts = replace(facts, matchmaking="late", group_formed=exc.group_formed)
+        decision = decide(facts)
+        if decision.action is not Action.GO_ON:
+            return await self._close(decision)
+        assert group is not None
+        try:
+            resynced = await self._check_hashes(group)
+            facts = replace(facts, fork="healed" if resynced else "none")
+        except StateSyncError as exc:
+            facts = replace(facts, fork="unhealed", fork_error=str(exc))
+        decision = decide(facts)
+        if decision.action is not Action.GO_ON:
+            return await self._close(decision)
+        if decision.redo_contribution:
+            # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
+            try:
+                contribution = self.outer.contribution(theta_local)
+            except OuterError as exc:
+                raise AgentError(f"round {self.round_id}: {exc}") from None
+        contributors: tuple[str, ...] = ()
+        try:
+            if len(group.members) == 1:
+                transmitted, averaged = self.outer.alone(contribution)
+                sent, received, fp32_bytes = 0, 0, 0
+                contributors = (self.peer_id,)
+            else:
+                # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
+                mean_out, sent_out = self.outer.exchange_buffers(contribution.numel())
+                exchange_started = time.monotonic()
+                result = await self.exchange.average(
+                    group,
+                    contribution,
+                    self.codec,
+                    timeout=timeouts.exchange_timeout,
+                    out=mean_out,
+                    transmitted_out=sent_out,
+                )
+                self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
+                transmitted, averaged = result.transmitted, result.averaged
+                contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received
+                fp32_bytes = result.fp32_bytes
+            facts = replace(facts, exchange="done", contributors=len(contributors))
+        except ExchangeAborted as exc:
+            # What crossed the wire before the abort counts too (and its fp32 equivalent).
+            self._count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
+            facts = replace(facts, exchange="aborted", exchange_error=str(exc))
+        else:
+            # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every
+            # attempt: a dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
+            self._count_bytes(sent, received, fp32_bytes)
+        decision = decide(facts)
+        if decision.action is not Action.COMMIT:
+            return await self._close(decision)
+        self._account_round(group, contributors)
+        self.counters.last_contributors = len(contributors)
+        fragment = getattr(self.strategy, "current_fragment", None)
+        synced = fragment() if fragment is not None else slice(0, self.num_params)
+        self.outer_hash = self.outer.commit(contribution, transmitted, averaged)
+        self._merge_pending = True
+        self.round_id += 1
+        self._snapshot = None
+        self._inject_faults()
+        every = self.config.checkpoint.every_rounds
+        if every and self.round_id % every == 0:
+            if self._checkpoint_task is not None:
+                await self._checkpoint_task  # one at a time, in round order (and its prune before staging)
+            staged, inner_seq = self._stage_inner()
+            # The copies donors would be served: later rounds never touch them while the write goes on.
+            _, tensors = self._state_snapshot()
+            self._checkpoint_task = asyncio.create_task(self._checkpoint(tensors, staged, inner_seq))
+        ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
+        self.counters.ddp_bytes += ddp
+        self.counters.rounds_committed += 1
+        self.counters.last_round_seconds = time.monotonic() - started
+        self.metrics.round_duration.observe(self.counters.last_round_seconds)
+        self.events.write(
+            "round",
+            round_id=self.round_id,
+            group_id=group.group_id,
+            group=[m.peer_id for m in group.members],
+            contributors=list(contributors),
+            train_loss=self.train_loss,
+            eval_loss=self.eval_loss,
+            outer_hash=self.outer_hash,
+            bytes_sent=sent,
+            bytes_received=received,
+            ddp_bytes=ddp,
+            synced=[synced.start, synced.stop],
+            overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
+            fp32_bytes=fp32_bytes,
+            seconds=self.counters.last_round_seconds,
+            ranks_idle_seconds=self.counters.ranks_idle_seconds,
+            trained_from=prepared.trained_from,
+        )
+        # Our record moves to the next round in the background: the round's path holds no DHT store (the next
+        # round's MatchAt tells the members at once; the heartbeat retries a store that fails).
+        if self._record_task is None or self._record_task.done():
+            self._record_task = asyncio.create_task(self._publish(), name="farloco-record")
+        return True
+
+    def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
+        """A committed round: record who took part; as its leader, name each live member left out and why."""
+        now = _dht_now()
+        live = {m.peer_id: m for m in self.membership.core.live(now)}
+        self.shares.record([*live, self.peer_id], contributors)
+        if self.matchmaker.last_leader != self.peer_id:
+            return
+        in_group = {m.peer_id for m in group.members}
+        for peer_id, record in sorted(live.items()):
+            if peer_id in contributors or peer_id == self.peer_id:
+                continue
+            reason = left_out_reason(
+                record.state,
+                self.matchmaker.round_of(record, now),
+                self.round_id,
+                in_group=peer_id in in_group,
+            )
+            self.shares.peers_left_out[reason] += 1
+            self.events.write("left_out", round_id=self.round_id, peer=peer_id, reason=reason, by="leader")
+            log.info("round %d: %s left out (%s)", self.round_id, peer_id, reason)
+
+    async def _close(self, decision: Decision) -> bool:
+        """Enact a round's decision other than committing (node/daemon/rules.py); returns `_round`'s value."""
+        if decision.left_out is not None:
+            self._left_out(decision.left_out)
+        if decision.action is Action.ABORT:
+            return self._abort(decision.reason, decision.num_peers)
+        self.outer.rollback()  # the residual is not eaten
+        if decision.action is Action.CATCH_UP:
+            assert decision.target_round is not None
+            return await self._catch_up(decision.target_round, decision.reason)
+        if decision.action is Action.ADVANCE:
+            return self._advance_without_update(decision.reason)
+        raise AssertionError(f"_close: {decision.action} is not a way to close a round")
+
+    def _abort(self, reason: str, num_peers: int) -> bool:
+        self.counters.rounds_aborted += 1
+        self.events.write("aborted", round_id=self.round_id, reason=reason, num_peers=num_peers)
+        log.warning("round %d aborted: %s", self.round_id, reason)
+        self.outer.rollback()  # the residual is not eaten
+        return self._advance_without_update(reason)

@@ -1,0 +1,183 @@
+"""The outer state at rest: the snapshot donors serve, installing a fetched one, checkpoints with the ranks'
+inner state, and resuming from the newest checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from farloco.node.config import diff_run, run_section
+from farloco.node.daemon.core import (
+    AgentError,
+    log,
+)
+from farloco.node.daemon.outer import theta_hash
+from farloco.node.daemon.ranks import RanksAgent
+
+
+class SnapshotAgent(RanksAgent):
+    """Snapshots, checkpoints and resume."""
+
+    def _state_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The committed state as donors serve it: copies, made on the first request for this state (on the
+        event loop, between rounds, so never half-way through a commit) and kept until the state changes. A
+        node no joiner asks costs no copy per round."""
+        if self._snapshot is None or self._snapshot[0]["round_id"] != self.round_id:
+            meta = {
+                "round_id": self.round_id,
+                "run_hash": self.run_hash,
+                "outer_hash": self.outer_hash,
+                "run_config": run_section(self.config),
+            }
+            self._snapshot = (meta, self.outer.snapshot())
+        return self._snapshot
+
+    def _install_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if meta.get("run_hash") != self.run_hash:
+            theirs = meta.get("run_config", {})
+            raise AgentError(
+                "donor serves another run: " + "; ".join(diff_run(run_section(self.config), theirs) or ["?"])
+            )
+        theta = tensors.get("theta")
+        if theta is None or theta.shape != self.theta.shape or theta.dtype != torch.float32:
+            got = None if theta is None else f"{theta.dtype}{list(theta.shape)}"
+            raise AgentError(f"donor state: expected theta float32[{self.num_params}], got {got}")
+        self.theta.copy_(theta)
+        self.strategy.load_state_dict(
+            {k.removeprefix("strategy."): v for k, v in tensors.items() if k.startswith("strategy.")}
+        )
+        self.round_id = int(meta["round_id"])
+        self.outer_hash = theta_hash(self.theta)
+        self._snapshot = None
+
+    def _stage_inner(self) -> tuple[Path | None, int]:
+        """Stage this round's checkpoint directory and ask the ranks to save their inner state into its inner/;
+        they do it at their next sequence boundary. Returns (staged directory, request seq), or (None, 0)."""
+        from farloco.node.checkpoint import INNER_DIR, CheckpointError, checkpoints_dir, stage_checkpoint
+        from farloco.node.handoff import INNER_SAVE
+
+        try:
+            staged = stage_checkpoint(checkpoints_dir(self.run_dir), self.round_id)
+        except (CheckpointError, OSError) as exc:
+            log.error("cannot stage the checkpoint of round %d: %s", self.round_id, exc)
+            return None, 0
+        return staged, self.handoff.request_inner(INNER_SAVE, staged / INNER_DIR)
+
+    async def _wait_inner(self, seq: int) -> dict[str, Any] | None:
+        """Wait for every rank to serve inner-state request `seq`: its outcome, or None if the ranks are gone."""
+        from farloco.node.handoff import INNER_FAILED, INNER_FRESH, INNER_OK
+
+        while not self.handoff.inner_all_done(seq):
+            if self._trainers_exited.is_set():
+                return None
+            await asyncio.sleep(0.05)
+        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
+        names = {INNER_OK: "ok", INNER_FRESH: "fresh", INNER_FAILED: "failed"}
+        return {
+            "result": names.get(max(r.inner_result for r in reports), "?"),
+            "optimizer_step": reports[0].optimizer_step,
+            "optimizer_fingerprint": reports[0].optimizer_fingerprint,
+        }
+
+    def _request_inner_load(self) -> None:
+        """Resumed from a checkpoint with inner state: the ranks load it before their first sequence."""
+        from farloco.node.handoff import INNER_LOAD
+
+        if self._inner_resume is None:
+            return
+        seq = self.handoff.request_inner(INNER_LOAD, self._inner_resume)
+        self._inner_load_task = asyncio.create_task(self._report_inner_load(seq, self._inner_resume))
+
+    async def _report_inner_load(self, seq: int, directory: Path) -> None:
+        outcome = await self._wait_inner(seq)
+        if outcome is None:
+            return
+        if outcome["result"] != "ok":
+            log.warning("the ranks could not load %s: they start with a fresh optimizer state", directory)
+        self.events.write("inner_resumed", path=str(directory), **outcome)
+
+    async def _checkpoint(
+        self, tensors: dict[str, torch.Tensor], staged: Path | None = None, inner_seq: int = 0
+    ) -> None:
+        """Write the committed outer state `tensors` (the snapshot donors serve, taken at commit) off the event
+        loop, then prune. With `staged`, first wait for the ranks to write their inner state into it (request
+        `inner_seq`)."""
+        import shutil
+
+        from farloco.node.checkpoint import (
+            INNER_DIR,
+            CheckpointError,
+            checkpoints_dir,
+            prune_checkpoints,
+            save_checkpoint,
+        )
+
+        round_id = self.round_id
+        waited = time.monotonic()
+        inner = await self._wait_inner(inner_seq) if staged is not None else None
+        if inner is not None:
+            inner["seconds"] = time.monotonic() - waited  # the ranks' save, from request (commit) to done
+        if staged is not None and (inner is None or inner["result"] != "ok"):
+            # Never commit a partial inner/: the checkpoint holds the outer state alone, resuming uses fresh AdamW.
+            if inner is None and self.leave_mode not in (None, "drain"):
+                log.info(
+                    "round %d's checkpoint holds the outer state only: the ranks stopped for the leave",
+                    round_id,
+                )
+            else:
+                log.error("the ranks did not save their inner state for round %d (%s)", round_id, inner)
+            await asyncio.to_thread(shutil.rmtree, staged / INNER_DIR, True)
+        meta = {
+            "run_hash": self.run_hash,
+            "inner_step": str(round_id * self.config.run.inner_steps),
+            "run_name": self.config.run.name,
+        }
+        root = checkpoints_dir(self.run_dir)
+        started = time.monotonic()
+        try:
+            path = await asyncio.to_thread(save_checkpoint, root, round_id, tensors, meta, staged=staged)
+            removed = await asyncio.to_thread(prune_checkpoints, root, self.config.checkpoint.keep)
+        except (CheckpointError, OSError) as exc:  # a full disk must not stop training
+            log.error("checkpoint of round %d failed: %s", round_id, exc)
+            self.events.write("checkpoint_failed", round_id=round_id, error=str(exc))
+            return
+        self.last_checkpoint = str(path)
+        self.events.write(
+            "checkpoint",
+            round_id=round_id,
+            path=str(path),
+            seconds=time.monotonic() - started,
+            pruned=len(removed),
+            inner=inner,
+        )
+
+    def _resume_from_checkpoint(self) -> None:
+        """No peer is ahead: continue from this run directory's newest loadable checkpoint, if any."""
+        from farloco.node.checkpoint import (
+            CheckpointError,
+            checkpoints_dir,
+            latest_checkpoint,
+            load_checkpoint,
+            verify_inner,
+        )
+
+        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        if path is None:
+            return
+        meta, tensors = load_checkpoint(path)
+        if meta["run_hash"] != self.run_hash:
+            raise AgentError(
+                f"{path} was written by run_hash {meta['run_hash'][:12]}, this config has "
+                f"{self.run_hash[:12]}: use a new --run-dir for a new run"
+            )
+        self._install_state({"round_id": meta["round_id"], "run_hash": meta["run_hash"]}, tensors)
+        self.last_checkpoint = str(path)
+        try:
+            self._inner_resume = verify_inner(path)
+        except CheckpointError as exc:
+            log.warning("%s: the ranks start with a fresh optimizer state", exc)
+        self.events.write("resumed", round_id=self.round_id, checkpoint=str(path))

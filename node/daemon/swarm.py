@@ -1,0 +1,400 @@
+"""The node among its peers: its member record and heartbeat, joining (slot, state sync), isolation, catching
+up with the swarm and healing forks by the announced hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+from farloco.node.config import diff_run, run_section
+from farloco.node.daemon.core import (
+    AgentError,
+    Status,
+    _dht_now,
+    _version,
+    log,
+)
+from farloco.node.daemon.dhtnode import daemon_alive
+from farloco.node.daemon.outer import theta_hash
+from farloco.node.daemon.snapshots import SnapshotAgent
+from farloco.node.logs import SyncProgress
+from farloco.protocol.tasks import cancel_and_wait
+
+
+class SwarmAgent(SnapshotAgent):
+    """Membership, joining, isolation, catching up and fork healing."""
+
+    def _record(self) -> Any:
+        from farloco.protocol.membership import MemberRecord
+
+        return MemberRecord(
+            peer_id=self.peer_id,
+            address=self.grpc_address,
+            state=self.status.value,
+            round_id=self.round_id,
+            inner_step=int(self.status_dict()["inner_step"]),
+            slot=self.slot,
+            run_hash=self.run_hash,
+            run_config=run_section(self.config),
+            outer_hash=self.outer_hash,
+            loss=0.0 if math.isnan(self.train_loss) else float(self.train_loss),
+            heartbeat=0.0,
+            maddrs=tuple(self.multiaddrs),
+            version=_version(),
+        )
+
+    async def _publish(self, retry_seconds: float = 0.0) -> None:
+        """Publish our member record now (one try by default: the next heartbeat is the retry). Serialised:
+        the DHT keeps only the entry with the latest expiration, so two overlapping stores of ours would refuse
+        one another."""
+        from farloco.protocol.membership import MembershipError
+
+        async with self._publish_lock:
+            try:
+                await self.membership.publish(self._record(), retry_seconds=retry_seconds)
+            except MembershipError as exc:  # survivable: the record lives for several heartbeats
+                log.warning("publishing our member record failed: %s", exc)
+
+    async def _refresh_peers(self) -> list[Any]:
+        members = await self.membership.members()
+        view = [
+            {
+                "peer_id": m.peer_id,
+                "address": m.address,
+                "state": m.state,
+                "round_id": m.round_id,
+                "inner_step": m.inner_step,
+                "slot": m.slot,
+                "loss": m.loss,
+                "outer_hash": m.outer_hash,
+                "heartbeat_age": max(0.0, _dht_now() - m.heartbeat),
+                "share": self.shares.share(m.peer_id),
+                "self": m.peer_id == self.peer_id,
+            }
+            for m in members
+        ]
+        others = [m for m in members if m.peer_id != self.peer_id]
+        for m in others:
+            self._peer_maddrs[m.peer_id] = tuple(m.maddrs)
+        was = self.isolation.verdict
+        verdict = self.isolation.observe(_dht_now(), [m.peer_id for m in others], self.membership.departed())
+        self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.isolation.known}
+        if verdict == "isolated" and was != "isolated":
+            log.warning(
+                "isolated: the peers %s vanished without leaving (crashed, or the network between us is down); "
+                "no round is committed alone while it lasts",
+                ", ".join(self.isolation.vanished),
+            )
+        with self._lock:
+            self.peers_view = view
+        return list(members)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.timeouts.heartbeat_interval)
+            try:
+                await self._publish()
+                await self._refresh_peers()
+            except Exception as exc:  # the DHT may hiccup; the next beat retries
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _join(self) -> None:
+        """Refuse a mismatched run, claim a data slot, and fetch the swarm's state if it is already training."""
+        from farloco.protocol.membership import MembershipError
+
+        self.status = Status.SYNCING
+        members = await self._refresh_peers()
+        mismatched = self.membership.mismatched()
+        if mismatched:
+            record, _keys = mismatched[0]
+            differences = diff_run(run_section(self.config), dict(record.run_config))
+            raise AgentError(
+                f"refusing to join: peer {record.peer_id} trains run {self.config.run.name!r} with another "
+                f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): "
+                + "; ".join(differences)
+            )
+        try:
+            # Our first record must get out (the slot claim and every later lookup need it): a refused store is
+            # retried for timeouts.dht_retry, and only then does the node give up, saying what to check.
+            async with self._publish_lock:
+                await self.membership.publish(self._record())
+                self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
+        except MembershipError as exc:
+            raise AgentError(f"joining: {exc}") from exc
+        # The ranks start now (they know their data slot) and wait for the first round's theta: their start-up
+        # (a Python process each, torch, the model, the data) overlaps the state fetch below instead of following
+        # it. A restarted node that started them after its sync spent seconds past the round it had fetched, the
+        # swarm froze that round without it, and it fetched again.
+        self._start_trainers()
+        # Heartbeats from now on: during a long state fetch our record must stay live and say `syncing`, which
+        # is what makes the others wait for us (protocol/matchmaking.py, catching up).
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="farloco-heartbeat")
+        others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0]
+        if others:
+            # The swarm is mid-round: take the state its current round started from and join that round. Our
+            # record says `syncing`, so the round's members wait for us (up to match_timeout); if it still freezes
+            # without us, we are late and take the next round's state the same way. (Waiting for the next round
+            # boundary instead, as before, stalled every join: the swarm waited for the syncing node while the
+            # node waited for the swarm to finish the round.)
+            target = max(m.round_id for m in others)
+            self.events.write("catching_up", round_id=target)
+            if not await self._catch_up(target, "join", wait=self.config.timeouts.sync_timeout):
+                raise AgentError(f"joining: no member reached round {target} within timeouts.sync_timeout")
+        else:
+            self._resume_from_checkpoint()
+            self.outer_hash = theta_hash(self.theta)
+        self.status = Status.TRAINING
+        await self._publish()
+        self.events.write("joined", round_id=self.round_id, slot=self.slot, num_peers=len(members))
+
+    async def _sync_from(self, donors: list[str], why: str) -> None:
+        from farloco.protocol.statesync import fetch_state
+
+        self.status = Status.SYNCING
+        started = time.monotonic()
+        self.sync_progress = SyncProgress(f"state sync ({why})")
+        try:
+            meta, tensors = await fetch_state(
+                self.client,
+                donors,
+                timeout=self.config.timeouts.sync_timeout,
+                expect_run_hash=self.run_hash,
+                on_progress=self.sync_progress.update,
+            )
+        finally:
+            self.sync_progress.close()
+            self.sync_progress = None
+        self._install_state(meta, tensors)
+        self.counters.resyncs += 1
+        self.events.write(
+            "synced", why=why, round_id=self.round_id, donors=donors, seconds=time.monotonic() - started
+        )
+        log.info("synced state of round %d from %s (%s)", self.round_id, donors, why)
+
+    async def _ride_out_isolation(self) -> bool | None:
+        """The isolation policy (protocol/isolation.py), before a round's matchmaking. None: go on with the
+        round (connected again at this round, alone because the others left, or alone past
+        timeouts.isolation_timeout with run.min_peers = 1); a bool: the round is over (the swarm moved on and we
+        took its state, or we are leaving), the value as `_round`'s."""
+        watch = self.isolation
+        if watch.verdict != "isolated":
+            return None
+        timeouts = self.config.timeouts
+        limit = timeouts.isolation_timeout
+        self.status = Status.ISOLATED
+        self.events.write("isolated", round_id=self.round_id, vanished=list(watch.vanished), timeout=limit)
+        log.warning(
+            "round %d waits: isolated from %s; reaching the swarm through the initial peers and their last "
+            "addresses for up to %.0f s (timeouts.isolation_timeout)",
+            self.round_id,
+            ", ".join(watch.vanished),
+            limit,
+        )
+        started = time.monotonic()
+        while True:
+            if self.leave_mode is not None:
+                self.strategy.rollback()
+                return False
+            await self._reach_swarm()
+            members = await self._refresh_peers()
+            if watch.verdict != "isolated":
+                others = [m for m in members if m.peer_id != self.peer_id]
+                seconds = time.monotonic() - started
+                self.events.write(
+                    "rejoined", round_id=self.round_id, peers=[m.peer_id for m in others], seconds=seconds
+                )
+                log.warning("rejoined the swarm after %.1f s: %d peers live", seconds, len(others))
+                self.status = Status.EXCHANGING
+                newest = max((m.round_id for m in others), default=self.round_id)
+                if newest > self.round_id:  # the swarm went on without us: take its state
+                    self.strategy.rollback()
+                    return await self._catch_up(newest, "rejoined after isolation")
+                return None  # same round (or the others are behind and catch up to us): match with them
+            waited = time.monotonic() - started
+            if waited >= limit:
+                if self.config.run.min_peers > 1:
+                    raise AgentError(
+                        f"isolated for {waited:.0f} s (timeouts.isolation_timeout={limit:g}): the peers "
+                        f"{', '.join(watch.vanished)} vanished without leaving and none came back, and "
+                        f"run.min_peers={self.config.run.min_peers} forbids training alone; check the network "
+                        f"to the initial peers {list(self.config.network.initial_peers)}"
+                    )
+                self.events.write("continuing_alone", round_id=self.round_id, vanished=list(watch.vanished))
+                log.warning(
+                    "still isolated after %.0f s: going on alone (run.min_peers=1); peers that come back "
+                    "are matched with again",
+                    waited,
+                )
+                watch.forget()
+                self.status = Status.EXCHANGING
+                return None
+            await asyncio.sleep(min(max(2 * timeouts.heartbeat_interval, 1.0), max(limit - waited, 0.0)))
+
+    async def _reach_swarm(self) -> None:
+        """Dial the initial peers and the vanished peers' last addresses from the DHT node (bounded)."""
+        from functools import partial
+
+        from farloco.node.daemon.dhtnode import reach_peers
+        from farloco.protocol import dhtcall
+
+        maddrs = [*self.config.network.initial_peers]
+        for peer in self.isolation.vanished:
+            maddrs += [f"{m}/p2p/{peer}" if "/p2p/" not in m else m for m in self._peer_maddrs.get(peer, ())]
+        if not maddrs:
+            return
+        try:
+            answered = await dhtcall.call(self.dht.run_coroutine, partial(reach_peers, maddrs=tuple(maddrs)))
+        except Exception as exc:  # unreachable is what we expect while isolated; the next pass tries again
+            log.info("reaching the swarm: %s", exc or type(exc).__name__)
+        else:
+            log.info("reaching the swarm: %d of the peers dialled answered", answered)
+
+    async def _catch_up(self, target_round: int, why: str, *, wait: float | None = None) -> bool:
+        """Fetch the swarm's state once some member has reached `target_round` (bounded wait).
+
+        Returns whether the ranks must reload theta (False when nobody got there and we move on alone)."""
+        from farloco.protocol.statesync import StateSyncError
+
+        timeouts = self.config.timeouts
+        wait = wait if wait is not None else timeouts.exchange_timeout + timeouts.match_timeout
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.leave_mode is None:
+            members = await self._refresh_peers()
+            # A member's round: the newer of its record and what it announced over our links (MatchAt), so a
+            # member record a heartbeat behind does not hold us a round longer than the swarm's own word.
+            now = _dht_now()
+            rounds = {
+                m.peer_id: self.matchmaker.round_of(m, now) for m in members if m.peer_id != self.peer_id
+            }
+            ahead = [m for m in members if rounds.get(m.peer_id, -1) >= target_round]
+            if ahead:
+                newest = max(rounds[m.peer_id] for m in ahead)
+                try:
+                    await self._sync_from([m.address for m in ahead if rounds[m.peer_id] == newest], why)
+                except StateSyncError as exc:
+                    # Every donor we asked failed (the only one of the newest round died mid-transfer, say):
+                    # read the members again, so the next pass asks the survivors.
+                    log.warning("state sync failed (%s); looking for other donors", exc)
+                    self.events.write("sync_failed", why=why, round_id=newest, error=str(exc))
+                    await asyncio.sleep(0.5)
+                    continue
+                return True
+            await asyncio.sleep(0.2)
+        log.warning("no peer reached round %d in time; moving on from round %d", target_round, self.round_id)
+        return self._advance_without_update("nobody reached the next round")
+
+    async def _check_hashes(self, group: Any) -> bool:
+        """Compare our theta hash for this round with every live member's: what each announced over the links
+        when its round started (`DHTMatchmaker.announced_hashes`), and the member records of our group as a
+        fallback (no DHT read here: it would put the DHT back on the round's path). Returns whether we resynced.
+
+        Healing rule (every member computes the same from the same records): the hash held by the most members
+        wins; between sides of equal size, the side holding the lowest peer id wins. Every member of a losing side
+        fetches the winning side's state before it contributes, so after this round the group holds one theta.
+        (A tie used to only log: two halves of a partition that each committed a round alone stayed forked for
+        good, averaging the same updates into two different models.)"""
+        from farloco.protocol.statesync import StateSyncError
+
+        if self.round_id == 0:
+            return False
+        in_group = {m.peer_id for m in group.members}
+        members = self.membership.core.live(_dht_now())
+        live = {m.peer_id for m in members}
+        claims: dict[str, str] = {}
+        for m in members:
+            if m.peer_id in in_group and m.round_id == self.round_id and m.outer_hash:
+                claims[m.peer_id] = m.outer_hash
+        # Every live member's announcement for this round, grouped with us or not (sent over the links when its
+        # round started): a fork between members that never share a group is seen all the same.
+        for peer_id, outer_hash in self.matchmaker.announced_hashes(self.round_id).items():
+            if peer_id in live:
+                claims[peer_id] = outer_hash
+        claims[self.peer_id] = self.outer_hash
+        holders: dict[str, set[str]] = {}
+        for peer_id, outer_hash in claims.items():
+            holders.setdefault(outer_hash, set()).add(peer_id)
+        if len(holders) <= 1:
+            return False
+        self.counters.hash_mismatches += 1
+        winner = min(holders, key=lambda h: (-len(holders[h]), min(holders[h])))
+        summary = {h[:12]: sorted(ids) for h, ids in holders.items()}
+        self.events.write(
+            "hash_mismatch", round_id=self.round_id, ours=self.outer_hash, winner=winner, votes=summary
+        )
+        log.error("round %d: theta_outer hashes disagree within the group: %s", self.round_id, summary)
+        if winner == self.outer_hash:
+            return False
+        log.warning(
+            "round %d: taking the state of %s (healing rule: larger side, then lowest peer id)",
+            self.round_id,
+            sorted(holders[winner]),
+        )
+        by_id = {m.peer_id: m for m in members}
+        donors = [by_id[p].address for p in sorted(holders[winner])]
+        for attempt in range(3):  # a link that just healed may fail the first call (a connection that died)
+            try:
+                await self._sync_from(donors, "hash mismatch")
+                return True
+            except StateSyncError as exc:
+                if attempt == 2:
+                    raise
+                log.warning("fetching the winning side's state failed (%s); trying again", exc)
+                await asyncio.sleep(1.0)
+        return True
+
+    def _state_fault(self) -> Any:
+        """Test-only, from FARLOCO_FAULTS 'die-serving-state@N': SIGKILL this node once it has served N bytes
+        of state, i.e. a donor that dies in the middle of a joiner's transfer."""
+        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
+            kind, _, at = fault.partition("@")
+            if kind == "die-serving-state" and at.isdigit():
+
+                def die(served: int, limit: int = int(at)) -> None:
+                    if served >= limit:
+                        log.warning("fault injected: dying after serving %d bytes of state", served)
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                return die
+        return None
+
+    def _inject_faults(self) -> None:
+        """Test-only fault injection, from FARLOCO_FAULTS (e.g. 'corrupt-theta@2'): after committing the named
+        round, nudge theta_outer so this node silently diverges and the hash check has to repair it."""
+        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
+            kind, _, at = fault.partition("@")
+            if kind == "corrupt-theta" and at.isdigit() and int(at) == self.round_id:
+                self.theta[0] += 1e-3
+                self.outer_hash = theta_hash(self.theta)
+                self._snapshot = None
+                log.warning("fault injected: theta_outer corrupted after round %d", self.round_id)
+
+    async def _while_dht_daemon_lives(self, work: Awaitable[Any]) -> Any:
+        """`work` (a DHT call), cut short with TimeoutError as soon as the DHT's p2pd is gone: a signal sent to
+        the whole node (Slurm, systemd) ends p2pd as it starts our leave, and a DHT call would then wait out its
+        whole bound for nothing."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                await asyncio.wait({task}, timeout=0.1)  # first: the work has started when we may cancel it
+                if task.done():
+                    return task.result()
+                if not daemon_alive(self.dht):
+                    raise TimeoutError(
+                        "the DHT's daemon (p2pd) is gone: a signal to the whole node ends it too"
+                    )
+        finally:
+            await cancel_and_wait(task, timeout=1.0)
+
+    def _advance_without_update(self, reason: str) -> bool:
+        """Close round r without an outer step: theta_outer stays as it is (so every peer that closes r this way
+        still agrees), and the ranks keep their weights so the missed work rolls into the next delta. Round ids
+        only ever move forward, so no round's matchmaking records are ever reused."""
+        self.round_id += 1
+        self._snapshot = None
+        log.info("round %d closed without an update (%s)", self.round_id - 1, reason)
+        return False
