@@ -271,7 +271,9 @@ class Agent(RoundAgent):
                 exc,
                 timeouts.member_ttl,
             )
-        self._stop_trainers(timeout=left(0.5))
+        # The ranks (told STOP when the leave was asked for) get all that is left but what the servers' stop
+        # needs: a rank's exit (torch's teardown) takes seconds on a loaded machine.
+        self._stop_trainers(timeout=left() - 1.5)
         await self.matchmaker.close()
         await self.client.close()
         await self.server.stop(grace=min(1.0, left()))

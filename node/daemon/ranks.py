@@ -108,7 +108,7 @@ class RanksAgent(AgentCore):
         self.handoff.stop()
         # The ranks were told STOP when the leave was asked for; whatever the round's wind-down left of the
         # budget, a rank finishing its inner step gets RANK_STOP_FLOOR seconds more before it is SIGKILLed.
-        if not self._trainers_exited.wait(timeout=max(RANK_STOP_FLOOR, timeout - 2.0)):
+        if not self._trainers_exited.wait(timeout=max(RANK_STOP_FLOOR, timeout)):
             for rank in range(self.handoff.world_size):
                 pid = self.handoff.report(rank).pid
                 if pid:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -329,6 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     defer_sigterm(Path(args.handoff))
     run_rank(args)
+    # Stopped by the agent (or orphaned): the process group is torn down and the hand-off is the agent's, so
+    # nothing is left to clean up. Skip the interpreter's teardown of torch, which took seconds of a leave's
+    # budget on a loaded machine (a rank still tearing down was SIGKILLed as one stuck in a step).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
