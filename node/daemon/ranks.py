@@ -121,12 +121,13 @@ class RanksAgent(AgentCore):
     ) -> int:
         """Hand the ranks their next sequence (`Handoff.publish`), adding the time they waited for it since
         their last one ended to `counters.ranks_idle_seconds`."""
-        if self._idle_since is not None:
+        seq = self.handoff.publish(load, round_id=round_id, step_base=step_base, inner_steps=inner_steps)
+        if self._idle_since is not None:  # the ranks start once the publish (and its copy of theta) is done
             idle = time.monotonic() - self._idle_since
             self.counters.ranks_idle_seconds += idle
             self.metrics.ranks_idle.observe(idle)
             self._idle_since = None
-        return self.handoff.publish(load, round_id=round_id, step_base=step_base, inner_steps=inner_steps)
+        return seq
 
     def _trainer_failure(self) -> str | None:
         if self._trainers_exited.is_set() and self.handoff.command == 0:
