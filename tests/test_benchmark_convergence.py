@@ -25,6 +25,7 @@ SMOKE_CONFIGS = [
     "streaming-diloco-h10-p5-tau1-a0.5-int8",
     "sparseloco-h10-top64of4096-2bit",
     "demo-top12of1024-lr0.001-b0.999-wd0",
+    "diloco-h10-int8-eager",
 ]
 
 
@@ -148,6 +149,42 @@ def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleT
         assert torch.allclose(merged[part], expected, atol=1e-6)
         assert torch.equal(merged[other], now[other])  # the other fragment keeps its local progress
     assert exchanged.bytes_sent == round(1.5 * len(config.make_codec().encode(torch.zeros(part.stop))))
+
+
+def test_delayed_and_eager_start_the_next_phase_before_the_mean_lands(
+    bench: ModuleType, cache_dir: Path
+) -> None:
+    """run.outer_update as the script runs it: at a sync point nothing is applied yet (delayed: the workers
+    restart from theta_outer as it was), eager's start previews each worker's own transmitted contribution, and
+    the round lands one sync later as a plain first Nesterov step from the same theta_outer on every worker."""
+    from farloco.node.training.data import builtin_dataset, open_dataset
+
+    setup = bench.Setup(steps=2, report_steps=(2,), num_eval_batches=1)
+    runner = bench.Bench(setup, open_dataset(builtin_dataset(cache_dir)), lambda _: None)
+    config = next(c for c in bench.overlapped_configs() if c.name == "diloco-h10-int8-eager")
+    strategies = [
+        bench.make_strategy(config.strategy, runner.num_params, config.make_codec(), **config.hparams)
+        for _ in range(bench.NUM_WORKERS)
+    ]
+    theta0 = bench.flat_parameters(runner.initial)
+    thetas = [theta0.clone() for _ in range(bench.NUM_WORKERS)]
+    learners = [bench.Learner(runner.fresh_model(), setup) for _ in range(bench.NUM_WORKERS)]
+    for learner, sampler in zip(learners, runner.samplers, strict=True):
+        learner.step(0, sampler.batch(0))
+    exchanged = runner._exchange(strategies, thetas, learners, [None] * bench.NUM_WORKERS)
+    assert all(torch.equal(theta, theta0) for theta in thetas)  # delayed: the next phase starts from theta0
+    lr, momentum = config.hparams["lr"], config.hparams["momentum"]
+    for s, sent in zip(strategies, exchanged.transmitted, strict=True):
+        start = theta0.clone()
+        s.eager_preview(start, sent, torch.zeros_like(sent), bench.NUM_WORKERS)
+        expected = theta0 - lr * (1 + momentum) / bench.NUM_WORKERS * sent
+        assert torch.allclose(start, expected, atol=1e-6)
+    bench.land_shared(strategies, thetas, exchanged)
+    mean = torch.stack(exchanged.transmitted).mean(0)
+    assert torch.allclose(thetas[0], theta0 - lr * (1 + momentum) * mean, atol=1e-5)
+    assert all(torch.equal(thetas[0], theta) for theta in thetas[1:])
+    with pytest.raises(ValueError, match="expects diloco or sparseloco"):
+        bench.RunConfig("x", "outer", "demo", "int8", sync_every=1, outer_update="delayed")
 
 
 def test_overlap_longer_than_the_sync_interval_is_refused(bench: ModuleType) -> None:
