@@ -306,3 +306,27 @@ def test_launcher_failures_are_read_from_the_launchers_own_log_record() -> None:
         failures.uninstall()
     assert seen == ["local rank 0 (pid 101) killed by SIGKILL", "local rank 0 (pid 102) exited with code 1"]
     assert failures.failures == 2 and failures.restarts == 1 and failures.last_exit_code == 1
+
+
+def test_drain_with_the_delayed_outer_update_exchanges_the_ranks_last_sequence(tmp_path: Path) -> None:
+    """run.outer_update=delayed: `farloco drain` lets the ranks end their sequence, waits for the round in
+    flight, exchanges that last sequence with the ranks waiting (nothing trains after it) and leaves with exit 0:
+    the last event before the stop is a committed round, no sequence is dropped (withdrew) on the way."""
+    run_dir = tmp_path / "node"
+    node = _start(run_dir, tmp_path / "node.log", "--set", 'run.outer_update="delayed"')
+    try:
+        status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 2)
+        left = cli("drain", "--run-dir", str(run_dir), "--timeout", "120")
+        assert left.returncode == 0, left.stderr
+        assert node.wait(timeout=60) == 0
+    finally:
+        stop_process(node)
+    events = read_events(run_dir)
+    assert events[-1]["event"] == "stopped" and not events[-1].get("error"), events[-4:]
+    before_stop = [e["event"] for e in events[:-1] if e["event"] in ("round", "withdrew", "finished")]
+    assert before_stop[-1] == "round" and "withdrew" not in before_stop, before_stop
+    rounds = [e for e in events if e["event"] == "round"]
+    assert rounds[-1]["round_id"] > status["round_id"]  # the drained sequence was committed after the request
+    # Every inner step the ranks took went into a committed round: the last round carries the last sequence.
+    assert rounds[-1]["inner_step"] == events[-1]["inner_step"] > 0, (rounds[-1], events[-1])
+    assert all(e["trained_from"] for e in rounds)

@@ -287,6 +287,12 @@ class Agent(RoundAgent):
                 await cancel_and_wait(self._checkpoint_task, timeout=1.0)
         if self.status is not Status.FAILED:
             self.status = Status.STOPPED
-        self.events.write("stopped", round_id=self.round_id, error=self.error)
+        handoff = getattr(self, "handoff", None)
+        steps = (
+            max((handoff.report(r).inner_step for r in range(handoff.world_size)), default=0)
+            if handoff
+            else 0
+        )
+        self.events.write("stopped", round_id=self.round_id, error=self.error, inner_step=steps)
         if getattr(self, "handoff", None) is not None:
             self.handoff.close()

@@ -162,6 +162,8 @@ class Prepared:
     fixed_reference: bool
     """The contribution is measured from where the ranks started (not theta_outer): a state sync mid-round
     leaves it as it is."""
+    inner_step: int = 0
+    """The ranks' inner step count at the end of the sequence this round carries (the round event reports it)."""
     trained_from: str = ""
     """run.outer_update delayed/eager: the outer_hash of the theta_outer the ranks' sequence started from (with
     eager, the one their preview was built on); the round event reports it."""
@@ -198,6 +200,7 @@ class AgentCore:
         self.train_loss = math.nan
         self.leave_mode: str | None = None
         self._leave_requested_at: float | None = None  # monotonic time of the first non-drain leave request
+        self._seq_inner_step = 0  # the ranks' inner steps at the end of the last sequence read
         self._idle_since: float | None = (
             None  # when the ranks last finished a sequence we have not followed up
         )

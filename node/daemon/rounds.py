@@ -126,9 +126,12 @@ class RoundAgent(SwarmAgent):
                 if run.max_rounds and self.round_id >= run.max_rounds:
                     self.events.write("finished", round_id=self.round_id)
                     return
-                if self.leave_mode is not None:
+                if self.leave_mode in ("graceful", "now"):
                     return
-                last = bool(run.max_rounds) and self.round_id + 1 >= run.max_rounds
+                # Nothing trains after the last round, or after a drain's: it is exchanged while the ranks wait.
+                last = self.leave_mode == "drain" or (
+                    bool(run.max_rounds) and self.round_id + 1 >= run.max_rounds
+                )
                 trained_from, started_from = started_from, self.outer_hash
                 self._read_reports(seq)  # before the next sequence's first eval overwrites them
                 # The ranks' weights stay put in the hand-off until their next sequence ends: read in place.
@@ -140,6 +143,8 @@ class RoundAgent(SwarmAgent):
                     if outcome is None:
                         self.events.write("withdrew", round_id=self.round_id, mode="now")
                         return
+                    if self.leave_mode is not None:
+                        return  # drained: the ranks' last sequence went into the swarm
                     continue
                 start = self.theta
                 if run.outer_update == "eager":
@@ -196,6 +201,7 @@ class RoundAgent(SwarmAgent):
         """The ranks' train loss of sequence `seq` and the held-out loss of the theta it started from."""
         reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
         self.train_loss = sum(r.train_loss for r in reports) / len(reports)
+        self._seq_inner_step = max(r.inner_step for r in reports)
         step_seconds = max(r.step_seconds for r in reports)
         if step_seconds > 0:
             self.metrics.inner_step_duration.observe(step_seconds)
@@ -216,7 +222,9 @@ class RoundAgent(SwarmAgent):
             contribution = self.outer.contribution(theta_local, reference)
         except OuterError as exc:
             raise AgentError(f"round {self.round_id}: {exc}") from None
-        return Prepared(theta_local, contribution, fixed_reference=reference is not None)
+        return Prepared(
+            theta_local, contribution, fixed_reference=reference is not None, inner_step=self._seq_inner_step
+        )
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
         """Exchange and apply round `self.round_id` (its contribution `prepared` already, when the ranks train on
@@ -367,6 +375,7 @@ class RoundAgent(SwarmAgent):
             seconds=self.counters.last_round_seconds,
             ranks_idle_seconds=self.counters.ranks_idle_seconds,
             trained_from=prepared.trained_from,
+            inner_step=prepared.inner_step,
         )
         # Our record moves to the next round in the background: the round's path holds no DHT store (the next
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).
