@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -111,14 +112,12 @@ def test_unknown_config_is_refused(bench: ModuleType, capsys: pytest.CaptureFixt
     assert "no-such-config" in capsys.readouterr().err
 
 
-def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleType, cache_dir: Path) -> None:
-    """Streaming DiLoCo with tau: the contribution is taken at the sync point, and the merged result is mixed
-    into the weights the worker has trained on since (alpha of them), on the synced fragment only."""
+def one_step_of_every_worker(bench: ModuleType, cache_dir: Path, config: Any) -> tuple[Any, ...]:
+    """(runner, strategies, theta0, thetas, learners) of `config` with every worker one inner step in."""
     from farloco.node.training.data import builtin_dataset, open_dataset
 
     setup = bench.Setup(steps=2, report_steps=(2,), num_eval_batches=1)
     runner = bench.Bench(setup, open_dataset(builtin_dataset(cache_dir)), lambda _: None)
-    config = bench.streaming_config(num_fragments=2, tau=1, alpha=0.5, h=4)
     strategies = [
         bench.make_strategy(config.strategy, runner.num_params, config.make_codec(), **config.hparams)
         for _ in range(bench.NUM_WORKERS)
@@ -128,6 +127,14 @@ def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleT
     learners = [bench.Learner(runner.fresh_model(), setup) for _ in range(bench.NUM_WORKERS)]
     for learner, sampler in zip(learners, runner.samplers, strict=True):
         learner.step(0, sampler.batch(0))
+    return runner, strategies, theta0, thetas, learners
+
+
+def test_overlapped_round_lands_on_the_then_current_local_weights(bench: ModuleType, cache_dir: Path) -> None:
+    """Streaming DiLoCo with tau: the contribution is taken at the sync point, and the merged result is mixed
+    into the weights the worker has trained on since (alpha of them), on the synced fragment only."""
+    config = bench.streaming_config(num_fragments=2, tau=1, alpha=0.5, h=4)
+    runner, strategies, theta0, thetas, learners = one_step_of_every_worker(bench, cache_dir, config)
     at_sync = [bench.flat_parameters(learner.model) for learner in learners]
     exchanged = runner._exchange(strategies, thetas, learners, [None] * bench.NUM_WORKERS)
     assert all(torch.equal(theta, theta0) for theta in thetas)  # nothing applied at the sync point
@@ -157,20 +164,8 @@ def test_delayed_and_eager_start_the_next_phase_before_the_mean_lands(
     """run.outer_update as the script runs it: at a sync point nothing is applied yet (delayed: the workers
     restart from theta_outer as it was), eager's start previews each worker's own transmitted contribution, and
     the round lands one sync later as a plain first Nesterov step from the same theta_outer on every worker."""
-    from farloco.node.training.data import builtin_dataset, open_dataset
-
-    setup = bench.Setup(steps=2, report_steps=(2,), num_eval_batches=1)
-    runner = bench.Bench(setup, open_dataset(builtin_dataset(cache_dir)), lambda _: None)
     config = next(c for c in bench.overlapped_configs() if c.name == "diloco-h10-int8-eager")
-    strategies = [
-        bench.make_strategy(config.strategy, runner.num_params, config.make_codec(), **config.hparams)
-        for _ in range(bench.NUM_WORKERS)
-    ]
-    theta0 = bench.flat_parameters(runner.initial)
-    thetas = [theta0.clone() for _ in range(bench.NUM_WORKERS)]
-    learners = [bench.Learner(runner.fresh_model(), setup) for _ in range(bench.NUM_WORKERS)]
-    for learner, sampler in zip(learners, runner.samplers, strict=True):
-        learner.step(0, sampler.batch(0))
+    runner, strategies, theta0, thetas, learners = one_step_of_every_worker(bench, cache_dir, config)
     exchanged = runner._exchange(strategies, thetas, learners, [None] * bench.NUM_WORKERS)
     assert all(torch.equal(theta, theta0) for theta in thetas)  # delayed: the next phase starts from theta0
     lr, momentum = config.hparams["lr"], config.hparams["momentum"]
