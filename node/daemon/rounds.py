@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,18 @@ from farloco.node.daemon.swarm import SwarmAgent
 from farloco.protocol import shares
 from farloco.protocol.shares import left_out_reason
 from farloco.protocol.tasks import cancel_and_wait
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """What the exchange of a round gave: what the swarm saw of our contribution, the mean, who is in it, bytes."""
+
+    transmitted: torch.Tensor
+    mean: torch.Tensor
+    contributors: tuple[str, ...]
+    sent: int
+    received: int
+    fp32_bytes: int
 
 
 class RoundAgent(SwarmAgent):
@@ -218,24 +230,44 @@ class RoundAgent(SwarmAgent):
         if reports:
             self._read_reports(seq)
         theta_local = self.outer.read_local(self.handoff.local, copy=copy)
-        try:
-            contribution = self.outer.contribution(theta_local, reference)
-        except OuterError as exc:
-            raise AgentError(f"round {self.round_id}: {exc}") from None
+        contribution = self._contribution(theta_local, reference)
         return Prepared(
             theta_local, contribution, fixed_reference=reference is not None, inner_step=self._seq_inner_step
         )
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
         """Exchange and apply round `self.round_id` (its contribution `prepared` already, when the ranks train on
-        meanwhile). Returns whether the ranks must reload theta."""
-        from farloco.protocol.exchange import ExchangeAborted
-        from farloco.protocol.matchmaking import LateForRound, MatchmakingError
-        from farloco.protocol.statesync import StateSyncError
-        from farloco.protocol.types import GroupMember
+        meanwhile). Returns whether the ranks must reload theta.
 
-        run, timeouts = self.config.run, self.config.timeouts
+        One phase per step; after each, node/daemon/rules.py `decide` says go on or how the round closes."""
         started = time.monotonic()
+        prepared = self._hand_off(seq, prepared)
+        self.status = Status.EXCHANGING
+        isolated = await self._ride_out_isolation()
+        if isolated is not None:
+            self._left_out(shares.ISOLATED)
+            return isolated
+        facts = RoundFacts(self.round_id, self.config.run.min_peers, fixed_reference=prepared.fixed_reference)
+        group, facts = await self._match(facts)
+        if (decision := decide(facts)).action is not Action.GO_ON:
+            return await self._close(decision)
+        facts = await self._heal(group, facts)
+        if (decision := decide(facts)).action is not Action.GO_ON:
+            return await self._close(decision)
+        if decision.redo_contribution:
+            # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
+            prepared.contribution = self._contribution(prepared.theta_local)
+        averaged, facts = await self._average(group, prepared.contribution, facts)
+        if (decision := decide(facts)).action is not Action.COMMIT:
+            return await self._close(decision)
+        assert averaged is not None
+        await self._commit(group, prepared, averaged, started)
+        return True
+
+    def _hand_off(self, seq: int, prepared: Prepared | None) -> Prepared:
+        """The round's input from the ranks (unless `prepared` already) and, for streaming-diloco, the tau inner
+        steps they run while we exchange."""
+        run = self.config.run
         overlap = (
             prepared is None
             and bool(self._overlap_steps)
@@ -245,7 +277,6 @@ class RoundAgent(SwarmAgent):
             # While the ranks wait for us their weights stay put and are read in place; when they train on
             # during the exchange (overlap) we read a copy, taken before they can overwrite it.
             prepared = self._prepare_round(seq, copy=overlap)
-        theta_local, contribution = prepared.theta_local, prepared.contribution
         if overlap:
             # streaming-diloco: the ranks run the next round's first tau inner steps while we exchange (their
             # reports and weights for this round were read above, before they can overwrite them).
@@ -255,58 +286,63 @@ class RoundAgent(SwarmAgent):
                 step_base=(self.round_id + 1) * run.inner_steps,
                 inner_steps=self._overlap_steps,
             )
-        self.status = Status.EXCHANGING
-        # No member-record store here: our record moved to this round when its work started (what the early
-        # freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links.
-        isolated = await self._ride_out_isolation()
-        if isolated is not None:
-            self._left_out(shares.ISOLATED)
-            return isolated
-        me = GroupMember(self.peer_id, self.grpc_address)
-        facts = RoundFacts(self.round_id, run.min_peers, fixed_reference=prepared.fixed_reference)
-        group = None
+        return prepared
+
+    def _contribution(self, theta_local: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """`OuterRound.contribution`, its error (non-finite weights from the ranks) ending the node, named."""
+        try:
+            return self.outer.contribution(theta_local, reference)
+        except OuterError as exc:
+            raise AgentError(f"round {self.round_id}: {exc}") from None
+
+    async def _match(self, facts: RoundFacts) -> tuple[Any, RoundFacts]:
+        """Form the round's group (protocol/matchmaking.py): (the group or None, the facts with the outcome).
+        No member-record store here: our record moved to this round when its work started (what the early
+        freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links."""
+        from farloco.protocol.matchmaking import LateForRound, MatchmakingError
+        from farloco.protocol.types import GroupMember
+
+        timeouts = self.config.timeouts
         try:
             group = await self.matchmaker.form_group(
                 self.round_id,
-                me,
+                GroupMember(self.peer_id, self.grpc_address),
                 match_timeout=timeouts.match_timeout,
                 leader_timeout=timeouts.leader_timeout,
                 match_timeout_min=timeouts.match_timeout_min,
             )
-            facts = replace(facts, matchmaking="grouped", group_size=len(group.members))
         except MatchmakingError as exc:
             self.events.write("matchmaking_failed", round_id=self.round_id, error=str(exc))
-            facts = replace(facts, matchmaking="failed")
+            return None, replace(facts, matchmaking="failed")
         except LateForRound as exc:
             self.counters.rounds_late += 1
             self.events.write(
                 "late", round_id=self.round_id, reason=exc.reason, group_formed=exc.group_formed
             )
-            facts = replace(facts, matchmaking="late", group_formed=exc.group_formed)
-        decision = decide(facts)
-        if decision.action is not Action.GO_ON:
-            return await self._close(decision)
-        assert group is not None
+            return None, replace(facts, matchmaking="late", group_formed=exc.group_formed)
+        return group, replace(facts, matchmaking="grouped", group_size=len(group.members))
+
+    async def _heal(self, group: Any, facts: RoundFacts) -> RoundFacts:
+        """Compare theta hashes with the group and take the winning side's state on a fork (`_check_hashes`)."""
+        from farloco.protocol.statesync import StateSyncError
+
         try:
             resynced = await self._check_hashes(group)
-            facts = replace(facts, fork="healed" if resynced else "none")
         except StateSyncError as exc:
-            facts = replace(facts, fork="unhealed", fork_error=str(exc))
-        decision = decide(facts)
-        if decision.action is not Action.GO_ON:
-            return await self._close(decision)
-        if decision.redo_contribution:
-            # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
-            try:
-                contribution = self.outer.contribution(theta_local)
-            except OuterError as exc:
-                raise AgentError(f"round {self.round_id}: {exc}") from None
-        contributors: tuple[str, ...] = ()
+            return replace(facts, fork="unhealed", fork_error=str(exc))
+        return replace(facts, fork="healed" if resynced else "none")
+
+    async def _average(
+        self, group: Any, contribution: torch.Tensor, facts: RoundFacts
+    ) -> tuple[Averaged | None, RoundFacts]:
+        """The group's mean of contributions (protocol/exchange.py; a group of one encodes nothing), counting
+        every byte that crossed the wire, aborted attempts included."""
+        from farloco.protocol.exchange import ExchangeAborted
+
         try:
             if len(group.members) == 1:
-                transmitted, averaged = self.outer.alone(contribution)
-                sent, received, fp32_bytes = 0, 0, 0
-                contributors = (self.peer_id,)
+                transmitted, mean = self.outer.alone(contribution)
+                averaged = Averaged(transmitted, mean, (self.peer_id,), 0, 0, 0)
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
                 mean_out, sent_out = self.outer.exchange_buffers(contribution.numel())
@@ -315,31 +351,37 @@ class RoundAgent(SwarmAgent):
                     group,
                     contribution,
                     self.codec,
-                    timeout=timeouts.exchange_timeout,
+                    timeout=self.config.timeouts.exchange_timeout,
                     out=mean_out,
                     transmitted_out=sent_out,
                 )
                 self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
-                transmitted, averaged = result.transmitted, result.averaged
-                contributors, sent, received = result.contributors, result.bytes_sent, result.bytes_received
-                fp32_bytes = result.fp32_bytes
-            facts = replace(facts, exchange="done", contributors=len(contributors))
+                averaged = Averaged(
+                    result.transmitted,
+                    result.averaged,
+                    tuple(result.contributors),
+                    result.bytes_sent,
+                    result.bytes_received,
+                    result.fp32_bytes,
+                )
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
             self._count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
-            facts = replace(facts, exchange="aborted", exchange_error=str(exc))
-        else:
-            # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every
-            # attempt: a dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
-            self._count_bytes(sent, received, fp32_bytes)
-        decision = decide(facts)
-        if decision.action is not Action.COMMIT:
-            return await self._close(decision)
+            return None, replace(facts, exchange="aborted", exchange_error=str(exc))
+        # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every attempt: a
+        # dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
+        self._count_bytes(averaged.sent, averaged.received, averaged.fp32_bytes)
+        return averaged, replace(facts, exchange="done", contributors=len(averaged.contributors))
+
+    async def _commit(self, group: Any, prepared: Prepared, averaged: Averaged, started: float) -> None:
+        """The round committed: the outer step, round r+1, a checkpoint when due, the round event, the record."""
+        run = self.config.run
+        contributors = averaged.contributors
         self._account_round(group, contributors)
         self.counters.last_contributors = len(contributors)
         fragment = getattr(self.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.num_params)
-        self.outer_hash = self.outer.commit(contribution, transmitted, averaged)
+        self.outer_hash = self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
         self._merge_pending = True
         self.round_id += 1
         self._snapshot = None
@@ -366,12 +408,12 @@ class RoundAgent(SwarmAgent):
             train_loss=self.train_loss,
             eval_loss=self.eval_loss,
             outer_hash=self.outer_hash,
-            bytes_sent=sent,
-            bytes_received=received,
+            bytes_sent=averaged.sent,
+            bytes_received=averaged.received,
             ddp_bytes=ddp,
             synced=[synced.start, synced.stop],
             overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
-            fp32_bytes=fp32_bytes,
+            fp32_bytes=averaged.fp32_bytes,
             seconds=self.counters.last_round_seconds,
             ranks_idle_seconds=self.counters.ranks_idle_seconds,
             trained_from=prepared.trained_from,
@@ -381,7 +423,6 @@ class RoundAgent(SwarmAgent):
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).
         if self._record_task is None or self._record_task.done():
             self._record_task = asyncio.create_task(self._publish(), name="farloco-record")
-        return True
 
     def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
         """A committed round: record who took part; as its leader, name each live member left out and why."""
