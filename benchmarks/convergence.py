@@ -283,8 +283,25 @@ def sweep_configs() -> list[RunConfig]:
         )
         for lr in (0.3, 0.4, 0.7, 1.0)
     ]
+    # The delayed and eager updates apply every mean one round late: with DiLoCo's outer momentum that is a stale
+    # heavy-ball step, which wants a lower outer lr or momentum than the synchronous one.
+    delayed = [
+        RunConfig(
+            f"diloco-h10-int8-{update}-olr{lr:g}-m{momentum:g}",
+            "outer",
+            "diloco",
+            "int8",
+            hparams={"lr": lr, "momentum": momentum},
+            sync_every=10,
+            outer_update=update,
+            note=f"outer lr {lr:g}, momentum {momentum:g}",
+        )
+        for update in ("delayed", "eager")
+        for lr, momentum in ((0.25, 0.9), (0.5, 0.5), (0.7, 0.0), (1.0, 0.0))
+    ]
     return [
         *outer_lrs,
+        *delayed,
         demo_config(k=12, chunk=1024, lr=3e-3, beta=0.999, name="demo-top12of1024"),  # the untuned start
         demo_config(k=12, chunk=1024, lr=3e-3, beta=0.99),
         demo_config(k=12, chunk=1024, lr=3e-4, beta=0.999),

@@ -209,3 +209,26 @@ def test_leaving_mid_exchange_is_bounded_by_leave_timeout(tmp_path: Path) -> Non
     events = read_events(tmp_path / "a")
     assert any(e["event"] == "withdrew" and e.get("bounded") for e in events), [e["event"] for e in events]
     print(json.dumps({"left_in_seconds": round(took, 1)}))
+
+
+def test_a_sigterm_while_the_node_starts_is_a_leave_not_a_death(tmp_path: Path) -> None:
+    """SIGTERM while `farloco join` is still importing torch, building the model or starting the DHT (before the
+    agent's own signal handlers exist: Slurm's time-limit leave hit a node there on a loaded host) leaves
+    cleanly: exit 0, no traceback, no process left behind."""
+    run_dir = tmp_path / "node"
+    node = start_node(run_dir)
+    logs = run_dir / "logs" / "daemon.jsonl"  # written once the join command set up logging
+    deadline = time.monotonic() + 60
+    while not logs.exists() and node.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.poll() is None, (run_dir / "stderr.log").read_text()[-3000:]
+    started = time.monotonic()
+    os.kill(node.pid, signal.SIGTERM)
+    try:
+        code = node.wait(timeout=LEAVE_TIMEOUT + EXIT_SLACK + 30)
+    finally:
+        stop_process(node)
+    stderr = (run_dir / "stderr.log").read_text()
+    assert code == 0, (code, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert time.monotonic() - started < LEAVE_TIMEOUT + EXIT_SLACK + 30

@@ -107,6 +107,8 @@ class Agent(RoundAgent):
         self._publish_lock = asyncio.Lock()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self._on_signal)
+        if self.leave_mode is not None:
+            self._leave_event.set()  # asked to leave while starting (farloco join's early handler)
 
         net = self.config.network
         identity = self.run_dir / "identity.key"

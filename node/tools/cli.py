@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,19 @@ def join(
     log_format: str | None,
 ) -> None:
     """Start a node and join (or found) a swarm. Prints the node's multiaddrs; runs until it leaves."""
+    # A SIGTERM or Ctrl+C before the agent's own handlers exist (torch's import, the model, the DHT's start take
+    # seconds on a loaded host; Slurm's time-limit leave or systemd may signal then) is a leave, not a death.
+    started: dict[str, Any] = {}
+
+    def leave_while_starting(signum: int, frame: object) -> None:
+        agent = started.get("agent")
+        if agent is None:
+            started["leave"] = True
+        else:
+            agent.request_leave("graceful")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, leave_while_starting)
     _setup_logging(verbose, log_format, run_dir)
     try:
         config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port, data_port)])
@@ -117,6 +131,9 @@ def join(
         agent = Agent(config, run_dir)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    started["agent"] = agent
+    if started.get("leave"):
+        agent.request_leave("graceful")
     code = agent.run()
     from farloco.node.logs import console_format
 
