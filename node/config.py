@@ -75,7 +75,9 @@ class RunConfig:
     """When a round's mean reaches the ranks (diloco, sparseloco). 'sync': the ranks wait for the exchange and
     start the next round from its result. 'delayed': they start the next round at once from theta_outer, which
     takes each round's mean one round late, so the exchange runs while they train (Kale et al. 2025).
-    'eager': as delayed, and each node previews its own fresh update in the weights its ranks start from."""
+    'eager': as delayed, and each node previews its own fresh update in the weights its ranks start from.
+    A mean applied one round late is a stale step: with diloco's outer momentum 0.9 it oscillates; lower
+    outer_momentum (0-0.5) for delayed and eager (BENCHMARKS.md, "Overlapped outer updates")."""
     min_peers: int = 1
     """Commit rule: a round commits only if at least this many peers contributed, else it is aborted."""
     max_rounds: int = 0
