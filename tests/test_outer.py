@@ -132,8 +132,11 @@ def test_the_eager_start_previews_the_fresh_contribution_in_place_of_the_stale_o
     torch.testing.assert_close(contribution, (theta + 0.01 - local) * 1.0, rtol=0, atol=0)  # no EF state yet
     start = torch.empty(NUMEL)
     group = 4
-    fresh = outer.eager_start(start, contribution, stale, group)
-    torch.testing.assert_close(fresh, get_codec(codec).decode(get_codec(codec).encode(contribution)))
+    outer.eager_start(start, contribution, group, ours_applied=False)  # the first: nothing of ours applied
+    outer._stale.copy_(stale)  # as if the round just applied held this previewed contribution of ours
+    outer.eager_start(start, contribution, group, ours_applied=True)
+    fresh = get_codec(codec).decode(get_codec(codec).encode(contribution))
+    torch.testing.assert_close(outer._stale, fresh)  # kept as next round's stale
     # Two outer steps from the same state: the mean with the stale contribution, and with the fresh one.
     with_stale = (others * (group - 1) + stale) / group
     with_fresh = with_stale + (fresh - stale) / group
@@ -146,8 +149,8 @@ def test_the_eager_start_previews_the_fresh_contribution_in_place_of_the_stale_o
         moved.append(target)
     torch.testing.assert_close(start - theta, moved[1] - moved[0], rtol=0, atol=1e-5)
     # None for stale: the round applied did not hold our contribution, so nothing of ours is taken out.
-    again = outer.eager_start(start, contribution, None, group)
-    torch.testing.assert_close(theta - start, again * strategy.eager_scale() / group, rtol=1e-5, atol=1e-6)
+    outer.eager_start(start, contribution, group, ours_applied=False)
+    torch.testing.assert_close(theta - start, fresh * strategy.eager_scale() / group, rtol=1e-5, atol=1e-6)
 
 
 def test_a_contribution_measured_from_a_reference_leaves_theta_outer_alone() -> None:

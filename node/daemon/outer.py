@@ -142,27 +142,21 @@ class OuterRound:
         return self._reference.copy_(start)
 
     def eager_start(
-        self, start: torch.Tensor, contribution: torch.Tensor, stale: torch.Tensor | None, group_size: int
-    ) -> torch.Tensor:
+        self, start: torch.Tensor, contribution: torch.Tensor, group_size: int, *, ours_applied: bool
+    ) -> None:
         """run.outer_update = eager: theta_outer, written into `start` (the hand-off's theta region), with this
-        node's fresh contribution previewed in it as the swarm will see it (through the codec) in place of its
-        `stale` one from the round just applied (None: that round's mean did not hold ours). Returns what the
-        swarm will see of `contribution`, to pass as `stale` next round (a buffer kept across rounds)."""
-        if self._fresh is None:
+        node's fresh contribution previewed in it as the swarm will see it (through the codec) in place of the
+        one it previewed last time, which the round just applied holds if `ours_applied` (else nothing of ours
+        is taken out). The fresh one is kept for next time."""
+        if self._fresh is None or self._stale is None:
             self._fresh = torch.empty(self.strategy.num_params, dtype=torch.float32)
             self._stale = torch.zeros(self.strategy.num_params, dtype=torch.float32)
-        assert self._stale is not None
-        fresh = self._fresh
-        self.codec.encode_decoded(contribution, checksum=False, out=fresh)
-        if stale is None:
+        if not ours_applied:
             self._stale.zero_()
-        elif stale.data_ptr() != self._stale.data_ptr():
-            self._stale.copy_(stale)
+        self.codec.encode_decoded(contribution, checksum=False, out=self._fresh)
         start.copy_(self.theta)
-        self.strategy.eager_preview(start, fresh, self._stale, group_size)
-        # The fresh one is next round's stale: swap the two buffers.
-        self._fresh, self._stale = self._stale, fresh
-        return fresh
+        self.strategy.eager_preview(start, self._fresh, self._stale, group_size)
+        self._fresh, self._stale = self._stale, self._fresh  # this round's is next round's stale
 
     def rollback(self) -> None:
         """The round did not commit: the error-feedback state stays as it was (the work buffer is scratch)."""

@@ -103,8 +103,7 @@ class RoundAgent(SwarmAgent):
         their inner steps, and after the last round (run.max_rounds)."""
         run = self.config.run
         pending: asyncio.Task[bool] | None = None
-        # eager: what the swarm saw of our contribution to the round just applied
-        stale: torch.Tensor | None = None
+        ours_applied = False  # eager: the round just applied holds the contribution we previewed last
         # The members wait for us in a round from its announcement: here for the first, then as soon as the
         # round before it closed (`_round_in_flight`), while our ranks already work on it.
         self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
@@ -130,8 +129,7 @@ class RoundAgent(SwarmAgent):
                     if outcome is None:
                         self.events.write("withdrew", round_id=self.round_id, mode="now")
                         return
-                    if self.counters.rounds_committed == committed:
-                        stale = None  # the round did not commit with our contribution in its mean
+                    ours_applied = self.counters.rounds_committed > committed
                 if not ranks_done:
                     self.events.write("withdrew", round_id=self.round_id)
                     return
@@ -163,7 +161,9 @@ class RoundAgent(SwarmAgent):
                     # The preview needs this round's contribution: made before the ranks go on.
                     prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
                     group = self.counters.last_contributors or len(self._live_ids()) + 1
-                    stale = self.outer.eager_start(self.handoff.theta, prepared.contribution, stale, group)
+                    self.outer.eager_start(
+                        self.handoff.theta, prepared.contribution, group, ours_applied=ours_applied
+                    )
                     start = self.handoff.theta
                 round_seq = seq
                 seq = self._publish_work(
