@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 
 
 OUTER_UPDATES = ("sync", "delayed", "eager")
+INNER_OPTIMIZERS = ("adamw", "muon")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,14 @@ class RunConfig:
     """Extra options passed to the codec (e.g. {block_size = 256} for int8)."""
     inner_steps: int = 20
     """H: inner optimizer steps between two outer synchronisations."""
+    inner_optimizer: str = "adamw"
+    """The ranks' inner optimizer: 'adamw' (betas 0.9, 0.95) or 'muon' (MuLoCo, arXiv 2505.23725: Muon with
+    Nesterov momentum 0.95 for the blocks' weight matrices, its step scaled to AdamW's RMS so inner_lr means the
+    same, and AdamW for embeddings, head and norms). Unused by demo, whose ranks take one plain SGD step."""
     inner_lr: float = 3e-3
-    """Peak learning rate of the inner AdamW."""
+    """Peak learning rate of the inner optimizer."""
     inner_weight_decay: float = 0.1
-    """Decoupled weight decay of the inner AdamW."""
+    """Decoupled weight decay of the inner optimizer."""
     warmup_steps: int = 20
     """Linear warm-up of the inner learning rate, in inner steps."""
     grad_clip: float = 1.0
@@ -88,6 +94,10 @@ class RunConfig:
         _non_negative(
             self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
         )
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ConfigError(
+                f"run.inner_optimizer: expected one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}"
+            )
         if self.outer_update not in OUTER_UPDATES:
             raise ConfigError(f"run.outer_update: expected one of {OUTER_UPDATES}, got {self.outer_update!r}")
         if self.outer_update != "sync" and self.strategy not in ("diloco", "sparseloco"):
@@ -115,12 +125,37 @@ class NodeConfig:
     """How many times the elastic launcher restarts crashed trainer ranks before the node gives up."""
     eval_batches: int = 4
     """Held-out batches evaluated on theta_outer after every round (0 disables)."""
+    tp: int = 1
+    """Tensor-parallel degree inside the node: the ranks form a 2-D mesh (num_ranks/tp data-parallel shards x tp),
+    attention and MLP split Megatron-style (q/k/v and w1/w3 column-wise, wo and w2 row-wise) with sequence
+    parallelism for the blocks' norms, FSDP2 over the data-parallel dimension. Must divide num_ranks, and the
+    model's n_heads, n_kv_heads and ffn_dim, and run.seq_len. A node-local choice: nodes of one swarm may
+    differ."""
+    precision: str = "auto"
+    """Compute precision of the ranks: 'fp32', 'bf16' (FSDP2 MixedPrecisionPolicy: bf16 parameters in forward and
+    backward, fp32 gradient reduction, fp32 master weights, which the hand-off reads) or 'auto' (bf16 on cuda,
+    fp32 on cpu)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them (less memory, about
+    a third more compute)."""
+    micro_batches: int = 1
+    """Gradient accumulation: each inner step runs the rank's batch in this many micro-batches (must divide the
+    per-rank batch, run.batch_size / (num_ranks / tp))."""
+    compile: bool = False
+    """torch.compile each transformer block (the first steps compile; step-time metrics leave them out)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "num_ranks", "threads_per_rank")
+        _positive(self, "num_ranks", "threads_per_rank", "tp", "micro_batches")
         _non_negative(self, "max_restarts", "eval_batches")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"node.device: expected one of 'auto', 'cpu', 'cuda', got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"node.precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        if self.num_ranks % self.tp:
+            raise ConfigError(
+                f"node.tp={self.tp}: expected a divisor of node.num_ranks={self.num_ranks} (the ranks form a "
+                f"{self.num_ranks}/tp x tp mesh)"
+            )
 
 
 @dataclass(frozen=True)
@@ -312,6 +347,26 @@ class Config:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        node, run = self.node, self.run
+        dp = node.num_ranks // node.tp
+        per_rank = run.batch_size // dp
+        if per_rank < 1:
+            raise ConfigError(
+                f"run.batch_size={run.batch_size}: expected at least one sequence per data-parallel rank "
+                f"(node.num_ranks={node.num_ranks} / node.tp={node.tp} = {dp})"
+            )
+        if per_rank % node.micro_batches:
+            raise ConfigError(
+                f"node.micro_batches={node.micro_batches}: expected a divisor of the per-rank batch "
+                f"run.batch_size / (num_ranks / tp) = {run.batch_size} / {dp} = {per_rank}"
+            )
+        if run.seq_len % node.tp:
+            raise ConfigError(
+                f"node.tp={node.tp}: expected a divisor of run.seq_len={run.seq_len} (sequence parallelism "
+                f"splits each sequence over the tp ranks)"
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from farloco.node.tools.demo import (
@@ -100,6 +101,61 @@ def test_three_peers_one_with_two_ranks_train_and_agree(tmp_path: Path) -> None:
     # two ranks on peer-0 trained the same model as the single-rank peers: its trainer logs show both ranks
     assert (tmp_path / "peer-0" / "logs" / "trainer").exists()
     assert all(e["bytes_sent"] > 0 for ev in events.values() for e in ev)
+
+
+def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
+    """Issue 13: a node with tensor parallelism (tp = 2 over 2 ranks: a 1 x 2 mesh), a node with FSDP over 2
+    ranks and a node of 1 rank, all gloo on CPU, train in one swarm: every round all three contribute and every
+    committed hash agrees, because each node maps its shards onto the same canonical flat vector."""
+    made = Swarm(tmp_path, ["run.max_rounds=3", "run.inner_steps=4"])
+    try:
+        peers = [
+            made.add("tp2", ranks=2, extra=("--set", "node.tp=2")),
+            made.add("fsdp2", ranks=2),
+            made.add("one", ranks=1),
+        ]
+        wait_for(
+            lambda: all(p.process.poll() == 0 for p in peers),
+            400,
+            "3 nodes to train 3 rounds and stop",
+            peers,
+        )
+        by_peer = {p.name: {e["round_id"]: e for e in rounds_of(p)} for p in peers}
+        full = [r for r in by_peer["one"] if len(by_peer["one"][r]["contributors"]) == 3]
+        assert full, by_peer["one"]
+        for round_id in range(1, 4):
+            hashes = {
+                name: rounds[round_id]["outer_hash"] for name, rounds in by_peer.items() if round_id in rounds
+            }
+            assert len(hashes) == 3 and len(set(hashes.values())) == 1, f"round {round_id}: {hashes}"
+        losses = [by_peer["tp2"][r].get("train_loss") for r in sorted(by_peer["tp2"])]
+        assert all(loss is not None and math.isfinite(loss) for loss in losses), losses
+    finally:
+        made.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: two GPU nodes (NCCL inside each) in one swarm"
+)
+def test_two_gpu_nodes_train_as_one_swarm(tmp_path: Path) -> None:
+    """Issue 13 point 5: two nodes of one CUDA rank each (NCCL inside the node, bf16 by node.precision=auto,
+    gRPC between the agents) train 3 rounds together with agreeing hashes."""
+    made = Swarm(tmp_path, ["run.max_rounds=3", "run.inner_steps=8", 'node.device="cuda"'])
+    try:
+        peers = [made.add("gpu-a"), made.add("gpu-b")]
+        wait_for(
+            lambda: all(p.process.poll() == 0 for p in peers), 400, "2 GPU nodes to train 3 rounds", peers
+        )
+        by_peer = {p.name: {e["round_id"]: e for e in rounds_of(p)} for p in peers}
+        for round_id in range(1, 4):
+            hashes = {
+                name: rounds[round_id]["outer_hash"] for name, rounds in by_peer.items() if round_id in rounds
+            }
+            assert len(hashes) == 2 and len(set(hashes.values())) == 1, f"round {round_id}: {hashes}"
+        assert any(len(e["contributors"]) == 2 for e in by_peer["gpu-a"].values())
+    finally:
+        made.close()
 
 
 def test_peer_leaves_mid_run_others_keep_training(swarm: Swarm) -> None:

@@ -34,6 +34,7 @@ from farloco.node.daemon.outer import OuterRound
 from farloco.node.handoff import COMMAND_STOP, Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress
 from farloco.node.training.model import build_model, model_config, num_parameters
+from farloco.node.training.parallel import check_node_layout
 from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
 
@@ -198,6 +199,7 @@ class AgentCore:
         self.outer_hash = ""
         self.eval_loss = math.nan
         self.train_loss = math.nan
+        self.inner_step_seconds = 0.0  # the last sequence's mean inner step time (the slowest rank's)
         self.leave_mode: str | None = None
         self._leave_requested_at: float | None = None  # monotonic time of the first non-drain leave request
         self._seq_inner_step = 0  # the ranks' inner steps at the end of the last sequence read
@@ -223,6 +225,9 @@ class AgentCore:
             spare = (os.cpu_count() or 1) - config.node.num_ranks * config.node.threads_per_rank
             torch.set_num_threads(max(1, spare))
 
+        check_node_layout(
+            config
+        )  # tp against the model's heads and widths: a config error, before anything starts
         model = build_model(model_config(config.run.model), seed=config.run.seed)
         self.layout = layout_of(model)
         self.num_params = num_parameters(model)

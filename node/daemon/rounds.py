@@ -215,6 +215,8 @@ class RoundAgent(SwarmAgent):
         self.train_loss = sum(r.train_loss for r in reports) / len(reports)
         self._seq_inner_step = max(r.inner_step for r in reports)
         step_seconds = max(r.step_seconds for r in reports)
+        # The ranks step in lockstep: the slowest rank's mean step time is the node's (0: none timed yet).
+        self.inner_step_seconds = step_seconds
         if step_seconds > 0:
             self.metrics.inner_step_duration.observe(step_seconds)
         evals = [r.eval_loss for r in reports if r.eval_seq == seq]
@@ -416,6 +418,7 @@ class RoundAgent(SwarmAgent):
             fp32_bytes=averaged.fp32_bytes,
             seconds=self.counters.last_round_seconds,
             ranks_idle_seconds=self.counters.ranks_idle_seconds,
+            inner_step_seconds=self.inner_step_seconds,
             trained_from=prepared.trained_from,
             inner_step=prepared.inner_step,
         )

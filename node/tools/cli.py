@@ -363,9 +363,11 @@ def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     from farloco.node.config import run_hash
     from farloco.node.daemon.agent import build_outer
     from farloco.node.training.model import build_model, model_config, num_parameters
+    from farloco.node.training.parallel import check_node_layout
 
     try:
         cfg = load_config(path, overrides)
+        check_node_layout(cfg)
         build_outer(cfg, num_parameters(build_model(model_config(cfg.run.model), seed=cfg.run.seed)))
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -1,12 +1,16 @@
 """A trainer rank: the inner loop of one node, launched and supervised by the agent via torch's elastic launcher.
 
 Each rank joins the node-local process group (gloo on CPU, NCCL on CUDA), builds the model from the run seed,
-shards it with FSDP2 (`fully_shard` per transformer block, then the root) on a 1-D DeviceMesh, and loops:
+splits it over the node's (dp_shard x tp) mesh (farloco.node.training.parallel: tensor parallelism, activation
+checkpointing, compile, FSDP2 with bf16 mixed precision), and loops:
 
     wait for the agent to publish a sequence -> load theta_outer rows (unless told to keep local weights)
     -> evaluate theta_outer on held-out batches -> the sequence's inner steps on this rank's data share
        (AdamW; for DeMo one plain SGD step of lr 1, see `plain_gradient_step`)
     -> write this rank's rows of the parameters into the hand-off -> mark the sequence done
+
+The ranks of one tp group see the same batches (the data is split over the dp dimension only). On CUDA the
+rows go to and from the hand-off through pinned host buffers on a side stream (`HostStaging`).
 
 The inner optimizer state stays local across rounds, as in DiLoCo. Between sequences the ranks save it (with the
 model shards) into a checkpoint's inner/ folder, or load it back on resume, when the agent asks through the
@@ -27,9 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
 from farloco.node.config import Config, load_config
@@ -40,51 +41,22 @@ from farloco.node.handoff import (
     INNER_OK,
     INNER_SAVE,
     Handoff,
-    ParamSlot,
     layout_of,
 )
 from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
 from farloco.node.training.model import Transformer, build_model, lm_loss, model_config
+from farloco.node.training.muon import build_inner_optimizer
+from farloco.node.training.parallel import ShardView, clip_grad_norm, node_mesh, parallelize
 
 POLL_SECONDS = 0.002
+# Steps of a compiled model that compile it (the first forward/backward and a recompile or two).
+COMPILE_WARMUP_STEPS = 3
 
 
 def resolve_device(config: Config) -> torch.device:
     if config.node.device == "cuda" or (config.node.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-class ShardView:
-    """The contiguous range of the canonical flat vector that one local parameter shard covers."""
-
-    def __init__(self, param: torch.nn.Parameter, slot: ParamSlot) -> None:
-        self.param = param
-        if isinstance(param, DTensor):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            local_shape, global_offset = compute_local_shape_and_global_offset(
-                param.shape, param.device_mesh, param.placements
-            )
-            self.local = param.to_local()
-            if tuple(self.local.shape) != tuple(local_shape):
-                raise RuntimeError(
-                    f"{slot.name}: local shard {tuple(self.local.shape)} != expected {local_shape}"
-                )
-            row_numel = slot.numel // slot.shape[0] if slot.shape and slot.shape[0] else 0
-            start = global_offset[0] * row_numel if slot.shape else 0
-        else:
-            self.local = param.data
-            start = 0
-        self.begin = slot.offset + start
-        self.end = self.begin + self.local.numel()
-
-    def load(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.local.copy_(flat[self.begin : self.end].view(self.local.shape))
-
-    def store(self, flat: torch.Tensor) -> None:
-        flat[self.begin : self.end].copy_(self.local.detach().reshape(-1))
 
 
 @contextmanager
@@ -133,27 +105,28 @@ def run_rank(args: argparse.Namespace) -> None:
         model = build_model(model_config(config.run.model), seed=config.run.seed)
         layout = layout_of(model)
         model.to(device)
-        mesh = init_device_mesh(device.type, (world_size,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        mesh = node_mesh(device, world_size, rank, config.node.tp)
+        parallelize(model, config, device, mesh)
         params = dict(model.named_parameters())
         views = [ShardView(params[slot.name], slot) for slot in layout]
         optimizer: torch.optim.Optimizer
         if plain_gradient_step(config):
             optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         else:
-            optimizer = torch.optim.AdamW(
-                model.parameters(),
+            optimizer = build_inner_optimizer(
+                model,
+                config.run.inner_optimizer,
                 lr=config.run.inner_lr,
-                betas=(0.9, 0.95),
                 weight_decay=config.run.inner_weight_decay,
                 fused=device.type == "cuda",
             )
         dataset = open_dataset(Path(args.dataset))
-        per_rank_batch = config.run.batch_size // world_size
+        # The data is split over the data-parallel ranks; the tp ranks of one group share their batches.
+        per_rank_batch = config.run.batch_size // mesh.dp_size
         if per_rank_batch < 1:
-            raise ValueError(f"run.batch_size {config.run.batch_size} is smaller than the {world_size} ranks")
+            raise ValueError(
+                f"run.batch_size {config.run.batch_size} is smaller than the {mesh.dp_size} dp ranks"
+            )
         sampler = BatchSampler(
             dataset,
             "train",
@@ -161,8 +134,8 @@ def run_rank(args: argparse.Namespace) -> None:
             per_rank_batch,
             slot=args.slot,
             num_slots=config.run.data_slots,
-            rank=rank,
-            world_size=world_size,
+            rank=mesh.dp_rank,
+            world_size=mesh.dp_size,
             seed=config.run.seed,
         )
         held_out = (
@@ -170,9 +143,10 @@ def run_rank(args: argparse.Namespace) -> None:
             if config.node.eval_batches
             else []
         )
-        # Each rank evaluates its own share of the held-out batches; the mean is all-reduced.
-        held_out = held_out[rank::world_size] or held_out[:1]
-        loop(handoff, model, views, optimizer, sampler, held_out, config, rank, device)
+        # Each dp rank evaluates its own share of the held-out batches; the mean is all-reduced.
+        held_out = held_out[mesh.dp_rank :: mesh.dp_size] or held_out[:1]
+        staging = HostStaging(views, device)
+        loop(handoff, model, staging, optimizer, sampler, held_out, config, rank, device)
 
 
 def evaluate(
@@ -193,7 +167,7 @@ def evaluate(
 def loop(
     handoff: Handoff,
     model: Transformer,
-    views: list[ShardView],
+    staging: HostStaging,
     optimizer: torch.optim.Optimizer,
     sampler: BatchSampler,
     held_out: list[tuple[torch.Tensor, torch.Tensor]],
@@ -209,6 +183,9 @@ def loop(
     loaded_once = False
     tokens = 0
     pid = os.getpid()
+    steps_taken = 0
+    # The first steps of a compiled model compile it: they stay out of the step time (and so of tokens/s).
+    warmup_steps = COMPILE_WARMUP_STEPS if config.node.compile else 0
     while True:
         while (
             handoff.publish_seq <= done_seq
@@ -228,40 +205,111 @@ def loop(
         seq = handoff.publish_seq
         reload, _round_id, step_base, inner_steps = handoff.work()
         if reload or not loaded_once:
-            for view in views:
-                view.load(handoff.theta)
+            staging.load(handoff.theta)
             loaded_once = True
         if held_out and reload:
             loss = evaluate(model, held_out, device)
             handoff.mark_eval(rank, seq, loss)
         losses: list[torch.Tensor] = []
-        started = time.perf_counter()
+        timed = 0.0
+        timed_steps = 0
         for i in range(inner_steps):
             step = step_base + i
+            started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
             inputs, targets = sampler.batch(step)
-            step_loss = lm_loss(model(inputs.to(device)), targets.to(device))
-            step_loss.backward()  # type: ignore[no-untyped-call]
-            if config.run.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.run.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(step_loss.detach())
+            losses.append(train_step(model, optimizer, inputs.to(device), targets.to(device), config))
             tokens += inputs.numel()
             handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
             if should_stop(handoff, parent, device):
                 return
-        elapsed = time.perf_counter() - started
+            steps_taken += 1
+            if steps_taken > warmup_steps:
+                timed += time.perf_counter() - started
+                timed_steps += 1
         train_loss = float(torch.stack(losses).mean()) if losses else math.nan
-        for view in views:
-            view.store(handoff.local)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        staging.store(handoff.local)
         # Every rank's rows must be in place before any rank reports done: the agent reads the whole vector.
         dist.barrier()
-        handoff.mark_done(rank, seq, train_loss=train_loss, step_seconds=elapsed / max(inner_steps, 1))
+        handoff.mark_done(rank, seq, train_loss=train_loss, step_seconds=timed / max(timed_steps, 1))
         done_seq = seq
+
+
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    config: Config,
+) -> torch.Tensor:
+    """One inner step over the rank's batch, in node.micro_batches micro-batches (gradients accumulate
+    unreduced until the last one); returns the batch's mean loss (a detached tensor, no device sync)."""
+    micro = config.node.micro_batches
+    total = torch.zeros((), device=inputs.device)
+    for index, (micro_inputs, micro_targets) in enumerate(
+        zip(inputs.chunk(micro), targets.chunk(micro), strict=True)
+    ):
+        if micro > 1:
+            model.set_requires_gradient_sync(index == micro - 1)  # type: ignore[operator]
+        loss = lm_loss(model(micro_inputs), micro_targets)
+        (loss / micro).backward()  # type: ignore[no-untyped-call]
+        total += loss.detach() / micro
+    if config.run.grad_clip > 0:
+        clip_grad_norm(list(model.parameters()), config.run.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+class HostStaging:
+    """Moves this rank's shards between the device and the hand-off's flat vectors.
+
+    On CPU each shard is copied in place. On CUDA the shards go through one pinned host buffer on a side stream:
+    host-to-device copies are queued asynchronously and the training stream waits for them on the device, not
+    on the host; device-to-host copies wait only for the last optimizer step."""
+
+    def __init__(self, views: list[ShardView], device: torch.device) -> None:
+        self.views = views
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[int, int]] = []
+        begin = 0
+        for view in views:
+            self.spans.append((begin, begin + view.numel))
+            begin += view.numel
+        if self.cuda:
+            self.buffer = torch.empty(begin, dtype=torch.float32, pin_memory=True)
+            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def load(self, flat: torch.Tensor) -> None:
+        if not self.cuda:
+            for view in self.views:
+                view.load(flat)
+            return
+        self.stream.synchronize()  # the buffer's last copies are done before it is refilled
+        for view, (begin, end) in zip(self.views, self.spans, strict=True):
+            if view.numel:
+                self.buffer[begin:end].view(view.local.shape).copy_(view.host_piece(flat))
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            for view, (begin, end) in zip(self.views, self.spans, strict=True):
+                if view.numel:
+                    view.local.copy_(self.buffer[begin:end].view(view.local.shape), non_blocking=True)
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def store(self, flat: torch.Tensor) -> None:
+        if not self.cuda:
+            for view in self.views:
+                view.store(flat)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # after the last optimizer step
+        with torch.cuda.stream(self.stream):
+            for view, (begin, end) in zip(self.views, self.spans, strict=True):
+                if view.numel:
+                    self.buffer[begin:end].copy_(view.local.detach().reshape(-1), non_blocking=True)
+        self.stream.synchronize()
+        for view, (begin, end) in zip(self.views, self.spans, strict=True):
+            view.store_from(flat, self.buffer[begin:end])
 
 
 def serve_inner_request(
