@@ -57,6 +57,7 @@ import torch
 
 from farloco.node.training.data import BatchSampler, TokenDataset, builtin_dataset, eval_batches, open_dataset
 from farloco.node.training.model import Transformer, build_model, lm_loss, model_config, num_parameters
+from farloco.node.training.muon import build_inner_optimizer
 from farloco.optim import Codec, OuterStrategy, get_codec, make_strategy, mean_of
 
 NUM_WORKERS = 4
@@ -148,6 +149,9 @@ class RunConfig:
     """`run.outer_update` of the daemon (diloco, sparseloco): sync blocks at every round; delayed starts the next
     inner phase at once from theta_outer, which takes each round's mean one round late; eager does the same
     and previews the worker's own fresh contribution in its start point."""
+    inner_optimizer: Literal["adamw", "muon"] = "adamw"
+    """`run.inner_optimizer` of every worker: AdamW, or Muon for the blocks' matrices and AdamW for the rest
+    (MuLoCo, arXiv 2505.23725); the same lr either way (Muon's step is scaled to AdamW's RMS)."""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -225,6 +229,25 @@ def default_configs() -> list[RunConfig]:
         # Tuned (sweep_configs): sign-SGD wants ~1/3 of AdamW's lr, as Lion does; 3e-3 closed 37% of the gap.
         demo_config(k=12, chunk=1024, lr=1e-3, beta=0.999),
         *overlapped_configs(),
+        *muon_configs(),
+    ]
+
+
+def muon_configs() -> list[RunConfig]:
+    """MuLoCo (arXiv 2505.23725): DiLoCo with Muon as the inner optimizer, whose pseudo-gradients keep their
+    quality at few bits; int8 beside the AdamW row above, and int4."""
+    return [
+        RunConfig(
+            f"diloco-h10-{codec}-muon",
+            "outer",
+            "diloco",
+            codec,
+            hparams={"lr": 0.5, "momentum": 0.9},
+            sync_every=10,
+            inner_optimizer="muon",
+            note="inner Muon (blocks' matrices) + AdamW (the rest)",
+        )
+        for codec in ("int8", "int4")
     ]
 
 
@@ -342,13 +365,13 @@ def evaluate(model: Transformer, batches: Sequence[Batch]) -> float:
 
 
 class Learner:
-    """One model with its AdamW, stepping on whatever batch it is given."""
+    """One model with its inner optimizer (the trainer's: AdamW or Muon), stepping on whatever batch it is given."""
 
-    def __init__(self, model: Transformer, setup: Setup) -> None:
+    def __init__(self, model: Transformer, setup: Setup, inner_optimizer: str = "adamw") -> None:
         self.model = model
         self.setup = setup
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=setup.inner_lr, betas=(0.9, 0.95), weight_decay=setup.weight_decay
+        self.optimizer = build_inner_optimizer(
+            model, inner_optimizer, lr=setup.inner_lr, weight_decay=setup.weight_decay, fused=False
         )
 
     def step(self, step: int, batch: Batch) -> float:
@@ -478,7 +501,9 @@ class Bench:
             self._tick(result.config, step + 1)
 
     def _run_lone(self, result: RunResult) -> None:
-        learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
+        learners = [
+            Learner(self.fresh_model(), self.setup, result.config.inner_optimizer) for _ in range(NUM_WORKERS)
+        ]
         for step in range(1, self.setup.steps + 1):
             for learner, sampler in zip(learners, self.samplers, strict=True):
                 learner.step(step - 1, sampler.batch(step - 1))
@@ -506,7 +531,9 @@ class Bench:
         # Streaming DiLoCo keeps its staggered schedule to the end (no extra round at the last step, so the
         # figures at 600 steps of a --long run are those of a 600-step run); the others sync at the last step.
         streaming = config.strategy == "streaming-diloco"
-        learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
+        learners = [
+            Learner(self.fresh_model(), self.setup, config.inner_optimizer) for _ in range(NUM_WORKERS)
+        ]
         sent = 0
         in_flight: tuple[int, Exchanged] | None = None  # (step it lands at, the exchanged round)
         for step in range(1, self.setup.steps + 1):
@@ -564,7 +591,9 @@ class Bench:
         thetas = [theta0.clone() for _ in range(NUM_WORKERS)]
         starts = [theta0.clone() for _ in range(NUM_WORKERS)]  # where each worker's inner phase began
         previews = [torch.zeros_like(theta0) for _ in range(NUM_WORKERS)]  # eager: own last transmitted
-        learners = [Learner(self.fresh_model(), self.setup) for _ in range(NUM_WORKERS)]
+        learners = [
+            Learner(self.fresh_model(), self.setup, config.inner_optimizer) for _ in range(NUM_WORKERS)
+        ]
         sent = 0
         pending: Exchanged | None = None
         for step in range(1, self.setup.steps + 1):
@@ -734,6 +763,7 @@ def describe(config: RunConfig) -> dict[str, Any]:
         "sync_every": config.sync_every,
         "tau": config.tau,
         "outer_update": config.outer_update,
+        "inner_optimizer": config.inner_optimizer,
     }
 
 

@@ -27,6 +27,7 @@ SMOKE_CONFIGS = [
     "sparseloco-h10-top64of4096-2bit",
     "demo-top12of1024-lr0.001-b0.999-wd0",
     "diloco-h10-int8-eager",
+    "diloco-h10-int8-muon",
 ]
 
 
