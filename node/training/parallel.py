@@ -150,8 +150,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
 def parallelize(model: Transformer, config: Config, device: torch.device, mesh: NodeMesh) -> None:
     """TP, activation checkpointing, compile and FSDP2 (with mixed precision), in that order, in place.
 
-    Parameter names do not change (activation checkpointing is a flag of the model, compile is
-    `nn.Module.compile`), so the canonical order and the checkpoints' keys are those of the plain model."""
+    Parameter names do not change (activation checkpointing is a flag of the model, compile replaces each
+    block's forward in place), so the canonical order and the checkpoints' keys are those of the plain model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh.tp_mesh is not None:
@@ -159,7 +159,9 @@ def parallelize(model: Transformer, config: Config, device: torch.device, mesh: 
     model.checkpoint_blocks = config.node.activation_checkpointing
     if config.node.compile:
         for block in model.layers:
-            block.compile()
+            # The block's forward, not its __call__: FSDP2's hooks (all-gather, reshard) stay eager around the
+            # compiled body, as torchtitan has them, and the names stay canonical (no `_orig_mod.` wrapper).
+            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
     dtype = compute_dtype(config, device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.layers:
