@@ -1,0 +1,178 @@
+"""Writes farloco-dashboard.json beside this file: the Grafana dashboard for the nodes' /metrics.
+
+    python deploy/grafana/make_dashboard.py        # after changing a panel; commit both files
+
+Import the JSON in Grafana (Dashboards -> New -> Import) and pick the Prometheus data source that scrapes the
+nodes' control endpoints (`http://NODE:CONTROL_PORT/metrics`; OPERATORS.md). Every series is per node
+(`instance`); the `instance` variable filters them. tests/test_deploy.py checks that every query names a metric
+the daemon exports and that the file is what this script writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SELECTOR = '{instance=~"$instance"}'
+
+# (title, unit, [(expr, legend)]), laid out two per row.
+PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    (
+        "Loss",
+        "none",
+        [
+            (f"farloco_loss{SELECTOR}", "train {{instance}}"),
+            (f"farloco_eval_loss{SELECTOR}", "held-out {{instance}}"),
+        ],
+    ),
+    (
+        "Outer round",
+        "none",
+        [(f"farloco_round_id{SELECTOR}", "{{instance}}")],
+    ),
+    (
+        "Round time (p50, p95)",
+        "s",
+        [
+            (
+                f"histogram_quantile(0.5, sum by (le, instance) (rate(farloco_round_duration_seconds_bucket{SELECTOR}[5m])))",
+                "p50 {{instance}}",
+            ),
+            (
+                f"histogram_quantile(0.95, sum by (le, instance) (rate(farloco_round_duration_seconds_bucket{SELECTOR}[5m])))",
+                "p95 {{instance}}",
+            ),
+        ],
+    ),
+    (
+        "Exchange time (p95) and the ranks' wait for the agent (p95)",
+        "s",
+        [
+            (
+                f"histogram_quantile(0.95, sum by (le, instance) (rate(farloco_exchange_duration_seconds_bucket{SELECTOR}[5m])))",
+                "exchange {{instance}}",
+            ),
+            (
+                f"histogram_quantile(0.95, sum by (le, instance) (rate(farloco_ranks_idle_duration_seconds_bucket{SELECTOR}[5m])))",
+                "ranks idle {{instance}}",
+            ),
+        ],
+    ),
+    (
+        "Bytes per second on the wire",
+        "Bps",
+        [
+            (f"rate(farloco_bytes_sent_total{SELECTOR}[5m])", "sent {{instance}}"),
+            (f"rate(farloco_bytes_received_total{SELECTOR}[5m])", "received {{instance}}"),
+        ],
+    ),
+    (
+        "Compression (fp32 bytes per wire byte)",
+        "none",
+        [(f"farloco_compression_ratio{SELECTOR}", "{{instance}}")],
+    ),
+    (
+        "Peers, and this node's share of the last 100 rounds",
+        "none",
+        [
+            (f"farloco_peers{SELECTOR}", "live peers {{instance}}"),
+            (f"farloco_group_share{SELECTOR}", "share {{instance}}"),
+            (f"farloco_isolated{SELECTOR}", "isolated {{instance}}"),
+        ],
+    ),
+    (
+        "Rounds committed and aborted per minute",
+        "none",
+        [
+            (f"60 * rate(farloco_rounds_committed_total{SELECTOR}[5m])", "committed {{instance}}"),
+            (f"60 * rate(farloco_rounds_aborted_total{SELECTOR}[5m])", "aborted {{instance}}"),
+        ],
+    ),
+    (
+        "Rejected messages per minute, by reason",
+        "none",
+        [
+            (f"60 * sum by (reason) (rate(farloco_rejected_messages_total{SELECTOR}[5m]))", "{{reason}}"),
+            (
+                f"60 * sum by (reason) (rate(farloco_ignored_dht_records_total{SELECTOR}[5m]))",
+                "DHT: {{reason}}",
+            ),
+        ],
+    ),
+    (
+        "Rounds left out per minute, by reason",
+        "none",
+        [(f"60 * sum by (reason) (rate(farloco_left_out_total{SELECTOR}[5m]))", "{{reason}}")],
+    ),
+    (
+        "Training tokens per second and inner step time",
+        "none",
+        [
+            (f"farloco_tokens_per_second{SELECTOR}", "tokens/s {{instance}}"),
+            (f"farloco_inner_step_seconds{SELECTOR}", "step s {{instance}}"),
+        ],
+    ),
+    (
+        "Agent memory and trainer restarts",
+        "bytes",
+        [
+            (f"farloco_agent_process_resident_memory_bytes{SELECTOR}", "agent RSS {{instance}}"),
+            (f"farloco_trainer_restarts_total{SELECTOR}", "trainer restarts {{instance}}"),
+        ],
+    ),
+]
+
+
+def dashboard() -> dict[str, Any]:
+    panels = []
+    for index, (title, unit, queries) in enumerate(PANELS):
+        panels.append(
+            {
+                "id": index + 1,
+                "type": "timeseries",
+                "title": title,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [
+                    {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend}
+                    for i, (expr, legend) in enumerate(queries)
+                ],
+            }
+        )
+    return {
+        "title": "farloco swarm",
+        "uid": "farloco-swarm",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "tags": ["farloco"],
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"},
+                {
+                    "name": "instance",
+                    "type": "query",
+                    "label": "node",
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "query": "label_values(farloco_round_id, instance)",
+                    "includeAll": True,
+                    "multi": True,
+                    "current": {"text": "All", "value": "$__all"},
+                    "refresh": 2,
+                },
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    (Path(__file__).resolve().parent / "farloco-dashboard.json").write_text(render())
