@@ -194,6 +194,53 @@ def test_export_loads_in_transformers(tmp_path: Path) -> None:
         )
 
 
+def test_export_ships_the_tokenizer_the_shards_were_made_with(tmp_path: Path) -> None:
+    """`farloco data prepare --tokenizer tokenizer.json` keeps a copy beside the shards; the export writes it with
+    a tokenizer_config.json, and transformers' AutoTokenizer loads the folder and encodes as the run did."""
+    import tokenizers
+    import transformers
+
+    from farloco.node.training.data import prepare_dataset
+    from farloco.node.training.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3, "farloco": 4}
+    made = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    made.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    made.save(str(tmp_path / "tokenizer.json"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "hello world"}\n{"text": "farloco world hello"}\n')
+    dataset = tmp_path / "ds"
+    info = prepare_dataset(
+        [corpus], dataset, str(tmp_path / "tokenizer.json"), val_fraction=0, progress=False
+    )
+    assert (dataset / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+
+    run_dir, _ = _make_run_dir(tmp_path)
+    config = load_config(None, ['run.name="exp"', "run.model=tiny", "run.seed=3", f'run.dataset="{dataset}"'])
+    (run_dir / "config.toml").write_text(to_toml(config))
+    meta = {"run_hash": run_hash(config), "inner_step": "100"}
+    save_checkpoint(
+        checkpoints_dir(run_dir), 6, {"theta": _trained_theta(model_config("tiny"), seed=3)}, meta
+    )
+    out = export_run(run_dir, tmp_path / "hf", progress=False)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    ours = HFTokenizer(tmp_path / "tokenizer.json")
+    assert ours.name == info.tokenizer
+    assert loaded("farloco hello world", add_special_tokens=False)["input_ids"] == ours.encode(
+        "farloco hello world"
+    )
+    assert loaded.eos_token == "</s>" and loaded.eos_token_id == ours.eos_id == 1
+
+    # A tokenizer.json swapped after the shards were made is refused, naming both hashes.
+    made.add_tokens(["extra"])
+    made.save(str(dataset / "tokenizer.json"))
+    with pytest.raises(
+        ExportError, match=r"expected the tokenizer hf:sha256=\w+ the shards were made with, found"
+    ):
+        export_run(run_dir, tmp_path / "hf2", progress=False)
+
+
 def test_export_errors_name_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"expected a run directory with config\.toml"):
         export_run(tmp_path, tmp_path / "out", progress=False)

@@ -40,6 +40,7 @@ from farloco.node.checkpoint import (
 from farloco.node.config import ConfigError, load_config, run_hash
 from farloco.node.fsutil import fsync_dir
 from farloco.node.handoff import layout_of, unflatten
+from farloco.node.training.data import MANIFEST_NAME, TOKENIZER_NAME
 from farloco.node.training.model import (
     ModelConfig,
     Transformer,
@@ -47,10 +48,12 @@ from farloco.node.training.model import (
     hf_state_dict_names,
     model_config,
 )
+from farloco.node.training.tokenizer import HFTokenizer, hf_tokenizer_name, load_tokenizer
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 class ExportError(RuntimeError):
@@ -92,9 +95,53 @@ def export_run(run_dir: Path, out_dir: Path, *, progress: bool = True) -> Path:
         "farloco.inner_step": meta["inner_step"],
     }
     with steps.step(f"writing {out_dir}"):
-        export_theta(model_config(config.run.model), tensors["theta"], out_dir, metadata=source)
-    console.print(f"exported round {meta['round_id']} of run {config.run.name!r} to {out_dir}")
+        model = model_config(config.run.model)
+        export_theta(model, tensors["theta"], out_dir, metadata=source)
+        tokenizer_note = export_tokenizer(config.run.dataset, model, out_dir)
+    console.print(
+        f"exported round {meta['round_id']} of run {config.run.name!r} to {out_dir} ({tokenizer_note})"
+    )
     return out_dir
+
+
+def export_tokenizer(dataset: str, model: ModelConfig, out_dir: Path) -> str:
+    """Ship the run's tokenizer with the model: the `tokenizer.json` that `farloco data prepare` copied next to
+    the shards (checked against the hash in the dataset's manifest) and a `tokenizer_config.json` naming its
+    end-of-text token, so `AutoTokenizer.from_pretrained(out_dir)` loads it. Says what it did, or why nothing."""
+    if dataset == "builtin":
+        return "no tokenizer: the builtin corpus is byte-level, token id = byte value"
+    source = Path(dataset) / TOKENIZER_NAME
+    manifest_path = Path(dataset) / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return f"no tokenizer: the run's dataset {dataset} is not on this machine"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if not str(manifest.get("tokenizer", "")).startswith("hf:"):
+        return "no tokenizer: the dataset is byte-level, token id = byte value"
+    if not source.is_file():
+        raise ExportError(
+            f"{dataset}: the manifest names tokenizer {manifest['tokenizer']}, but {source} is missing"
+        )
+    content = source.read_bytes()
+    if hf_tokenizer_name(content) != manifest["tokenizer"]:
+        raise ExportError(
+            f"{source}: expected the tokenizer {manifest['tokenizer']} the shards were made with, "
+            f"found {hf_tokenizer_name(content)}"
+        )
+    tokenizer = load_tokenizer(str(source))
+    assert isinstance(tokenizer, HFTokenizer)
+    with _atomic_path(out_dir / TOKENIZER_NAME) as tmp:
+        tmp.write_bytes(content)
+    _write_json(
+        out_dir / TOKENIZER_CONFIG_FILE,
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tokenizer.eos_token,
+            "model_max_length": model.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    fsync_dir(out_dir)
+    return f"with its tokenizer, eos {tokenizer.eos_token!r}"
 
 
 def export_theta(

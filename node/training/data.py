@@ -48,9 +48,10 @@ import torch
 from torch import Tensor
 
 from farloco.node.fsutil import fsync_dir
-from farloco.node.training.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from farloco.node.training.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 MANIFEST_NAME = "dataset.json"
+TOKENIZER_NAME = "tokenizer.json"  # a copy of the Hugging Face tokenizer the shards were made with, if any
 FORMAT_NAME = "farloco-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -355,6 +356,11 @@ def _write_dataset(
         source=source,
     )
     _remove_stale_shards(info)
+    # The tokenizer travels with its tokens: `farloco export` ships it with the model.
+    if isinstance(tokenizer, HFTokenizer):
+        _write_atomically(out_dir / TOKENIZER_NAME, tokenizer.content)
+    else:
+        (out_dir / TOKENIZER_NAME).unlink(missing_ok=True)
     _write_atomically(out_dir / MANIFEST_NAME, (json.dumps(info.to_manifest(), indent=2) + "\n").encode())
     return info
 

@@ -95,7 +95,10 @@ class HFTokenizer:
             raise ValueError(f"{str(path)!r} is not a valid tokenizer.json: {exc}") from exc
         self._vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
         self._eos_id = self._find_eos(path, eos_token)
-        self._name = f"hf:sha256={hashlib.sha256(content).hexdigest()[:16]}"
+        self._name = hf_tokenizer_name(content)
+        # Kept so `farloco data prepare` can copy the file next to the shards (and the export ship it).
+        self.content = content
+        self.eos_token = str(self._tokenizer.id_to_token(self._eos_id))
 
     def _find_eos(self, path: Path, eos_token: str | None) -> int:
         candidates = (eos_token,) if eos_token is not None else _EOS_CANDIDATES
@@ -124,6 +127,11 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
+
+
+def hf_tokenizer_name(content: bytes) -> str:
+    """The name a tokenizer.json's bytes give a dataset's manifest (and that the export checks a copy against)."""
+    return f"hf:sha256={hashlib.sha256(content).hexdigest()[:16]}"
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
