@@ -161,7 +161,7 @@ def parallelize(model: Transformer, config: Config, device: torch.device, mesh: 
         for block in model.layers:
             # The block's forward, not its __call__: FSDP2's hooks (all-gather, reshard) stay eager around the
             # compiled body, as torchtitan has them, and the names stay canonical (no `_orig_mod.` wrapper).
-            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+            block.forward = torch.compile(block.forward)
     dtype = compute_dtype(config, device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.layers:
