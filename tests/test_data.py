@@ -154,7 +154,7 @@ def test_prepare_input_errors(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"typed.jsonl:1: expected 'text' to be a string, got int"):
         prepare_dataset([typed], tmp_path / "o3", progress=False)
     csv = _write(tmp_path / "x.csv", "a,b")
-    with pytest.raises(DatasetError, match=r"expected a .txt or .jsonl file, got suffix '.csv'"):
+    with pytest.raises(DatasetError, match=r"expected a .txt, .jsonl, .parquet, .arrow file, got suffix '.csv'"):
         prepare_dataset([csv], tmp_path / "o4", progress=False)
     single = _write(tmp_path / "one.txt", "just one document")
     with pytest.raises(DatasetError, match=r"val_fraction=0.05 needs at least 2 non-empty documents"):
@@ -383,3 +383,119 @@ def test_builtin_dataset_builds_offline_and_is_reused(
     shard.write_bytes(b"\0\0" + shard.read_bytes()[2:])  # damage: same size, wrong hash
     builtin_dataset(tmp_path)
     assert open_dataset(path, verify=True).info.fingerprint == dataset.info.fingerprint
+
+
+# --------------------------------------------------------------------------------------------- Parquet, Arrow, workers
+DOCS = [f"document {i}: " + "the swarm trains " * (i % 7 + 1) + f"end {i}" for i in range(300)]
+
+
+def _parquet(path: Path, column: str = "content", docs: list[str] | None = None) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(docs or DOCS))), column: docs or DOCS})
+    pq.write_table(table, path, row_group_size=64)  # several row groups: read batch by batch
+    return path
+
+
+def _saved_dataset(folder: Path, docs: list[str]) -> Path:
+    """The layout of `datasets.Dataset.save_to_disk`: state.json naming Arrow stream files (written here with
+    pyarrow, as the datasets library writes them)."""
+    import pyarrow as pa
+
+    folder.mkdir(parents=True)
+    names = []
+    for index, part in enumerate((docs[: len(docs) // 2], docs[len(docs) // 2 :])):
+        name = f"data-{index:05d}-of-00002.arrow"
+        table = pa.table({"text": part, "label": [0] * len(part)})
+        with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=50):
+                writer.write_batch(batch)
+        names.append({"filename": name})
+    (folder / "state.json").write_text(json.dumps({"_data_files": names, "_fingerprint": "x"}))
+    (folder / "dataset_info.json").write_text("{}")
+    return folder
+
+
+def _word_tokenizer(path: Path) -> Path:
+    import tokenizers
+
+    words = sorted({w for doc in DOCS for w in doc.replace(":", " :").split()})
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    made = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    made.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    made.save(str(path))
+    return path
+
+
+def test_parquet_and_a_saved_dataset_give_the_shards_the_same_texts_give_as_jsonl(tmp_path: Path) -> None:
+    jsonl = _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    reference = prepare_dataset([jsonl], tmp_path / "ref", val_fraction=0.1, progress=False)
+    parquet = _parquet(tmp_path / "c.parquet")
+    from_parquet = prepare_dataset(
+        [parquet], tmp_path / "pq", text_field="content", val_fraction=0.1, progress=False
+    )
+    saved = _saved_dataset(tmp_path / "saved" / "train", DOCS)
+    from_saved = prepare_dataset([saved], tmp_path / "hf", val_fraction=0.1, progress=False)
+    for info in (from_parquet, from_saved):
+        assert info.num_documents == reference.num_documents
+        for split in ("train", "val"):
+            assert np.array_equal(_stream(info.path, split), _stream(reference.path, split))
+
+
+def test_several_tokenizer_workers_write_the_shards_one_process_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import farloco.node.training.data as data
+
+    tokenizer = str(_word_tokenizer(tmp_path / "tokenizer.json"))
+    parquet = _parquet(tmp_path / "c.parquet", column="text")
+    monkeypatch.setattr(data, "CHUNK_CHARS", 500)  # many chunks, several in flight per worker
+    one = prepare_dataset([parquet], tmp_path / "one", tokenizer, workers=1, progress=False)
+    three = prepare_dataset([parquet], tmp_path / "three", tokenizer, workers=3, progress=False)
+    assert one.num_documents == three.num_documents
+    assert sum(one.num_documents.values()) == len(DOCS) and one.num_documents["val"] > 0
+    for split in ("train", "val"):
+        ones, threes = _stream(one.path, split), _stream(three.path, split)
+        assert ones.dtype == threes.dtype and np.array_equal(ones, threes)
+    assert 0 not in _stream(three.path, "train")  # every word known: no <unk>
+
+
+def test_arrow_inputs_refuse_what_they_cannot_read_naming_it(tmp_path: Path) -> None:
+    parquet = _parquet(tmp_path / "c.parquet")
+    with pytest.raises(
+        DatasetError, match=r"expected a text field 'text', the columns are \['id', 'content'\]"
+    ):
+        prepare_dataset([parquet], tmp_path / "out", progress=False)
+    with pytest.raises(DatasetError, match=r"expected 'id' to hold strings, it holds int64"):
+        prepare_dataset([parquet], tmp_path / "out", text_field="id", progress=False)
+    nulls = _parquet(tmp_path / "n.parquet", column="text", docs=["a", None, "b"])  # type: ignore[list-item]
+    with pytest.raises(DatasetError, match=r"n.parquet: row 1: expected a string in 'text', got null"):
+        prepare_dataset([nulls], tmp_path / "out", progress=False)
+    broken = _write(tmp_path / "broken.parquet", "not parquet at all")
+    with pytest.raises(DatasetError, match=r"broken.parquet: not a readable Parquet file"):
+        prepare_dataset([broken], tmp_path / "out", progress=False)
+    saved = tmp_path / "dict"
+    _saved_dataset(saved / "train", DOCS[:10])
+    (saved / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    with pytest.raises(
+        DatasetError, match=r"is a saved DatasetDict: expected one of its splits, e.g. .*dict/train"
+    ):
+        prepare_dataset([saved], tmp_path / "out", progress=False)
+
+
+def test_data_prepare_cli_reads_parquet_with_workers(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from farloco.node.tools.cli import main
+
+    tokenizer = _word_tokenizer(tmp_path / "tokenizer.json")
+    parquet = _parquet(tmp_path / "c.parquet")
+    result = CliRunner().invoke(
+        main,
+        ["data", "prepare", str(parquet), "--out", str(tmp_path / "ds"), "--tokenizer", str(tokenizer),
+         "--text-field", "content", "--workers", "2"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    counts = open_dataset(tmp_path / "ds").info.num_documents
+    assert sum(counts.values()) == len(DOCS) and counts["val"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -411,21 +412,44 @@ def data() -> None:
     help="'bytes' (offline byte-level) or the path of a Hugging Face tokenizer.json.",
 )
 @click.option("--val-fraction", type=float, default=0.05, show_default=True)
-def data_prepare(inputs: tuple[Path, ...], out_dir: Path, tokenizer: str, val_fraction: float) -> None:
-    """Tokenize .txt / .jsonl files (or directories of them) into shards for `run.dataset`."""
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="The .jsonl field, or the Parquet / saved-dataset column, that holds each document's text.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokenizer processes [default: the cores, at most 8, for a tokenizer.json; 1 for bytes].",
+)
+def data_prepare(
+    inputs: tuple[Path, ...],
+    out_dir: Path,
+    tokenizer: str,
+    val_fraction: float,
+    text_field: str,
+    workers: int | None,
+) -> None:
+    """Tokenize .txt / .jsonl / .parquet files, Hugging Face datasets saved with `save_to_disk` (a split's
+    folder), or directories of them, into shards for `run.dataset`. Streams: a corpus larger than memory is fine;
+    nothing is fetched from a hub."""
     from farloco.node.training.data import prepare_dataset
 
-    files: list[Path] = []
-    for item in inputs:
-        if item.is_dir():
-            files.extend(sorted(p for p in item.rglob("*") if p.suffix in (".txt", ".jsonl")))
-        else:
-            files.append(item)
-    if not files:
-        raise click.UsageError("no .txt or .jsonl files found in the inputs")
+    if workers is None:
+        workers = 1 if tokenizer == "bytes" else max(1, min(8, os.cpu_count() or 1))
     try:
-        info = prepare_dataset(files, out_dir, tokenizer, val_fraction=val_fraction, progress=True)
-    except (ValueError, ImportError, FileNotFoundError) as exc:
+        info = prepare_dataset(
+            list(inputs),
+            out_dir,
+            tokenizer,
+            text_field=text_field,
+            workers=workers,
+            val_fraction=val_fraction,
+            progress=True,
+        )
+    except (ValueError, ImportError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {out_dir}: {info}")
 

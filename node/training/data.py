@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 from farloco.node.fsutil import fsync_dir
+from farloco.node.training.tokenize_worker import TokenizerPool, encode_document
 from farloco.node.training.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 MANIFEST_NAME = "dataset.json"
@@ -221,6 +223,33 @@ class _SplitWriter:
             self._temp = None
 
 
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+ARROW_SUFFIXES = (".parquet", ".arrow")
+
+
+def _saved_dataset_files(path: Path) -> list[Path] | None:
+    """The Arrow files of a Hugging Face dataset saved with `save_to_disk` (None if `path` is not one)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise DatasetError(
+            f"{path} is a saved DatasetDict: expected one of its splits, e.g. {path / (splits[0] if splits else 'train')}"
+        )
+    state = path / "state.json"
+    if not state.is_file():
+        return None
+    try:
+        names = [entry["filename"] for entry in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(
+            f"{state}: expected a Hugging Face dataset state with _data_files ({exc})"
+        ) from exc
+    files = [path / name for name in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise DatasetError(f"{path}: the saved dataset's files {missing} are missing")
+    return files
+
+
 def _expand_inputs(inputs: Sequence[Path]) -> list[Path]:
     if isinstance(inputs, (str, Path)):
         raise DatasetError(f"inputs: expected a sequence of paths, got a single path {str(inputs)!r}")
@@ -228,25 +257,75 @@ def _expand_inputs(inputs: Sequence[Path]) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
+            saved = _saved_dataset_files(path)
+            found = (
+                saved
+                if saved is not None
+                else sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in INPUT_SUFFIXES)
+            )
             if not found:
-                raise DatasetError(f"input directory {str(path)!r} contains no .txt or .jsonl files")
+                raise DatasetError(
+                    f"input directory {str(path)!r} contains no {', '.join(INPUT_SUFFIXES)} files"
+                )
             files.extend(found)
         elif not path.is_file():
             raise DatasetError(f"input {str(path)!r} does not exist")
-        elif path.suffix not in (".txt", ".jsonl"):
+        elif path.suffix not in INPUT_SUFFIXES:
             raise DatasetError(
-                f"input {str(path)!r}: expected a .txt or .jsonl file, got suffix {path.suffix!r}"
+                f"input {str(path)!r}: expected a {', '.join(INPUT_SUFFIXES)} file, got suffix {path.suffix!r}"
             )
         else:
             files.append(path)
     if not files:
-        raise DatasetError("inputs: expected at least one .txt or .jsonl file, got none")
+        raise DatasetError(f"inputs: expected at least one {', '.join(INPUT_SUFFIXES)} file, got none")
     return files
 
 
-def _read_documents(files: Sequence[Path]) -> Iterator[tuple[str, int]]:
-    """(document text, input bytes consumed) in input order."""
+def _arrow_batches(path: Path, text_field: str) -> Iterator[tuple[Any, int]]:
+    """(a column of texts, its share of the file's bytes) per record batch: Parquet through
+    pyarrow.parquet's batch reader, a saved dataset's Arrow stream memory-mapped; never the whole file."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(
+            f"reading {path} needs pyarrow, which is not installed: pip install 'farloco[data]'"
+        ) from exc
+    size = path.stat().st_size
+    if path.suffix == ".parquet":
+        try:
+            reader = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DatasetError(f"{path}: not a readable Parquet file ({exc})") from exc
+        schema, rows = reader.schema_arrow, reader.metadata.num_rows
+        batches: Iterable[Any] = (
+            reader.iter_batches(batch_size=1024, columns=[text_field]) if text_field in schema.names else ()
+        )
+    else:
+        try:
+            stream = pa.ipc.open_stream(pa.memory_map(str(path)))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DatasetError(f"{path}: not an Arrow stream (a `save_to_disk` data file) ({exc})") from exc
+        schema, rows, batches = stream.schema, 0, stream
+    if text_field not in schema.names:
+        raise DatasetError(f"{path}: expected a text field {text_field!r}, the columns are {schema.names}")
+    if not pa.types.is_string(schema.field(text_field).type) and not pa.types.is_large_string(
+        schema.field(text_field).type
+    ):
+        raise DatasetError(
+            f"{path}: expected {text_field!r} to hold strings, it holds {schema.field(text_field).type}"
+        )
+    for batch in batches:
+        column = batch.column(batch.schema.get_field_index(text_field))
+        share = size * batch.num_rows // rows if rows else 0
+        yield column, share
+    if not rows:
+        yield [], size  # an Arrow stream does not say its row count up front: its bytes count at the end
+
+
+def _read_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[tuple[str, int]]:
+    """(document text, input bytes consumed) in input order; `text_field` names the field of .jsonl objects and
+    the column of Parquet files and saved datasets."""
     for path in files:
         if path.suffix == ".txt":
             raw = path.read_bytes()
@@ -254,6 +333,20 @@ def _read_documents(files: Sequence[Path]) -> Iterator[tuple[str, int]]:
                 yield raw.decode("utf-8"), len(raw)
             except UnicodeDecodeError as exc:
                 raise DatasetError(f"{path}: not valid UTF-8 ({exc})") from exc
+            continue
+        if path.suffix in ARROW_SUFFIXES:
+            row = 0
+            for column, share in _arrow_batches(path, text_field):
+                texts = column.to_pylist() if hasattr(column, "to_pylist") else column
+                for index, text in enumerate(texts):
+                    if text is None:
+                        raise DatasetError(
+                            f"{path}: row {row + index}: expected a string in {text_field!r}, got null"
+                        )
+                    yield text, share if index == 0 else 0
+                if not texts:
+                    yield "", share
+                row += len(texts)
             continue
         with open(path, "rb") as handle:
             for line_number, raw_line in enumerate(handle, start=1):
@@ -266,33 +359,65 @@ def _read_documents(files: Sequence[Path]) -> Iterator[tuple[str, int]]:
                     raise DatasetError(
                         f"{path}:{line_number}: expected a JSON object, got invalid JSON ({exc})"
                     ) from exc
-                if not isinstance(record, dict) or "text" not in record:
+                if not isinstance(record, dict) or text_field not in record:
                     got = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
                     raise DatasetError(
-                        f"{path}:{line_number}: expected an object with a 'text' field, got {got}"
+                        f"{path}:{line_number}: expected an object with a {text_field!r} field, got {got}"
                     )
-                if not isinstance(record["text"], str):
+                if not isinstance(record[text_field], str):
                     raise DatasetError(
-                        f"{path}:{line_number}: expected 'text' to be a string, got {type(record['text']).__name__}"
+                        f"{path}:{line_number}: expected {text_field!r} to be a string, "
+                        f"got {type(record[text_field]).__name__}"
                     )
-                yield record["text"], len(raw_line)
+                yield record[text_field], len(raw_line)
 
 
-def _encode_document(tokenizer: Tokenizer, text: str, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    if isinstance(tokenizer, ByteTokenizer):
-        # Bytes are already the ids: skip building a Python list of ints per character.
-        return np.frombuffer(tokenizer.encode_bytes(text) + bytes([tokenizer.eos_id]), dtype=np.uint8).astype(
-            dtype
-        )
-    ids = tokenizer.encode(text)
-    ids.append(tokenizer.eos_id)
-    array = np.asarray(ids, dtype=np.int64)
-    if array.min() < 0 or array.max() >= tokenizer.vocab_size:
-        raise DatasetError(
-            f"tokenizer {tokenizer.name} produced ids outside [0, {tokenizer.vocab_size}): "
-            f"min {array.min()}, max {array.max()}"
-        )
-    return array.astype(dtype)
+# Text per chunk sent to a tokenizer worker: big enough that the pipe and msgpack cost little, small enough that
+# workers x depth chunks in flight stay a few MB.
+CHUNK_CHARS = 1 << 20
+
+
+def _chunks(documents: Iterable[tuple[str, int]]) -> Iterator[list[tuple[str, int]]]:
+    chunk: list[tuple[str, int]] = []
+    chars = 0
+    for text, consumed in documents:
+        chunk.append((text, consumed))
+        chars += len(text)
+        if chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encoded(
+    documents: Iterable[tuple[str, int]],
+    tokenizer: Tokenizer,
+    spec: str | None,
+    dtype_name: str,
+    workers: int,
+) -> Iterator[tuple[int, int, np.ndarray[Any, Any] | None]]:
+    """(characters, input bytes consumed, token ids or None for an empty document), in input order; tokenized
+    in `workers` processes (farloco.node.training.tokenize_worker) when more than one and a spec is known."""
+    dtype = _DTYPES[dtype_name]
+    if workers <= 1 or spec is None:
+        for text, consumed in documents:
+            yield len(text), consumed, encode_document(tokenizer, text, dtype) if text else None
+        return
+    chunks = _chunks(documents)
+    sent: deque[list[tuple[str, int]]] = deque()
+
+    def texts() -> Iterator[list[str]]:
+        for chunk in chunks:
+            sent.append(chunk)
+            yield [text for text, _ in chunk if text]
+
+    with TokenizerPool(spec, dtype.str, workers) as pool:
+        for encoded in pool.map(texts()):
+            chunk = sent.popleft()
+            replies = iter(encoded)
+            for text, consumed in chunk:
+                yield len(text), consumed, np.frombuffer(next(replies), dtype=dtype) if text else None
 
 
 def _write_dataset(
@@ -300,6 +425,8 @@ def _write_dataset(
     out_dir: Path,
     tokenizer: Tokenizer,
     *,
+    spec: str | None = None,
+    workers: int = 1,
     shard_tokens: int,
     val_fraction: float,
     source: dict[str, Any],
@@ -324,15 +451,15 @@ def _write_dataset(
         with Progress(*columns, disable=not progress, transient=True) as bar:
             task = bar.add_task("tokenizing", total=progress_total)
             num_chars = {split: 0 for split in SPLITS}
-            for text, consumed in documents:
+            for chars, consumed, tokens in _encoded(documents, tokenizer, spec, dtype_name, workers):
                 bar.advance(task, consumed)
-                if not text:
+                if tokens is None:
                     continue
                 seen = num_chars["train"] + num_chars["val"]
                 split = "val" if num_chars["val"] < val_fraction * seen else "train"
-                writers[split].append(_encode_document(tokenizer, text, _DTYPES[dtype_name]))
+                writers[split].append(tokens)
                 writers[split].num_documents += 1
-                num_chars[split] += len(text)
+                num_chars[split] += chars
         shards = {split: writer.finish() for split, writer in writers.items()}
     finally:
         for writer in writers.values():
@@ -379,21 +506,31 @@ def prepare_dataset(
     out_dir: Path,
     tokenizer: str = "bytes",
     *,
+    text_field: str = "text",
+    workers: int = 1,
     shard_tokens: int = 2**24,
     val_fraction: float = 0.05,
     progress: bool = True,
 ) -> DatasetInfo:
-    """Tokenize ``inputs`` (.txt files, .jsonl files or directories of them) into shards under ``out_dir``.
+    """Tokenize ``inputs`` (.txt, .jsonl, .parquet files, Hugging Face datasets saved with ``save_to_disk``, or
+    directories of them) into shards under ``out_dir``, streaming: memory stays bounded whatever the corpus size.
 
-    ``tokenizer`` is a :func:`load_tokenizer` spec. See the module docstring for the document conventions and
-    the validation split rule. Replaces any dataset already in ``out_dir``.
+    ``tokenizer`` is a :func:`load_tokenizer` spec; ``text_field`` the .jsonl field or the Arrow column holding
+    the text; ``workers`` > 1 tokenizes in that many processes (the shards are the same as with one). See the
+    module docstring for the document conventions and the validation split rule. Replaces any dataset already in
+    ``out_dir``.
     """
+    if not isinstance(workers, int) or workers < 1:
+        raise DatasetError(f"workers: expected a positive int, got {workers!r}")
     files = _expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
+    spec = tokenizer if tokenizer == "bytes" else str(Path(tokenizer).resolve())
     return _write_dataset(
-        _read_documents(files),
+        _read_documents(files, text_field),
         Path(out_dir),
         tok,
+        spec=spec,
+        workers=workers,
         shard_tokens=shard_tokens,
         val_fraction=val_fraction,
         source={"kind": "files", "inputs": [str(path) for path in files]},
