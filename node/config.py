@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 OUTER_UPDATES = ("sync", "delayed", "eager")
 INNER_OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "fp32", "bf16")
+LOGGERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,19 @@ class NodeConfig:
     per-rank batch, run.batch_size / (num_ranks / tp))."""
     compile: bool = False
     """torch.compile each transformer block (the first steps compile; step-time metrics leave them out)."""
+    loggers: list[str] = field(default_factory=list)
+    """Experiment trackers that also get the per-round figures of logs/agent.jsonl: "tensorboard" (under
+    <run-dir>/logs/tensorboard; pip install 'farloco[tensorboard]') and/or "wandb" (project = run.name; its own
+    environment applies, e.g. WANDB_MODE=offline; pip install 'farloco[wandb]')."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "threads_per_rank", "tp", "micro_batches")
         _non_negative(self, "max_restarts", "eval_batches")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"node.device: expected one of 'auto', 'cpu', 'cuda', got {self.device!r}")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown or len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"node.loggers: expected distinct names of {LOGGERS}, got {self.loggers!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"node.precision: expected one of {PRECISIONS}, got {self.precision!r}")
         if self.num_ranks % self.tp:

@@ -154,7 +154,9 @@ def test_prepare_input_errors(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"typed.jsonl:1: expected 'text' to be a string, got int"):
         prepare_dataset([typed], tmp_path / "o3", progress=False)
     csv = _write(tmp_path / "x.csv", "a,b")
-    with pytest.raises(DatasetError, match=r"expected a .txt, .jsonl, .parquet, .arrow file, got suffix '.csv'"):
+    with pytest.raises(
+        DatasetError, match=r"expected a .txt, .jsonl, .parquet, .arrow file, got suffix '.csv'"
+    ):
         prepare_dataset([csv], tmp_path / "o4", progress=False)
     single = _write(tmp_path / "one.txt", "just one document")
     with pytest.raises(DatasetError, match=r"val_fraction=0.05 needs at least 2 non-empty documents"):

@@ -112,7 +112,8 @@ def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
         peers = [
             made.add("tp2", ranks=2, extra=("--set", "node.tp=2")),
             made.add("fsdp2", ranks=2),
-            made.add("one", ranks=1),
+            # ... and this one also logs its rounds to TensorBoard (node.loggers), read back below.
+            made.add("one", ranks=1, extra=("--set", 'node.loggers=["tensorboard"]')),
         ]
         wait_for(
             lambda: all(p.process.poll() == 0 for p in peers),
@@ -130,6 +131,12 @@ def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
             assert len(hashes) == 3 and len(set(hashes.values())) == 1, f"round {round_id}: {hashes}"
         losses = [by_peer["tp2"][r].get("train_loss") for r in sorted(by_peer["tp2"])]
         assert all(loss is not None and math.isfinite(loss) for loss in losses), losses
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        board = EventAccumulator(str(peers[2].run_dir / "logs" / "tensorboard"))
+        board.Reload()
+        logged = {e.step: e.value for e in board.Scalars("round/train_loss")}
+        assert logged == {r: pytest.approx(e["train_loss"]) for r, e in by_peer["one"].items()}
     finally:
         made.close()
 

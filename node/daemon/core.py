@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from farloco.node.config import Config, ConfigError, run_hash, to_toml
+from farloco.node.daemon.loggers import ExperimentLoggers
 from farloco.node.daemon.metrics import NodeMetrics
 from farloco.node.daemon.outer import OuterRound
 from farloco.node.handoff import COMMAND_STOP, Handoff, flatten, layout_of
@@ -122,18 +123,23 @@ def ddp_bytes_per_round(num_params: int, inner_steps: int, num_peers: int) -> in
 class EventLog:
     """Append-only JSON-lines log of what the node did (rounds, joins, errors): the source of `farloco report`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, loggers: ExperimentLoggers | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the agent
         self._lock = threading.Lock()
+        self.loggers = loggers  # node.loggers: TensorBoard / wandb get the round events too
 
     def write(self, event: str, **fields: Any) -> None:
         record = {"time": time.time(), "event": event, **fields}
         with self._lock:
             self._file.write(json.dumps(record, default=str) + "\n")
+        if self.loggers is not None:
+            self.loggers.event(event, fields)
 
     def close(self) -> None:
         self._file.close()
+        if self.loggers is not None:
+            self.loggers.close()
 
 
 @dataclass
@@ -190,7 +196,10 @@ class AgentCore:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(config))
-        self.events = EventLog(self.run_dir / "logs" / "agent.jsonl")
+        loggers = (
+            ExperimentLoggers(config, self.run_dir, name=self.run_dir.name) if config.node.loggers else None
+        )
+        self.events = EventLog(self.run_dir / "logs" / "agent.jsonl", loggers)
         self.run_hash = run_hash(config)
         self.status = Status.STARTING
         self.counters = Counters()
