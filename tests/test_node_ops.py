@@ -154,6 +154,20 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
     assert loaded["optimizer_fingerprint"] == pytest.approx(saved[newest]["optimizer_fingerprint"], rel=1e-9)
     kinds = [e["event"] for e in events]
     assert kinds[-1] == "stopped" and "failed" not in kinds and events[-1]["error"] is None
+    # The data position survives the SIGKILL (issue 14): a batch is a pure function of (slot, step), every round
+    # r trains steps [(r-1)H, rH); the checkpoint records the slot and the next step, the resumed node reclaims
+    # the slot and goes on from the checkpoint's step, not from the start of its slice. The only rounds trained
+    # twice are those the SIGKILL lost (committed after the newest checkpoint): the model lost them too.
+    inner_steps = 4
+    joined = [e for e in events if e["event"] == "joined"]
+    assert len(joined) == 2 and joined[0]["slot"] == joined[1]["slot"] == resumed[-1]["data_slot"]
+    assert resumed[-1]["data_step"] == newest * inner_steps
+    split = kinds.index("resumed")
+    rounds = [e for e in events if e["event"] == "round"]
+    assert all(e["inner_step"] == e["round_id"] * inner_steps for e in rounds), rounds
+    before = {e["round_id"] for e in events[:split] if e["event"] == "round"}
+    after = {e["round_id"] for e in events[split:] if e["event"] == "round"}
+    assert min(after) == newest + 1 and before & after == set(range(newest + 1, committed + 1))
     if num_ranks == 1:  # drain finished the round it was in: its last committed round is where it stopped
         assert "withdrew" not in kinds[kinds.index("inner_resumed") :]
         assert [e for e in events if e["event"] == "round"][-1]["round_id"] == events[-1]["round_id"]

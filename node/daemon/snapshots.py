@@ -135,6 +135,10 @@ class SnapshotAgent(RanksAgent):
             "run_hash": self.run_hash,
             "inner_step": str(round_id * self.config.run.inner_steps),
             "run_name": self.config.run.name,
+            # Where this node's data stands: its slot, and the next batch step of the slot's sampler (a pure
+            # function of the step: a node resumed from this checkpoint reclaims the slot and goes on from there).
+            "data_slot": str(self.slot),
+            "data_step": str(round_id * self.config.run.inner_steps),
         }
         root = checkpoints_dir(self.run_dir)
         started = time.monotonic()
@@ -176,8 +180,19 @@ class SnapshotAgent(RanksAgent):
             )
         self._install_state({"round_id": meta["round_id"], "run_hash": meta["run_hash"]}, tensors)
         self.last_checkpoint = str(path)
+        # Our first member record claims the slot we trained on; the claim keeps it unless a live peer of lower
+        # id holds it now (then the node moves on to a free slot, from the same step: no window is read twice).
+        saved_slot = meta.get("data_slot", "")
+        if saved_slot.lstrip("-").isdigit() and 0 <= int(saved_slot) < self.config.run.data_slots:
+            self.slot = int(saved_slot)
         try:
             self._inner_resume = verify_inner(path)
         except CheckpointError as exc:
             log.warning("%s: the ranks start with a fresh optimizer state", exc)
-        self.events.write("resumed", round_id=self.round_id, checkpoint=str(path))
+        self.events.write(
+            "resumed",
+            round_id=self.round_id,
+            checkpoint=str(path),
+            data_slot=self.slot,
+            data_step=self.round_id * self.config.run.inner_steps,
+        )
