@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,21 +115,25 @@ def test_muon_refuses_what_is_not_a_matrix() -> None:
         MuonAdamW([torch.nn.Parameter(torch.ones(4))], [], lr=1e-3, weight_decay=0.0)
 
 
+def run_checks(cwd: Path, *args: str, timeout: float) -> dict[str, dict[str, Any]]:
+    """tests/parallel_check.py's results by check name (it spawns the ranks itself)."""
+    done = subprocess.run(
+        [sys.executable, str(HERE / "parallel_check.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    return {result["check"]: result for result in lines}
+
+
 @pytest.mark.multiprocess
 def test_tensor_parallel_fsdp_ranks_train_as_one_plain_model(tmp_path: Path) -> None:
     """4 gloo ranks as a 2 x 2 (dp_shard x tp) mesh: the shards map onto the flat vector exactly, and one step
     of each trainer setting gives the plain model's parameters (the dp ranks splitting its batch)."""
-    done = subprocess.run(
-        [sys.executable, str(HERE / "parallel_check.py"), "4", "2"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = {
-        r["check"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
-    }
+    results = run_checks(tmp_path, "4", "2", timeout=280)
     assert set(results) == {
         "round_trip",
         "sgd",
@@ -162,17 +167,7 @@ def test_tensor_parallel_fsdp_ranks_train_as_one_plain_model(tmp_path: Path) -> 
 def test_on_a_gpu_nccl_bf16_compile_and_the_pinned_hand_off(tmp_path: Path) -> None:
     """One CUDA rank under NCCL (TP = 1): the pinned side-stream hand-off copies round-trip exactly, and the
     trainer's steps (fp32, bf16, bf16 compiled) match a plain model's on the same GPU."""
-    done = subprocess.run(
-        [sys.executable, str(HERE / "parallel_check.py"), "1", "1", "cuda"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = {
-        r["check"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
-    }
+    results = run_checks(tmp_path, "1", "1", "cuda", timeout=600)
     assert results["round_trip"]["max_abs_diff"] == 0.0
     assert results["sgd"]["max_abs_diff"] < 1e-5
     for name in ("adamw", "muon", "micro_batches_and_checkpointing"):
