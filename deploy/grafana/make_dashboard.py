@@ -142,7 +142,7 @@ def dashboard() -> dict[str, Any]:
             }
         )
     return {
-        "title": "farloco swarm",
+        "title": "Farloco swarm",
         "uid": "farloco-swarm",
         "schemaVersion": 39,
         "version": 1,
