@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from farloco.node.checkpoint import COMMITTED_FILE
 from farloco.node.tools.demo import (
     PeerProcess,
     demo_config,
@@ -381,6 +383,64 @@ def test_a_sigkilled_node_restarted_is_back_in_step_in_every_round_and_nothing_f
         f"the restarted node was left out of rounds {missed} of {[e['round_id'] for e in later]}"
     )
     assert not forked_rounds(peers), forked_rounds(peers)
+
+
+def test_a_whole_swarm_restarted_resumes_its_own_checkpoints_one_node_after_the_other(tmp_path: Path) -> None:
+    """Both nodes of a swarm die; they start again from checkpoints of the same round, one a few seconds after
+    the other (what a second Slurm job or a rack's power-on does). The second finds the first already at that
+    round with the same outer hash: it resumes its own checkpoint (inner state and data position included)
+    instead of fetching the same theta over the network, and the two train on together without a fork.
+    run.min_peers = 2 holds the first node at the checkpoint's round until the second is there."""
+    swarm = Swarm(tmp_path, ["run.max_rounds=0", "run.inner_steps=8", "run.min_peers=2"])
+    every = ("--set", "checkpoint.every_rounds=1", "--set", "checkpoint.keep=10")
+    try:
+        peers = [swarm.add("a", extra=every), swarm.add("b", extra=every)]
+        wait_for(
+            lambda: len(together_after(peers, 0)) >= 3, 240, "2 nodes to commit 3 rounds together", peers
+        )
+        for peer in peers:
+            os.killpg(peer.process.pid, signal.SIGKILL)
+        for peer in peers:
+            peer.process.wait(timeout=30)
+        # Their newest checkpoints may be a round apart (one wrote its last before the SIGKILL, the other not):
+        # each keeps its checkpoints up to the newest round both hold, as if it had died before writing more.
+        held = [
+            {
+                int(path.name.removeprefix("round-")): path
+                for path in (p.run_dir / "checkpoints").glob("round-????????")
+                if (path / COMMITTED_FILE).exists()
+            }
+            for p in peers
+        ]
+        common = max(set(held[0]) & set(held[1]))
+        for mine in held:
+            for round_id, path in mine.items():
+                if round_id > common:
+                    shutil.rmtree(path)
+        swarm.peers.clear()
+        first = swarm.add("a", extra=every)
+        wait_for(
+            lambda: any(e["round_id"] == common for e in _events_of(first, "resumed")),
+            120,
+            f"a to resume its checkpoint of round {common}",
+            [first],
+        )
+        restarted_at = time.time()
+        second = swarm.add("b", extra=every)
+        peers = [first, second]
+        wait_for(
+            lambda: len(together_after(peers, common)) >= 2, 240, "2 rounds together after the restart", peers
+        )
+        resumed = [e for e in _events_of(second, "resumed") if e["time"] >= restarted_at]
+        fetched = [
+            e for e in _events_of(second, "synced") if e["time"] >= restarted_at and e["why"] == "join"
+        ]
+        assert [e["round_id"] for e in resumed] == [common] and not fetched, (resumed, fetched)
+        [loaded] = [e for e in _events_of(second, "inner_resumed") if e["time"] >= restarted_at]
+        assert loaded["result"] == "ok"
+        assert not forked_rounds(peers), forked_rounds(peers)
+    finally:
+        swarm.close()
 
 
 @pytest.mark.parametrize("nodes", [2, 3])

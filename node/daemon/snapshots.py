@@ -159,8 +159,27 @@ class SnapshotAgent(RanksAgent):
             inner=inner,
         )
 
-    def _resume_from_checkpoint(self) -> None:
-        """No peer is ahead: continue from this run directory's newest loadable checkpoint, if any."""
+    def _checkpoint_holding(self, round_id: int, hashes: set[str]) -> Path | None:
+        """Our newest loadable checkpoint if it holds round `round_id` with one of `hashes` (the outer hashes the
+        swarm's members of that round publish): the swarm's very state, so a restarted node resumes it from disk
+        instead of fetching it over the network (and keeps its own inner state and data position)."""
+        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, verify_checkpoint
+
+        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        if path is None:
+            return None
+        meta = verify_checkpoint(path)
+        if (
+            int(meta["round_id"]) == round_id
+            and meta["outer_hash"] in hashes
+            and meta["run_hash"] == self.run_hash
+        ):
+            return path
+        return None
+
+    def _resume_from_checkpoint(self, path: Path | None = None) -> None:
+        """Continue from `path`, or else from this run directory's newest loadable checkpoint, if any (no peer is
+        ahead, or `_checkpoint_holding` found ours holds the swarm's state)."""
         from farloco.node.checkpoint import (
             CheckpointError,
             checkpoints_dir,
@@ -169,7 +188,7 @@ class SnapshotAgent(RanksAgent):
             verify_inner,
         )
 
-        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        path = path or latest_checkpoint(checkpoints_dir(self.run_dir))
         if path is None:
             return
         meta, tensors = load_checkpoint(path)

@@ -26,6 +26,10 @@ from farloco.node.logs import SyncProgress
 from farloco.protocol.tasks import cancel_and_wait
 
 
+class SwarmGone(Exception):
+    """`_catch_up(join=True)`: every member that was ahead of us is gone, none is left to fetch from."""
+
+
 class SwarmAgent(SnapshotAgent):
     """Membership, joining, isolation, catching up and fork healing."""
 
@@ -142,10 +146,31 @@ class SwarmAgent(SnapshotAgent):
             # boundary instead, as before, stalled every join: the swarm waited for the syncing node while the
             # node waited for the swarm to finish the round.)
             target = max(m.round_id for m in others)
-            self.events.write("catching_up", round_id=target)
-            if not await self._catch_up(target, "join", wait=self.config.timeouts.sync_timeout):
-                raise AgentError(f"joining: no member reached round {target} within timeouts.sync_timeout")
-        else:
+            # A restarted node whose own checkpoint holds the very state the swarm's newest members publish (the
+            # whole swarm restarted from the same round, ours a moment after the others) resumes it from disk,
+            # with its inner state and data position, instead of fetching the same theta over the network.
+            held = {m.outer_hash for m in others if m.round_id == target and m.outer_hash}
+            own = self._checkpoint_holding(target, held)
+            if own is not None:
+                self._resume_from_checkpoint(own)
+            else:
+                self.events.write("catching_up", round_id=target)
+                try:
+                    caught = await self._catch_up(
+                        target, "join", wait=self.config.timeouts.sync_timeout, join=True
+                    )
+                except SwarmGone:
+                    # The members we saw were the records of a swarm that stopped (SIGKILLed within member_ttl
+                    # of our start, say): they expired with nobody behind them, so we are the first one back.
+                    log.warning(
+                        "the members of round %d we saw at start are gone: resuming on our own", target
+                    )
+                    others, caught = [], True
+                if not caught:
+                    raise AgentError(
+                        f"joining: no member reached round {target} within timeouts.sync_timeout"
+                    )
+        if not others:
             self._resume_from_checkpoint()
             self.outer_hash = theta_hash(self.theta)
         self.status = Status.TRAINING
@@ -254,10 +279,14 @@ class SwarmAgent(SnapshotAgent):
         else:
             log.info("reaching the swarm: %d of the peers dialled answered", answered)
 
-    async def _catch_up(self, target_round: int, why: str, *, wait: float | None = None) -> bool:
+    async def _catch_up(
+        self, target_round: int, why: str, *, wait: float | None = None, join: bool = False
+    ) -> bool:
         """Fetch the swarm's state once some member has reached `target_round` (bounded wait).
 
-        Returns whether the ranks must reload theta (False when nobody got there and we move on alone)."""
+        Returns whether the ranks must reload theta (False when nobody got there and we move on alone). With
+        `join`, raises `SwarmGone` as soon as no other live member has trained a round: the records that made us
+        wait were those of a swarm that has stopped, and the caller resumes from its own checkpoint."""
         from farloco.protocol.statesync import StateSyncError
 
         timeouts = self.config.timeouts
@@ -272,6 +301,8 @@ class SwarmAgent(SnapshotAgent):
                 m.peer_id: self.matchmaker.round_of(m, now) for m in members if m.peer_id != self.peer_id
             }
             ahead = [m for m in members if rounds.get(m.peer_id, -1) >= target_round]
+            if join and not ahead and not any(r > 0 for r in rounds.values()):
+                raise SwarmGone(target_round)
             if ahead:
                 newest = max(rounds[m.peer_id] for m in ahead)
                 try:
