@@ -37,7 +37,10 @@ class RunConfig:
     name: str = "farloco-demo"
     """Run name; namespaces the DHT keys, so two runs can share one DHT."""
     model: str = "tiny"
-    """Model size preset of the built-in Llama-style decoder (tiny, small, 125m, 350m, 1b)."""
+    """The model: a size preset of the built-in Llama-style decoder (tiny, small, 125m, 350m, 1b), the path of a
+    Hugging Face causal-LM config.json (any transformers architecture; needs the hf extra), or an entry point
+    package.module:factory returning an nn.Module or a farloco ModelSpec (node/training/models.py). Any form
+    is initialised from run.seed identically on every node; the run hash covers its architecture."""
     dataset: str = "builtin"
     """'builtin' (the bundled corpus, no download) or the path of a directory made by `farloco data prepare`."""
     strategy: str = "diloco"
@@ -108,6 +111,7 @@ class RunConfig:
             )
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"run.outer_momentum: expected a number in [0, 1), got {self.outer_momentum!r}")
+        model_kind(self.model)
         if not self.name or any(c in self.name for c in "/ \t\n"):
             raise ConfigError(f"run.name: expected a non-empty name without '/' or spaces, got {self.name!r}")
 
@@ -516,7 +520,34 @@ def run_section(config: Config | RunConfig) -> dict[str, SCALAR]:
                 flat[f"{key}.{sub}"] = item
         else:
             flat[key] = value
+    # A model that is not a preset: its architecture (a digest of its config.json, or of its module's
+    # structure and source), so nodes that name the same file or factory but build different models differ.
+    if model_kind(run.model) != "builtin":
+        from farloco.node.training.models import architecture  # imports torch: only for such models
+
+        flat["model_architecture"] = architecture(run.model)
     return flat
+
+
+# The built-in decoder's presets (node/training/model.py MODEL_PRESETS; tests/test_usermodel.py checks they
+# agree): named here so that reading a config never imports torch.
+MODEL_PRESET_NAMES = ("tiny", "small", "125m", "350m", "1b")
+
+
+def model_kind(run_model: str) -> str:
+    """run.model's form: 'builtin' (a preset), 'hf' (the path of a Hugging Face config.json or of its folder)
+    or 'entry' (package.module:factory). ConfigError for anything else."""
+    if run_model in MODEL_PRESET_NAMES:
+        return "builtin"
+    if run_model.endswith(".json") or "/" in run_model or Path(run_model).is_dir():
+        return "hf"
+    module, colon, attr = run_model.partition(":")
+    if colon and module and attr.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        return "entry"
+    raise ConfigError(
+        f"run.model: expected a preset ({', '.join(MODEL_PRESET_NAMES)}), the path of a Hugging Face "
+        f"config.json, or an entry point package.module:factory; got {run_model!r}"
+    )
 
 
 def run_hash(config: Config | RunConfig) -> str:

@@ -34,7 +34,8 @@ from farloco.node.daemon.metrics import NodeMetrics
 from farloco.node.daemon.outer import OuterRound
 from farloco.node.handoff import COMMAND_STOP, Handoff, flatten, layout_of
 from farloco.node.logs import LauncherFailures, SyncProgress
-from farloco.node.training.model import build_model, model_config, num_parameters
+from farloco.node.training.model import num_parameters
+from farloco.node.training.models import build_spec
 from farloco.node.training.parallel import check_node_layout
 from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
@@ -237,7 +238,7 @@ class AgentCore:
         check_node_layout(
             config
         )  # tp against the model's heads and widths: a config error, before anything starts
-        model = build_model(model_config(config.run.model), seed=config.run.seed)
+        model = build_spec(config.run.model, seed=config.run.seed).module
         self.layout = layout_of(model)
         self.num_params = num_parameters(model)
         self.theta = flatten(model, self.layout)

@@ -363,13 +363,14 @@ def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     """Validate a config file; prints its run_hash."""
     from farloco.node.config import run_hash
     from farloco.node.daemon.agent import build_outer
-    from farloco.node.training.model import build_model, model_config, num_parameters
+    from farloco.node.training.model import num_parameters
+    from farloco.node.training.models import meta_spec
     from farloco.node.training.parallel import check_node_layout
 
     try:
         cfg = load_config(path, overrides)
         check_node_layout(cfg)
-        build_outer(cfg, num_parameters(build_model(model_config(cfg.run.model), seed=cfg.run.seed)))
+        build_outer(cfg, num_parameters(meta_spec(cfg.run.model).module))
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"ok: run {cfg.run.name!r}, run_hash {run_hash(cfg)}")

@@ -251,10 +251,11 @@ def run_demo(
 def _check_outer(config_text: str) -> None:
     """Refuse a strategy/codec the daemon would refuse, before starting any process (ConfigError)."""
     from farloco.node.daemon.agent import build_outer
-    from farloco.node.training.model import build_model, model_config, num_parameters
+    from farloco.node.training.model import num_parameters
+    from farloco.node.training.models import meta_spec
 
     config = build_config(tomllib.loads(config_text))
-    build_outer(config, num_parameters(build_model(model_config(config.run.model), seed=config.run.seed)))
+    build_outer(config, num_parameters(meta_spec(config.run.model).module))
 
 
 def _watch(peers: list[PeerProcess], rounds: int, console: Console) -> bool:

@@ -1,4 +1,5 @@
-"""`farloco export`: turn a run directory's newest checkpoint into a Hugging Face Llama-style model folder.
+"""`farloco export`: turn a run directory's newest checkpoint into a Hugging Face Llama-style model folder (for a
+model of one's own, `export_spec`: the module's own names, and its config.json when run.model is an HF config).
 
 Owns the conversion from farloco's outer state (one flat float32 theta in canonical order, see
 `farloco.node.handoff`) to what a Llama loader reads: `model.safetensors` with HF parameter names,
@@ -37,7 +38,7 @@ from farloco.node.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
-from farloco.node.config import ConfigError, load_config, run_hash
+from farloco.node.config import ConfigError, load_config, model_kind, run_hash
 from farloco.node.fsutil import fsync_dir
 from farloco.node.handoff import layout_of, unflatten
 from farloco.node.training.data import MANIFEST_NAME, TOKENIZER_NAME
@@ -48,12 +49,14 @@ from farloco.node.training.model import (
     hf_state_dict_names,
     model_config,
 )
+from farloco.node.training.models import ModelSpec, architecture, meta_spec
 from farloco.node.training.tokenizer import HFTokenizer, hf_tokenizer_name, load_tokenizer
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+ENTRY_FILE = "farloco_model.json"
 
 
 class ExportError(RuntimeError):
@@ -95,16 +98,24 @@ def export_run(run_dir: Path, out_dir: Path, *, progress: bool = True) -> Path:
         "farloco.inner_step": meta["inner_step"],
     }
     with steps.step(f"writing {out_dir}"):
-        model = model_config(config.run.model)
-        export_theta(model, tensors["theta"], out_dir, metadata=source)
-        tokenizer_note = export_tokenizer(config.run.dataset, model, out_dir)
+        if model_kind(config.run.model) == "builtin":
+            model = model_config(config.run.model)
+            export_theta(model, tensors["theta"], out_dir, metadata=source)
+            max_length = model.max_seq_len
+        else:
+            source["farloco.model"] = config.run.model
+            source["farloco.model_architecture"] = architecture(config.run.model)
+            spec = meta_spec(config.run.model)
+            export_spec(spec, tensors["theta"], out_dir, metadata=source)
+            max_length = int(spec.hf_config.get("max_position_embeddings", config.run.seq_len))
+        tokenizer_note = export_tokenizer(config.run.dataset, max_length, out_dir)
     console.print(
         f"exported round {meta['round_id']} of run {config.run.name!r} to {out_dir} ({tokenizer_note})"
     )
     return out_dir
 
 
-def export_tokenizer(dataset: str, model: ModelConfig, out_dir: Path) -> str:
+def export_tokenizer(dataset: str, max_length: int, out_dir: Path) -> str:
     """Ship the run's tokenizer with the model: the `tokenizer.json` that `farloco data prepare` copied next to
     the shards (checked against the hash in the dataset's manifest) and a `tokenizer_config.json` naming its
     end-of-text token, so `AutoTokenizer.from_pretrained(out_dir)` loads it. Says what it did, or why nothing."""
@@ -136,7 +147,7 @@ def export_tokenizer(dataset: str, model: ModelConfig, out_dir: Path) -> str:
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": tokenizer.eos_token,
-            "model_max_length": model.max_seq_len,
+            "model_max_length": max_length,
             "clean_up_tokenization_spaces": False,
         },
     )
@@ -177,6 +188,42 @@ def export_theta(
     generation = {"_from_model_config": True, "max_length": config.max_seq_len}
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation)
     _write_json(out_dir / CONFIG_FILE, hf_config)
+    fsync_dir(out_dir)
+    return out_dir
+
+
+def export_spec(
+    spec: ModelSpec, theta: torch.Tensor, out_dir: Path, *, metadata: dict[str, str] | None = None
+) -> Path:
+    """Write a model of one's own (run.model an HF config or an entry point; `spec` built on the meta device):
+    `model.safetensors` under the module's own parameter names (tied parameters once, under their first name).
+    For an HF config also its `config.json` (with `architectures` set) and `generation_config.json`, so
+    `AutoModelForCausalLM.from_pretrained(out_dir)` loads it; for an entry point `farloco_model.json`, naming
+    the factory whose module's `load_state_dict(..., strict=False)` takes the file."""
+    out_dir = Path(out_dir)
+    layout = layout_of(spec.module)
+    expected = layout[-1].offset + layout[-1].numel if layout else 0
+    if theta.dtype != torch.float32 or theta.dim() != 1 or theta.numel() != expected:
+        raise ExportError(
+            f"expected theta float32[{expected}] for {type(spec.module).__name__}, "
+            f"got {theta.dtype}{list(theta.shape)}"
+        )
+    state = {name: view.clone() for name, view in unflatten(theta.detach().cpu(), layout).items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _atomic_path(out_dir / MODEL_FILE) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    if spec.kind == "hf":
+        hf_config = {
+            **spec.hf_config,
+            "architectures": [type(spec.module).__name__],
+            "torch_dtype": "float32",
+        }
+        _write_json(out_dir / GENERATION_CONFIG_FILE, {"_from_model_config": True})
+        _write_json(out_dir / CONFIG_FILE, hf_config)
+    else:
+        _write_json(
+            out_dir / ENTRY_FILE, {k.removeprefix("farloco."): v for k, v in (metadata or {}).items()}
+        )
     fsync_dir(out_dir)
     return out_dir
 

@@ -18,7 +18,7 @@ splits the matrices among the ranks is the known next step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -150,9 +150,15 @@ def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def build_inner_optimizer(
-    model: torch.nn.Module, algorithm: str, *, lr: float, weight_decay: float, fused: bool
+    model: torch.nn.Module,
+    algorithm: str,
+    *,
+    lr: float,
+    weight_decay: float,
+    fused: bool,
+    is_matrix: Callable[[str, torch.nn.Parameter], bool] = is_muon_matrix,
 ) -> torch.optim.Optimizer:
-    """run.inner_optimizer's optimizer over `model`'s parameters."""
+    """run.inner_optimizer's optimizer over `model`'s parameters (`is_matrix`: those Muon takes)."""
     if algorithm == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused
@@ -160,8 +166,8 @@ def build_inner_optimizer(
     if algorithm == "muon":
         named = list(model.named_parameters())
         return MuonAdamW(
-            [p for n, p in named if is_muon_matrix(n, p)],
-            [p for n, p in named if not is_muon_matrix(n, p)],
+            [p for n, p in named if is_matrix(n, p)],
+            [p for n, p in named if not is_matrix(n, p)],
             lr=lr,
             weight_decay=weight_decay,
         )

@@ -26,9 +26,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from farloco.node.config import Config, ConfigError
+from farloco.node.config import Config, ConfigError, model_kind
 from farloco.node.handoff import ParamSlot
 from farloco.node.training.model import ModelConfig, Transformer, model_config
+from farloco.node.training.models import ModelSpec, as_spec, check_tp, meta_spec
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,12 @@ def check_tensor_parallel(model: ModelConfig, tp: int, where: str = "node.tp") -
 
 
 def check_node_layout(config: Config) -> None:
-    """Config-load checks that need the model's shape (config.py knows no model): tp against heads and widths."""
+    """Config-load checks that need the model's shape (config.py knows no model): tp against heads and widths
+    (for a model of its own, against its tensor-parallel plan, built on the meta device)."""
+    if model_kind(config.run.model) != "builtin":
+        if config.node.tp > 1:
+            check_tp(meta_spec(config.run.model), config.node.tp)
+        return
     try:
         model = model_config(config.run.model)
     except ValueError as exc:
@@ -147,26 +153,59 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     )
 
 
-def parallelize(model: Transformer, config: Config, device: torch.device, mesh: NodeMesh) -> None:
-    """TP, activation checkpointing, compile and FSDP2 (with mixed precision), in that order, in place.
+def parallelize(
+    model_or_spec: ModelSpec | torch.nn.Module, config: Config, device: torch.device, mesh: NodeMesh
+) -> None:
+    """TP, activation checkpointing, compile and FSDP2 (with mixed precision), in that order, in place, on the
+    spec's model and its units (the built-in decoder's blocks, or the units a model of one's own names).
 
-    Parameter names do not change (activation checkpointing is a flag of the model, compile replaces each
-    block's forward in place), so the canonical order and the checkpoints' keys are those of the plain model."""
+    Parameter names do not change (activation checkpointing is a flag of the built-in model and a wrapped forward
+    elsewhere, compile replaces each unit's forward in place), so the canonical order and the checkpoints' keys
+    are those of the plain model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    spec = as_spec(model_or_spec)
+    model = spec.module
+    units = spec.units()
     if mesh.tp_mesh is not None:
-        apply_tensor_parallel(model, mesh.tp_mesh)
-    model.checkpoint_blocks = config.node.activation_checkpointing
+        if isinstance(model, Transformer):
+            apply_tensor_parallel(model, mesh.tp_mesh)
+        else:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            check_tp(spec, mesh.tp)
+            assert spec.tp_plan is not None
+            parallelize_module(model, mesh.tp_mesh, dict(spec.tp_plan))
+    if isinstance(model, Transformer):
+        model.checkpoint_blocks = config.node.activation_checkpointing
+    elif config.node.activation_checkpointing:
+        for unit in units:
+            unit.forward = _checkpointed(unit.forward)
     if config.node.compile:
-        for block in model.layers:
-            # The block's forward, not its __call__: FSDP2's hooks (all-gather, reshard) stay eager around the
+        for unit in units:
+            # The unit's forward, not its __call__: FSDP2's hooks (all-gather, reshard) stay eager around the
             # compiled body, as torchtitan has them, and the names stay canonical (no `_orig_mod.` wrapper).
-            block.forward = torch.compile(block.forward)
+            unit.forward = torch.compile(unit.forward)
     dtype = compute_dtype(config, device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh.dp_mesh, mp_policy=policy)
+    for unit in units:
+        fully_shard(unit, mesh=mesh.dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh.dp_mesh, mp_policy=policy)
+
+
+def _checkpointed(forward: Any) -> Any:
+    """`forward` recomputed in the backward pass (while training) instead of keeping its activations."""
+    import functools
+
+    import torch.utils.checkpoint
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -44,7 +44,7 @@ from farloco.node.handoff import (
     layout_of,
 )
 from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
-from farloco.node.training.model import Transformer, build_model, lm_loss, model_config
+from farloco.node.training.models import ModelSpec, as_spec, build_spec
 from farloco.node.training.muon import build_inner_optimizer
 from farloco.node.training.parallel import ShardView, clip_grad_norm, node_mesh, parallelize
 
@@ -102,11 +102,12 @@ def run_rank(args: argparse.Namespace) -> None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         if world_size != handoff.world_size:
             raise RuntimeError(f"hand-off made for {handoff.world_size} ranks, launched with {world_size}")
-        model = build_model(model_config(config.run.model), seed=config.run.seed)
+        spec = build_spec(config.run.model, seed=config.run.seed)
+        model = spec.module
         layout = layout_of(model)
         model.to(device)
         mesh = node_mesh(device, world_size, rank, config.node.tp)
-        parallelize(model, config, device, mesh)
+        parallelize(spec, config, device, mesh)
         params = dict(model.named_parameters())
         views = [ShardView(params[slot.name], slot) for slot in layout]
         optimizer: torch.optim.Optimizer
@@ -119,6 +120,7 @@ def run_rank(args: argparse.Namespace) -> None:
                 lr=config.run.inner_lr,
                 weight_decay=config.run.inner_weight_decay,
                 fused=device.type == "cuda",
+                is_matrix=spec.is_muon_matrix,
             )
         dataset = open_dataset(Path(args.dataset))
         # The data is split over the data-parallel ranks; the tp ranks of one group share their batches.
@@ -146,17 +148,18 @@ def run_rank(args: argparse.Namespace) -> None:
         # Each dp rank evaluates its own share of the held-out batches; the mean is all-reduced.
         held_out = held_out[mesh.dp_rank :: mesh.dp_size] or held_out[:1]
         staging = HostStaging(views, device)
-        loop(handoff, model, staging, optimizer, sampler, held_out, config, rank, device)
+        loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device)
 
 
 def evaluate(
-    model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    spec: ModelSpec, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
 ) -> float:
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    model = spec.module
     model.eval()
     with torch.no_grad():
         for inputs, targets in batches:
-            loss = lm_loss(model(inputs.to(device)), targets.to(device))
+            loss = spec.compute_loss(inputs.to(device), targets.to(device))
             total[0] += loss.double()
             total[1] += 1
     model.train()
@@ -166,7 +169,7 @@ def evaluate(
 
 def loop(
     handoff: Handoff,
-    model: Transformer,
+    spec: ModelSpec,
     staging: HostStaging,
     optimizer: torch.optim.Optimizer,
     sampler: BatchSampler,
@@ -198,7 +201,7 @@ def loop(
             time.sleep(POLL_SECONDS)
         if handoff.inner_seq > inner_done:
             # Served between sequences, and before STOP, so the state saved is the one at a round boundary.
-            inner_done = serve_inner_request(handoff, model, optimizer, rank, device)
+            inner_done = serve_inner_request(handoff, spec.module, optimizer, rank, device)
             continue
         if handoff.command == COMMAND_STOP:
             return
@@ -208,7 +211,7 @@ def loop(
             staging.load(handoff.theta)
             loaded_once = True
         if held_out and reload:
-            loss = evaluate(model, held_out, device)
+            loss = evaluate(spec, held_out, device)
             handoff.mark_eval(rank, seq, loss)
         losses: list[torch.Tensor] = []
         timed = 0.0
@@ -219,7 +222,7 @@ def loop(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
             inputs, targets = sampler.batch(step)
-            losses.append(train_step(model, optimizer, inputs.to(device), targets.to(device), config))
+            losses.append(train_step(spec, optimizer, inputs.to(device), targets.to(device), config))
             tokens += inputs.numel()
             handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
             if should_stop(handoff, parent, device):
@@ -237,7 +240,7 @@ def loop(
 
 
 def train_step(
-    model: Transformer,
+    model_or_spec: ModelSpec | torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: torch.Tensor,
     targets: torch.Tensor,
@@ -245,6 +248,8 @@ def train_step(
 ) -> torch.Tensor:
     """One inner step over the rank's batch, in node.micro_batches micro-batches (gradients accumulate
     unreduced until the last one); returns the batch's mean loss (a detached tensor, no device sync)."""
+    spec = as_spec(model_or_spec)
+    model = spec.module
     micro = config.node.micro_batches
     total = torch.zeros((), device=inputs.device)
     for index, (micro_inputs, micro_targets) in enumerate(
@@ -252,7 +257,7 @@ def train_step(
     ):
         if micro > 1:
             model.set_requires_gradient_sync(index == micro - 1)  # type: ignore[operator]
-        loss = lm_loss(model(micro_inputs), micro_targets)
+        loss = spec.compute_loss(micro_inputs, micro_targets)
         (loss / micro).backward()  # type: ignore[no-untyped-call]
         total += loss.detach() / micro
     if config.run.grad_clip > 0:
@@ -313,7 +318,11 @@ class HostStaging:
 
 
 def serve_inner_request(
-    handoff: Handoff, model: Transformer, optimizer: torch.optim.Optimizer, rank: int, device: torch.device
+    handoff: Handoff,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    device: torch.device,
 ) -> int:
     """Save or load this node's sharded model/optimizer state where the agent asked (collective: every rank
     serves the same request at the same point); report the outcome and the optimizer's step and fingerprint."""

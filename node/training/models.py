@@ -1,0 +1,362 @@
+"""`run.model`: which model a node trains, built the same way on every node, and how its ranks shard it.
+
+`run.model` takes three forms:
+
+- a preset of the built-in decoder (``tiny``, ``small``, ``125m``, ``350m``, ``1b``: farloco.node.training.model);
+- the path of a Hugging Face causal-LM ``config.json`` (or of the folder holding one), of any architecture
+  `transformers` knows (Llama, Qwen2, Mistral, GPT-NeoX...): built with ``AutoModelForCausalLM.from_config``,
+  nothing fetched from a hub; it needs ``transformers`` (the ``hf`` extra);
+- a Python entry point ``package.module:factory``: ``factory()`` returns an ``nn.Module`` or a `ModelSpec`
+  that also says how to shard it. The module must be importable on every node (PYTHONPATH).
+
+Whatever the form, the parameters are initialised here from the run seed, one generator per parameter name
+(`seeded_init`), so every node starts round 0 from the same theta whatever its CPU; the canonical flat order,
+the hand-off, checkpoints and the state sync only see ``named_parameters()`` and work for any model.
+
+The run hash covers the architecture, not only the string in ``run.model``: `architecture` digests the
+``config.json`` (for an HF config) or the module's parameter names, shapes and module classes plus the source
+file of the factory (for an entry point), and `run_section` adds it as ``run.model_architecture``. A joiner whose
+model differs is refused with that key named in the message. Presets add nothing (their hashes are unchanged).
+
+What a factory may return (import `ModelSpec` from here)::
+
+    def factory() -> ModelSpec:
+        model = MyNet(vocab_size=256, ...)
+        return ModelSpec(model, fsdp_units=["blocks.*"], tp_plan={"blocks.*.fc1": ColwiseParallel(), ...})
+
+- ``fsdp_units``: module names (``fnmatch`` patterns, e.g. ``"blocks.*"``) or module classes that are each
+  sharded on their own by FSDP2 (and checkpointed / compiled one by one); the root is always a unit.
+- ``tp_plan``: a `parallelize_module` plan on the root (patterns allowed), or None if the model cannot be split
+  over node.tp > 1 (then node.tp must be 1).
+- ``loss``: ``loss(output, targets) -> scalar``; the default takes the logits (``output`` itself, or its
+  ``.logits``) against the next-token targets with cross entropy.
+- ``init``: ``init(module, seed)`` in place, if the model wants its own init (it must be deterministic across
+  machines); the default is `seeded_init` with std 0.02.
+- ``muon``: the parameter names Muon takes (run.inner_optimizer = muon); default: the 2-D weights inside the
+  FSDP units.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from farloco.node.config import ConfigError, model_kind
+from farloco.node.training.model import (
+    Transformer,
+    build_model,
+    lm_loss,
+    model_config,
+)
+from farloco.node.training.model import (
+    _parameter_seed as parameter_seed,
+)
+
+HF_CONFIG_FILE = "config.json"
+
+
+class ModelError(ConfigError):
+    """run.model cannot be built or sharded as asked; the message says what was expected and what was found."""
+
+
+@dataclass
+class ModelSpec:
+    """A model and how farloco trains it (see the module docstring)."""
+
+    module: nn.Module
+    fsdp_units: Sequence[str | type[nn.Module]] = ()
+    tp_plan: Mapping[str, Any] | None = None
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    init: Callable[[nn.Module, int], None] | None = None
+    muon: Callable[[str, nn.Parameter], bool] | None = None
+    kind: str = "entry"
+    """builtin, hf or entry (set by farloco)."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """kind hf: the config.json it was built from (the export writes it back)."""
+
+    def units(self) -> list[nn.Module]:
+        """The FSDP units below the root, in module order (the root itself is sharded last, always)."""
+        if self.kind == "builtin":
+            assert isinstance(self.module, Transformer)
+            return list(self.module.layers)
+        found: list[nn.Module] = []
+        for name, module in self.module.named_modules():
+            if not name:
+                continue
+            for unit in self.fsdp_units:
+                if (isinstance(unit, str) and fnmatch.fnmatchcase(name, unit)) or (
+                    isinstance(unit, type) and isinstance(module, unit)
+                ):
+                    found.append(module)
+                    break
+        # A unit inside another unit is sharded with its parent's parameters excluded: keep only the outermost.
+        inner = {id(sub) for unit in found for sub in unit.modules() if sub is not unit}
+        return [unit for unit in found if id(unit) not in inner]
+
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        output = self.module(inputs)
+        if self.loss is not None:
+            return self.loss(output, targets)
+        return lm_loss(logits_of(output), targets)
+
+    def is_muon_matrix(self, name: str, param: nn.Parameter) -> bool:
+        if self.muon is not None:
+            return self.muon(name, param)
+        if param.dim() != 2:
+            return False
+        if self.kind == "builtin":
+            return name.startswith("layers.")
+        return any(name.startswith(prefix) for prefix in self._unit_prefixes())
+
+    def _unit_prefixes(self) -> list[str]:
+        names = {id(module): name for name, module in self.module.named_modules()}
+        return [names[id(unit)] + "." for unit in self.units()]
+
+
+def as_spec(model: ModelSpec | nn.Module) -> ModelSpec:
+    """A spec as it is; the built-in decoder (or any module, trained as one unit) wrapped in one."""
+    if isinstance(model, ModelSpec):
+        return model
+    return ModelSpec(model, kind="builtin" if isinstance(model, Transformer) else "entry")
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, or a `transformers` output's ``.logits``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ModelError(
+        f"the model returned {type(output).__name__}: expected logits [batch, seq, vocab] (a tensor or an object "
+        f"with .logits); give the ModelSpec a loss(output, targets) for anything else"
+    )
+
+
+def hf_config_dict(run_model: str) -> dict[str, Any]:
+    """The parsed config.json that `run.model` names (the file, or the folder holding it)."""
+    path = Path(run_model)
+    if path.is_dir():
+        path = path / HF_CONFIG_FILE
+    if not path.is_file():
+        raise ModelError(f"run.model: expected a Hugging Face config.json at {path}, found nothing there")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"run.model: {path} is not a readable JSON file: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ModelError(f"run.model: {path}: expected a config.json object with a 'model_type' string")
+    return data
+
+
+def _hf_module(config: dict[str, Any]) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:
+        raise ModelError(
+            "run.model names a Hugging Face config: that needs transformers (pip install 'farloco[hf]')"
+        ) from exc
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    try:
+        hf_config = AutoConfig.for_model(config["model_type"], **fields)
+        module: nn.Module = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+        return module
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"run.model: transformers cannot build a causal LM from this config: {exc}") from exc
+
+
+def _entry_factory(run_model: str) -> Callable[[], Any]:
+    module_name, _, attr = run_model.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(
+            f"run.model {run_model!r}: cannot import {module_name!r} ({exc}); the module must be importable on "
+            f"every node (installed, or on PYTHONPATH)"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelError(f"run.model {run_model!r}: {module_name} has no callable {attr!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def _spec_of(run_model: str) -> ModelSpec:
+    """The uninitialised spec (construction only, no seeded init): on the meta device, this is all that the
+    architecture digest and the agent's layout need."""
+    kind = model_kind(run_model)
+    if kind == "builtin":
+        return ModelSpec(Transformer(model_config(run_model)), kind="builtin")
+    if kind == "hf":
+        config = hf_config_dict(run_model)
+        module = _hf_module(config)
+        units = tuple(getattr(module, "_no_split_modules", None) or ())
+        classes = [type(m) for m in module.modules() if type(m).__name__ in units]
+        return ModelSpec(
+            module,
+            fsdp_units=tuple(dict.fromkeys(classes)),
+            tp_plan=_hf_tp_plan(module),
+            kind="hf",
+            hf_config=config,
+        )
+    made = _entry_factory(run_model)()
+    spec = made if isinstance(made, ModelSpec) else ModelSpec(made) if isinstance(made, nn.Module) else None
+    if spec is None or not isinstance(spec.module, nn.Module):
+        raise ModelError(
+            f"run.model {run_model!r}: expected the factory to return an nn.Module or a ModelSpec, "
+            f"got {type(made).__name__}"
+        )
+    spec.kind = "entry"
+    return spec
+
+
+def build_spec(run_model: str, seed: int) -> ModelSpec:
+    """The model `run.model` names, on CPU in float32, its parameters a function of (architecture, seed) only."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ModelError(f"expected a non-negative int seed, got {seed!r}")
+    if model_kind(run_model) == "builtin":
+        return ModelSpec(build_model(model_config(run_model), seed), kind="builtin")
+    spec = _spec_of(run_model)
+    if spec.init is not None:
+        spec.init(spec.module, seed)
+    else:
+        std = float(spec.hf_config.get("initializer_range", 0.02)) if spec.kind == "hf" else 0.02
+        seeded_init(spec.module, seed, std)
+    return spec
+
+
+def meta_spec(run_model: str) -> ModelSpec:
+    """The spec built on the meta device: names and shapes, no memory, no init (a 10B model costs nothing)."""
+    with torch.device("meta"):
+        return _spec_of(run_model)
+
+
+def seeded_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic init in place: every parameter of 2 or more dimensions normal(0, std) from a generator
+    seeded by (seed, its name), biases 0, other 1-D parameters (norm scales) as the module constructed them.
+    Sampled in float64 and rounded: the float32 CPU sampler's values depend on the CPU's vector unit."""
+
+    def init_one(name: str, param: nn.Parameter) -> None:
+        with torch.no_grad():
+            if param.dim() >= 2:
+                generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+                values = torch.empty(param.shape, dtype=torch.float64).normal_(0.0, std, generator=generator)
+                param.copy_(values)
+            elif name.endswith("bias"):
+                param.zero_()
+
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        for future in [pool.submit(init_one, name, param) for name, param in module.named_parameters()]:
+            future.result()
+
+
+def _hf_tp_plan(module: nn.Module) -> dict[str, Any] | None:
+    """The tensor-parallel plan a `transformers` model declares (config.base_model_tp_plan), as torch
+    ParallelStyles on the causal LM's root; None when it declares none or uses styles beyond plain column-wise
+    and row-wise (the attention of HF models reshapes with -1 heads, so those two split it by heads)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config = getattr(module, "config", None)
+    declared = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(module, "base_model_prefix", "model")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if not declared or any(style not in styles for style in declared.values()):
+        return None
+    return {f"{prefix}.{name}": styles[style]() for name, style in declared.items()}
+
+
+def check_tp(spec: ModelSpec, tp: int, where: str = "node.tp") -> None:
+    """A model splits over `tp` ranks only if it has a plan and every split dimension divides: a clear error."""
+    if tp == 1 or spec.kind == "builtin":
+        return
+    if spec.tp_plan is None:
+        raise ModelError(
+            f"{where}={tp}: this run.model declares no tensor-parallel plan; expected node.tp = 1"
+        )
+    if spec.kind == "hf":
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            value = spec.hf_config.get(key)
+            if isinstance(value, int) and value % tp:
+                raise ModelError(f"{where}={tp}: the model's {key}={value} is not a multiple of it")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    for name, module in spec.module.named_modules():
+        style = next((s for pattern, s in spec.tp_plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if isinstance(module, nn.Linear) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            dim, what = (
+                (module.out_features, "out_features")
+                if isinstance(style, ColwiseParallel)
+                else (module.in_features, "in_features")
+            )
+            if dim % tp:
+                raise ModelError(f"{where}={tp}: {name}.{what}={dim} is not a multiple of it")
+
+
+def architecture(run_model: str) -> str:
+    """A digest of the model's architecture for the run hash ('' for a preset: its name says it all)."""
+    kind = model_kind(run_model)
+    if kind == "builtin":
+        return ""
+    if kind == "hf":
+        path = Path(run_model)
+        path = path / HF_CONFIG_FILE if path.is_dir() else path
+        try:
+            stat = path.stat()
+        except OSError:
+            stat = None
+        return _architecture_cached(run_model, stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+    return _architecture_cached(run_model, 0, 0)
+
+
+@lru_cache(maxsize=16)
+def _architecture_cached(run_model: str, _mtime: int, _size: int) -> str:
+    if model_kind(run_model) == "hf":
+        config = hf_config_dict(run_model)
+        canonical = json.dumps(
+            {k: v for k, v in config.items() if k not in ("transformers_version", "torch_dtype", "dtype")},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return f"hf:{config['model_type']}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+    spec = meta_spec(run_model)
+    described = {
+        "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in spec.module.named_parameters()],
+        "modules": [
+            [n, f"{type(m).__module__}.{type(m).__qualname__}"] for n, m in spec.module.named_modules()
+        ],
+        "source": _source_digest(run_model),
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+    return f"entry:{type(spec.module).__name__}:{digest}"
+
+
+def _source_digest(run_model: str) -> str:
+    module = importlib.import_module(run_model.partition(":")[0])
+    try:
+        return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()
+    except (OSError, TypeError):
+        return ""
+
+
+__all__ = [
+    "ModelError",
+    "ModelSpec",
+    "architecture",
+    "as_spec",
+    "build_spec",
+    "check_tp",
+    "logits_of",
+    "meta_spec",
+    "seeded_init",
+]
