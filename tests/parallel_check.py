@@ -1,6 +1,7 @@
 """Worker of tests/test_parallel.py: the trainer's layouts against a plain single-process model, on real gloo ranks.
 
-Run as `python tests/parallel_check.py WORLD TP [cpu|cuda]` (it spawns WORLD ranks: gloo on cpu, NCCL on cuda). Each rank builds the built-in tiny model,
+Run as `python tests/parallel_check.py WORLD TP [cpu|cuda] [RUN_MODEL [CHECK,...]]` (it spawns WORLD ranks: gloo on
+cpu, NCCL on cuda). Each rank builds the built-in tiny model (or RUN_MODEL: an HF config.json or an entry point),
 splits it as the trainer does (farloco.node.training.parallel: TP x FSDP2) and checks, against a plain unsharded
 copy that every rank also builds:
 
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 
 from farloco.node.config import build_config
 from farloco.node.handoff import flatten, layout_of
-from farloco.node.training.model import build_model, model_config
+from farloco.node.training.models import build_spec
 from farloco.node.training.muon import build_inner_optimizer
 from farloco.node.training.parallel import ShardView, node_mesh, parallelize
 from farloco.node.training.trainer import HostStaging, train_step
@@ -53,6 +54,9 @@ def make_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     return build_inner_optimizer(model, name, lr=1e-3, weight_decay=0.1, fused=False)
 
 
+RUN_MODEL = "tiny"
+
+
 def one_step(world: int, tp: int, rank: int, device: torch.device, **node: object) -> dict[str, object]:
     optimizer_name = str(node.pop("inner_optimizer", "adamw"))
     grad_clip = float(node.pop("grad_clip", 1.0))  # type: ignore[arg-type]
@@ -68,10 +72,11 @@ def one_step(world: int, tp: int, rank: int, device: torch.device, **node: objec
         }
     )
     mesh = node_mesh(device, world, rank, tp)
-    model = build_model(model_config("tiny"), seed=0).to(device)
+    spec = build_spec(RUN_MODEL, seed=0)
+    model = spec.module.to(device)
     layout = layout_of(model)
-    plain = build_model(model_config("tiny"), seed=0).to(device)
-    parallelize(model, config, device, mesh)
+    plain = build_spec(RUN_MODEL, seed=0).module.to(device)
+    parallelize(spec, config, device, mesh)
     params = dict(model.named_parameters())
     views = [ShardView(params[slot.name], slot) for slot in layout]
     generator = torch.Generator().manual_seed(7)
@@ -80,7 +85,7 @@ def one_step(world: int, tp: int, rank: int, device: torch.device, **node: objec
     share = BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     optimizer = make_optimizer(model, optimizer_name)
-    loss = train_step(model, optimizer, inputs[mine], targets[mine], config)
+    loss = train_step(spec, optimizer, inputs[mine], targets[mine], config)
     dist.all_reduce(loss)
     plain_config = dataclasses.replace(
         config, node=dataclasses.replace(config.node, num_ranks=1, tp=1, micro_batches=1, precision="fp32")
@@ -96,9 +101,10 @@ def round_trip(world: int, tp: int, rank: int, device: torch.device) -> dict[str
     config = build_config(
         {"run": {"batch_size": BATCH, "seq_len": SEQ_LEN}, "node": {"num_ranks": world, "tp": tp}}
     )
-    model = build_model(model_config("tiny"), seed=0).to(device)
+    spec = build_spec(RUN_MODEL, seed=0)
+    model = spec.module.to(device)
     layout = layout_of(model)
-    parallelize(model, config, device, node_mesh(device, world, rank, tp))
+    parallelize(spec, config, device, node_mesh(device, world, rank, tp))
     params = dict(model.named_parameters())
     views = [ShardView(params[slot.name], slot) for slot in layout]
     numel = sum(slot.numel for slot in layout)
@@ -109,7 +115,9 @@ def round_trip(world: int, tp: int, rank: int, device: torch.device) -> dict[str
     return {"max_abs_diff": float((back - flat).abs().max()), "placements": kinds}
 
 
-def worker(rank: int, world: int, tp: int, port: int, kind: str) -> None:
+def worker(rank: int, world: int, tp: int, port: int, kind: str, run_model: str, only: list[str]) -> None:
+    global RUN_MODEL
+    RUN_MODEL = run_model
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
@@ -140,6 +148,8 @@ def worker(rank: int, world: int, tp: int, port: int, kind: str) -> None:
     if kind == "cuda":
         checks["compiled_bf16"] = lambda: one_step(world, tp, rank, device, precision="bf16", compile=True)
     for name, check in checks.items():
+        if only and name not in only:
+            continue
         result = check()
         if rank == 0:
             print(json.dumps({"check": name, **result}), flush=True)
@@ -157,4 +167,6 @@ def free_port() -> int:
 if __name__ == "__main__":
     world_size, tp_degree = int(sys.argv[1]), int(sys.argv[2])
     kind = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-    mp.spawn(worker, args=(world_size, tp_degree, free_port(), kind), nprocs=world_size)
+    run_model = sys.argv[4] if len(sys.argv) > 4 else "tiny"
+    only = sys.argv[5].split(",") if len(sys.argv) > 5 else []
+    mp.spawn(worker, args=(world_size, tp_degree, free_port(), kind, run_model, only), nprocs=world_size)
