@@ -1,22 +1,41 @@
-"""A simulated WAN on one Linux machine: N network namespaces, one per "host", joined by a bridge.
+"""A simulated WAN on one Linux machine: N network namespaces, one per "host", joined through a hub namespace.
 
-Each host i gets its own namespace (`{prefix}{i}`) with one veth uplink and the address 10.{net}.0.i/24; the
-uplinks meet on a bridge in a namespace of its own (`{prefix}br`), and both directions of every uplink are shaped
-with `tc tbf` to `rate` (no netem in the kernels this project runs on, so delay and loss need a userspace relay).
+Each host i gets its own namespace (`{prefix}{i}`) with one veth uplink into a hub namespace of its own
+(`{prefix}br`), and both directions of every uplink are shaped with `tc tbf` to `rate`. Two hub kinds:
+
+- a bridge (the default): host i is 10.{net}.0.i/24, every host on one L2 segment;
+- a router with the userspace netem relay (`relay=True`, implied by a delay, jitter or loss): host i is
+  10.{net}.i.2/24 behind 10.{net}.i.1, and the hub routes every packet arriving from an uplink through a TUN
+  device served by `farloco.node.tools.netem` (delay, jitter, loss, stalls without FIN, partitions: no netem
+  in the kernels this project runs on). `set_path`, `stall`, `partition` and `heal` change them while traffic
+  flows.
+
 The root namespace is never touched. Processes run inside host i through `prefix_command(i)` (`ip netns exec`).
-
 Needs root and iproute2; `unavailable()` says why not, so tests can skip with a reason. Every namespace made is
-removed by `down()` (and on leaving the context manager), also when `up()` fails half-way.
+removed by `down()` (and on leaving the context manager), also when `up()` fails half-way; `up()` first removes
+the namespaces of earlier WANs whose process is gone (a harness that crashed or was SIGKILLed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from farloco.node.tools.netem import write_rules
+
+# Namespaces this module makes are named fl<pid % 100000>h...: the pid of the process that made them.
+STALE_NAME = re.compile(r"^fl(\d{1,5})h")
 
 
 def _ip(*args: str) -> None:
@@ -41,11 +60,40 @@ def unavailable() -> str | None:
     return None
 
 
+def _live_pid_suffixes() -> set[int]:
+    return {int(entry) % 100000 for entry in os.listdir("/proc") if entry.isdigit()}
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Remove the namespaces left by a WAN whose process is gone (crashed, SIGKILLed); returns their names."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    alive = _live_pid_suffixes()
+    removed = []
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = STALE_NAME.match(name)
+        if match and int(match.group(1)) not in alive:
+            with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
+                _ip("netns", "del", name)
+                removed.append(name)
+    return removed
+
+
 class NamespaceWAN:
-    """`hosts` namespaces on a shaped bridge (see the module docstring). Use as a context manager."""
+    """`hosts` namespaces on a shaped hub (see the module docstring). Use as a context manager."""
 
     def __init__(
-        self, hosts: int, rate: str = "100mbit", *, prefix: str | None = None, net: int = 77
+        self,
+        hosts: int,
+        rate: str = "100mbit",
+        *,
+        prefix: str | None = None,
+        net: int = 77,
+        delay_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        loss: float = 0.0,
+        relay: bool | None = None,
+        mtu: int = 9000,
     ) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
@@ -57,46 +105,140 @@ class NamespaceWAN:
             raise ValueError(f"prefix must be at most 9 characters (interface names), got {self.prefix!r}")
         self.hosts, self.rate, self.net = hosts, rate, net
         self.made: list[str] = []
+        self.relay = relay if relay is not None else bool(delay_ms or jitter_ms or loss)
+        self.mtu = mtu
+        self.rules: dict[str, Any] = {"default": {"delay_ms": delay_ms, "jitter_ms": jitter_ms, "loss": loss}}
+        self._relay_process: subprocess.Popen[bytes] | None = None
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
     def namespace(self, i: int) -> str:
         return f"{self.prefix}{i}"
 
     def address(self, i: int) -> str:
-        return f"10.{self.net}.0.{i}"
+        return f"10.{self.net}.{i}.2" if self.relay else f"10.{self.net}.0.{i}"
 
     def prefix_command(self, i: int) -> Sequence[str]:
         """Run a command inside host i: `[*prefix_command(i), *command]` (it execs, so the pid is the command's)."""
         return ("ip", "netns", "exec", self.namespace(i))
 
     def up(self) -> NamespaceWAN:
-        bridge = f"{self.prefix}br"
+        remove_stale_namespaces()
+        hub = f"{self.prefix}br"
         try:
-            _ip("netns", "add", bridge)
-            self.made.append(bridge)
-            _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-            _ip("-n", bridge, "link", "set", "br0", "up")
+            _ip("netns", "add", hub)
+            self.made.append(hub)
+            _ip("-n", hub, "link", "set", "lo", "up")
+            if not self.relay:
+                _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+                _ip("-n", hub, "link", "set", "br0", "up")
             for i in range(1, self.hosts + 1):
                 host, inner, outer = self.namespace(i), f"{self.prefix}v{i}", f"{self.prefix}p{i}"
                 _ip("netns", "add", host)
                 self.made.append(host)
-                _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+                _ip(
+                    "link",
+                    "add",
+                    inner,
+                    "mtu",
+                    str(self.mtu),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    outer,
+                    "mtu",
+                    str(self.mtu),
+                )
                 _ip("link", "set", inner, "netns", host)
-                _ip("link", "set", outer, "netns", bridge)
-                _ip("-n", bridge, "link", "set", outer, "master", "br0")
-                _ip("-n", bridge, "link", "set", outer, "up")
-                _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+                _ip("link", "set", outer, "netns", hub)
+                if self.relay:
+                    _ip("-n", hub, "addr", "add", f"10.{self.net}.{i}.1/24", "dev", outer)
+                    _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+                else:
+                    _ip("-n", hub, "link", "set", outer, "master", "br0")
+                    _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+                _ip("-n", hub, "link", "set", outer, "up")
                 _ip("-n", host, "link", "set", inner, "up")
                 _ip("-n", host, "link", "set", "lo", "up")
-                for ns, dev in ((host, inner), (bridge, outer)):  # both directions
+                if self.relay:
+                    _ip("-n", host, "route", "add", "default", "via", f"10.{self.net}.{i}.1")
+                for ns, dev in ((host, inner), (hub, outer)):  # both directions
                     subprocess.run(
                         ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                          "rate", self.rate, "burst", "256kb", "latency", "100ms"],
                         check=True, capture_output=True, timeout=30,
                     )  # fmt: skip
+            if self.relay:
+                self._start_relay(hub)
         except BaseException:
             self.down()
             raise
         return self
+
+    def _start_relay(self, hub: str) -> None:
+        """Forwarding in the hub, every uplink's packets routed into the relay's TUN device, the relay started."""
+        self._workdir = tempfile.TemporaryDirectory(prefix="farloco-wan-")
+        rules, ready = Path(self._workdir.name) / "rules.json", Path(self._workdir.name) / "ready"
+        write_rules(rules, self.rules)
+        for key in (
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+        ):
+            subprocess.run(
+                ["ip", "netns", "exec", hub, "sysctl", "-qw", key],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+        tun = f"{self.prefix}t"
+        self._relay_process = subprocess.Popen(
+            ["ip", "netns", "exec", hub, sys.executable, "-m", "farloco.node.tools.netem",
+             "--tun", tun, "--rules", str(rules), "--net", str(self.net), "--ready", str(ready)],
+            stdout=subprocess.DEVNULL, stderr=open(Path(self._workdir.name) / "relay.log", "wb"),  # noqa: SIM115
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if self._relay_process.poll() is not None or time.monotonic() > deadline:
+                log = (Path(self._workdir.name) / "relay.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the netem relay did not start: {log}")
+            time.sleep(0.05)
+        _ip("-n", hub, "link", "set", tun, "mtu", str(self.mtu), "up")
+        subprocess.run(
+            ["ip", "netns", "exec", hub, "sysctl", "-qw", f"net.ipv4.conf.{tun}.rp_filter=0"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        _ip("-n", hub, "route", "add", "default", "dev", tun, "table", "100")
+        for i in range(1, self.hosts + 1):
+            _ip("-n", hub, "rule", "add", "iif", f"{self.prefix}p{i}", "lookup", "100")
+
+    def _rewrite_rules(self) -> None:
+        if not self.relay or self._workdir is None:
+            raise RuntimeError("delay, loss, stalls and partitions need NamespaceWAN(relay=True)")
+        write_rules(Path(self._workdir.name) / "rules.json", self.rules)
+
+    def set_path(self, src: int, dst: int, **rule: float) -> None:
+        """Give the path src -> dst its own delay_ms, jitter_ms and/or loss (one direction)."""
+        self.rules.setdefault("paths", {})[f"{src}>{dst}"] = rule
+        self._rewrite_rules()
+
+    def stall(self, src: int, dst: int) -> None:
+        """Drop every packet src -> dst from now on, silently (no FIN, no RST): a half-open link."""
+        self.rules.setdefault("stalled", []).append(f"{src}>{dst}")
+        self._rewrite_rules()
+
+    def partition(self, *groups: Sequence[int]) -> None:
+        """Drop every packet between hosts of different groups (hosts in no group are cut from all)."""
+        self.rules["partition"] = [list(group) for group in groups]
+        self._rewrite_rules()
+
+    def heal(self) -> None:
+        """Undo `stall` and `partition` (per-path delays and loss stay)."""
+        self.rules.pop("stalled", None)
+        self.rules.pop("partition", None)
+        self._rewrite_rules()
 
     def cut(self, i: int) -> None:
         """Partition host i from every other host (its uplink goes down on the bridge side): a network split
@@ -108,7 +250,19 @@ class NamespaceWAN:
         _ip("-n", f"{self.prefix}br", "link", "set", f"{self.prefix}p{i}", "up")
 
     def down(self) -> None:
-        """Remove every namespace this WAN made (their veths go with them)."""
+        """Stop the relay and remove every namespace this WAN made (their veths go with them)."""
+        if self._relay_process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._relay_process.send_signal(signal.SIGTERM)
+            try:
+                self._relay_process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._relay_process.kill()
+                self._relay_process.wait(timeout=10)
+            self._relay_process = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
         errors = []
         for ns in reversed(self.made):
             try:
