@@ -523,7 +523,7 @@ def run_section(config: Config | RunConfig) -> dict[str, SCALAR]:
     # A model that is not a preset: its architecture (a digest of its config.json, or of its module's
     # structure and source), so nodes that name the same file or factory but build different models differ.
     if model_kind(run.model) != "builtin":
-        from farloco.node.training.models import architecture  # imports torch: only for such models
+        from farloco.node.architecture import architecture  # imports torch only for an entry point
 
         flat["model_architecture"] = architecture(run.model)
     return flat

@@ -39,21 +39,16 @@ What a factory may return (import `ModelSpec` from here)::
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import importlib
-import inspect
-import json
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from farloco.node.config import ConfigError, model_kind
+from farloco.node.architecture import ModelError, architecture, entry_factory, hf_config_dict
+from farloco.node.config import model_kind
 from farloco.node.training.model import (
     Transformer,
     build_model,
@@ -63,12 +58,6 @@ from farloco.node.training.model import (
 from farloco.node.training.model import (
     _parameter_seed as parameter_seed,
 )
-
-HF_CONFIG_FILE = "config.json"
-
-
-class ModelError(ConfigError):
-    """run.model cannot be built or sharded as asked; the message says what was expected and what was found."""
 
 
 @dataclass
@@ -145,22 +134,6 @@ def logits_of(output: Any) -> torch.Tensor:
     )
 
 
-def hf_config_dict(run_model: str) -> dict[str, Any]:
-    """The parsed config.json that `run.model` names (the file, or the folder holding it)."""
-    path = Path(run_model)
-    if path.is_dir():
-        path = path / HF_CONFIG_FILE
-    if not path.is_file():
-        raise ModelError(f"run.model: expected a Hugging Face config.json at {path}, found nothing there")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"run.model: {path} is not a readable JSON file: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ModelError(f"run.model: {path}: expected a config.json object with a 'model_type' string")
-    return data
-
-
 def _hf_module(config: dict[str, Any]) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,21 +148,6 @@ def _hf_module(config: dict[str, Any]) -> nn.Module:
         return module
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"run.model: transformers cannot build a causal LM from this config: {exc}") from exc
-
-
-def _entry_factory(run_model: str) -> Callable[[], Any]:
-    module_name, _, attr = run_model.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(
-            f"run.model {run_model!r}: cannot import {module_name!r} ({exc}); the module must be importable on "
-            f"every node (installed, or on PYTHONPATH)"
-        ) from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ModelError(f"run.model {run_model!r}: {module_name} has no callable {attr!r}")
-    return factory  # type: ignore[no-any-return]
 
 
 def _spec_of(run_model: str) -> ModelSpec:
@@ -210,7 +168,7 @@ def _spec_of(run_model: str) -> ModelSpec:
             kind="hf",
             hf_config=config,
         )
-    made = _entry_factory(run_model)()
+    made = entry_factory(run_model)()
     spec = made if isinstance(made, ModelSpec) else ModelSpec(made) if isinstance(made, nn.Module) else None
     if spec is None or not isinstance(spec.module, nn.Module):
         raise ModelError(
@@ -301,52 +259,6 @@ def check_tp(spec: ModelSpec, tp: int, where: str = "node.tp") -> None:
             )
             if dim % tp:
                 raise ModelError(f"{where}={tp}: {name}.{what}={dim} is not a multiple of it")
-
-
-def architecture(run_model: str) -> str:
-    """A digest of the model's architecture for the run hash ('' for a preset: its name says it all)."""
-    kind = model_kind(run_model)
-    if kind == "builtin":
-        return ""
-    if kind == "hf":
-        path = Path(run_model)
-        path = path / HF_CONFIG_FILE if path.is_dir() else path
-        try:
-            stat = path.stat()
-        except OSError:
-            stat = None
-        return _architecture_cached(run_model, stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
-    return _architecture_cached(run_model, 0, 0)
-
-
-@lru_cache(maxsize=16)
-def _architecture_cached(run_model: str, _mtime: int, _size: int) -> str:
-    if model_kind(run_model) == "hf":
-        config = hf_config_dict(run_model)
-        canonical = json.dumps(
-            {k: v for k, v in config.items() if k not in ("transformers_version", "torch_dtype", "dtype")},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-        return f"hf:{config['model_type']}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
-    spec = meta_spec(run_model)
-    described = {
-        "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in spec.module.named_parameters()],
-        "modules": [
-            [n, f"{type(m).__module__}.{type(m).__qualname__}"] for n, m in spec.module.named_modules()
-        ],
-        "source": _source_digest(run_model),
-    }
-    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
-    return f"entry:{type(spec.module).__name__}:{digest}"
-
-
-def _source_digest(run_model: str) -> str:
-    module = importlib.import_module(run_model.partition(":")[0])
-    try:
-        return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()
-    except (OSError, TypeError):
-        return ""
 
 
 __all__ = [
