@@ -24,11 +24,10 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from farloco.node.tools.demo import read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.demo import read_events, run_lone_node
 
 MODES = ("sync", "delayed", "eager")
 
@@ -60,27 +59,14 @@ def run_mode(mode: str, work: Path, args: argparse.Namespace, log: Any = print) 
             ]
         )
     )
-    bootstrap, maddr = start_bootstrap(work)
-    peer = None
-    started = time.monotonic()
-    try:
-        peer = start_peer("node", work, config, maddr, 1)
-        while peer.process.poll() is None:
-            if time.monotonic() - started > args.max_seconds:
-                raise RuntimeError(
-                    f"{mode}: the node did not finish {args.rounds} rounds in {args.max_seconds} s"
-                )
-            rounds = [e for e in read_events(peer.run_dir) if e["event"] == "round"]
-            log(f"  {mode}: round {len(rounds)}/{args.rounds} ({time.monotonic() - started:.0f} s)")
-            time.sleep(5)
-        if peer.process.returncode != 0:
-            tail = peer.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{mode}: the node exited with {peer.process.returncode}:\n{tail}")
-    finally:
-        stop_process(*([peer.process] if peer is not None else []), bootstrap)
-    events = [e for e in read_events(peer.run_dir) if e["event"] == "round"]
-    if len(events) < 3:
-        raise RuntimeError(f"{mode}: expected at least 3 round events, got {len(events)}")
+    events, run_dir = run_lone_node(
+        work,
+        config,
+        1,
+        what=f"{mode}, {args.rounds} rounds",
+        max_seconds=args.max_seconds,
+        on_poll=lambda rounds, elapsed: log(f"  {mode}: round {len(rounds)}/{args.rounds} ({elapsed:.0f} s)"),
+    )
     first, last = events[0], events[-1]
     wall = last["time"] - first["time"]
     idle = last["ranks_idle_seconds"] - first["ranks_idle_seconds"]
@@ -94,7 +80,7 @@ def run_mode(mode: str, work: Path, args: argparse.Namespace, log: Any = print) 
         "idle_per_round": idle / spans,
         "round_seconds": sum(e["seconds"] for e in events[1:]) / spans,
         "seconds_per_round": wall / spans,
-        "num_params": read_num_params(peer.run_dir),
+        "num_params": read_num_params(run_dir),
     }
 
 

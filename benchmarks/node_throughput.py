@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from farloco.node.tools.demo import read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.demo import run_lone_node
 from farloco.node.training.model import ModelConfig, model_config
 
 GPU_PEAK_TFLOPS = {"H100": {"bf16": 989.4, "fp32": 494.7}, "H200": {"bf16": 989.4, "fp32": 494.7}}
@@ -169,25 +169,9 @@ def run_daemon(preset: str, args: argparse.Namespace, work: Path) -> dict[str, f
         lines.extend(f"{key} = {_toml(value)}" for key, value in values.items())
     config = run_dir / "node.toml"
     config.write_text("\n".join(lines) + "\n")
-    bootstrap, maddr = start_bootstrap(run_dir)
-    peer = None
-    started = time.monotonic()
-    try:
-        peer = start_peer("node", run_dir, config, maddr, args.ranks)
-        while peer.process.poll() is None:
-            if time.monotonic() - started > args.max_seconds:
-                raise RuntimeError(
-                    f"{preset}: the node did not finish {args.rounds} rounds in {args.max_seconds} s"
-                )
-            time.sleep(2)
-        if peer.process.returncode != 0:
-            tail = peer.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{preset}: the node exited with {peer.process.returncode}:\n{tail}")
-    finally:
-        stop_process(*([peer.process] if peer is not None else []), bootstrap)
-    events = [e for e in read_events(peer.run_dir) if e["event"] == "round"]
-    if len(events) < 3:
-        raise RuntimeError(f"{preset}: expected at least 3 round events, got {len(events)}")
+    events, _ = run_lone_node(
+        run_dir, config, args.ranks, what=f"{preset}, {args.rounds} rounds", max_seconds=args.max_seconds
+    )
     timed = [e["inner_step_seconds"] for e in events[1:] if e.get("inner_step_seconds")]
     wall = events[-1]["time"] - events[0]["time"]
     tokens = (len(events) - 1) * args.inner_steps * args.batch_size * args.seq_len

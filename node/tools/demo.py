@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +186,41 @@ def stop_process(*processes: subprocess.Popen[bytes], timeout: float = 20.0) -> 
         # Children that outlived their parent (the DHT process, trainer ranks) share its session id.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def run_lone_node(
+    work: Path,
+    config: Path,
+    ranks: int,
+    *,
+    what: str,
+    max_seconds: float,
+    on_poll: Callable[[list[dict[str, Any]], float], None] | None = None,
+) -> tuple[list[dict[str, Any]], Path]:
+    """One node alone on 127.0.0.1 (its own bootstrap) until it exits after run.max_rounds (the benchmarks' way
+    to measure a node): its round events (at least 3) and its run directory. `on_poll(rounds, elapsed)` is called
+    every few seconds; an exit code other than 0 or a node past `max_seconds` raises with the log's tail."""
+    bootstrap, maddr = start_bootstrap(work)
+    peer = None
+    started = time.monotonic()
+    try:
+        peer = start_peer("node", work, config, maddr, ranks)
+        while peer.process.poll() is None:
+            elapsed = time.monotonic() - started
+            if elapsed > max_seconds:
+                raise RuntimeError(f"{what}: the node did not finish in {max_seconds} s")
+            if on_poll is not None:
+                on_poll([e for e in read_events(peer.run_dir) if e["event"] == "round"], elapsed)
+            time.sleep(2)
+        if peer.process.returncode != 0:
+            tail = peer.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{what}: the node exited with {peer.process.returncode}:\n{tail}")
+    finally:
+        stop_process(*([peer.process] if peer is not None else []), bootstrap)
+    events = [e for e in read_events(peer.run_dir) if e["event"] == "round"]
+    if len(events) < 3:
+        raise RuntimeError(f"{what}: expected at least 3 round events, got {len(events)}")
+    return events, peer.run_dir
 
 
 def run_demo(
