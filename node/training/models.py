@@ -145,6 +145,8 @@ def _hf_module(config: dict[str, Any]) -> nn.Module:
     try:
         hf_config = AutoConfig.for_model(config["model_type"], **fields)
         module: nn.Module = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+        # Training never decodes: no key/value cache built on every forward (an export keeps the file's value).
+        module.config.use_cache = False  # type: ignore[union-attr]
         return module
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"run.model: transformers cannot build a causal LM from this config: {exc}") from exc
