@@ -24,8 +24,11 @@ a JSON file, a markdown table (pasted into BENCHMARKS.md) and a PNG of held-out 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,7 +92,10 @@ def ddp_rank(args: argparse.Namespace) -> None:
         timeout=_timedelta(600),
     )
     spec = build_spec(run.model, seed=run.seed)
-    model = DistributedDataParallel(spec.module)
+    # The rotary tables are buffers that never change: no broadcast of them before every forward.
+    model = DistributedDataParallel(spec.module, broadcast_buffers=False)
+    # Rank 0 evaluates the plain module: a forward through DDP is a collective the other ranks are not in.
+    plain = dataclasses.replace(spec)
     spec.module = model
     optimizer = build_inner_optimizer(
         model, "adamw", lr=run.inner_lr, weight_decay=run.inner_weight_decay, fused=False
@@ -126,7 +132,7 @@ def ddp_rank(args: argparse.Namespace) -> None:
             return
         model.eval()
         with torch.no_grad():
-            value = sum(float(spec.compute_loss(i, t)) for i, t in held_out) / len(held_out)
+            value = sum(float(plain.compute_loss(i, t)) for i, t in held_out) / len(held_out)
         model.train()
         out.write(json.dumps({"step": step, "time": time.time() - started, "eval_loss": value}) + "\n")
         out.flush()
@@ -176,8 +182,10 @@ def run_ddp(wan: Any, work: Path, config: Path, dataset: Path, args: argparse.Na
             "--master", wan.address(1), "--config", str(config), "--dataset", str(dataset),
             "--steps", str(args.ddp_steps), "--eval-every", str(args.eval_every), "--out", str(out),
         ]  # fmt: skip
+        # gloo advertises the address its host name resolves to (loopback here): name the uplink instead.
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": f"{wan.prefix}v{rank + 1}"}
         with open(work / f"ddp-{rank}.log", "wb") as log:
-            ranks.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+            ranks.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
         for rank in ranks:
             if rank.wait(timeout=args.timeout) != 0:
@@ -341,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"benchmarks/wan.py: {reason}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl+C: the WAN's context manager removes its namespaces and stops the processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="farloco-wan-bench-"))
     dataset = builtin_dataset(work / "data")
