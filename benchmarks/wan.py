@@ -249,7 +249,11 @@ def run_farloco(
     starts = [next(e["time"] for e in read_events(p.run_dir) if e["event"] == "joined") for p in peers]
     start = max(starts)
     rounds_of = [[e for e in read_events(p.run_dir) if e["event"] == "round"] for p in peers]
-    curve = [(e["time"] - start, e["inner_step"], e["eval_loss"]) for e in rounds_of[0]]
+    # A round event's eval_loss is that of the theta the round started from, which the previous round committed:
+    # each loss is placed at the commit that made its theta (the first at the start, 0 steps).
+    made = [(0.0, 0)] + [(e["time"] - start, e["inner_step"]) for e in rounds_of[0]]
+    curve = [(t, steps, e["eval_loss"]) for (t, steps), e in zip(made, rounds_of[0], strict=False)]
+    hit = next((point for point in curve if point[2] <= target), None)
     utilization = []
     for done in rounds_of:
         if len(done) >= 2:
@@ -259,8 +263,8 @@ def run_farloco(
     return {
         "variant": variant,
         "curve": curve,
-        "seconds_to_target": reached["time"] - start if reached else None,
-        "steps_to_target": reached["inner_step"] if reached else None,
+        "seconds_to_target": hit[0] if hit else None,
+        "steps_to_target": hit[1] if hit else None,
         "utilization": sum(utilization) / len(utilization) if utilization else None,
         "bytes_per_node": sum(sent) / HOSTS,
     }
