@@ -6,6 +6,7 @@ over 2 ranks, 1 rank) with agreeing hashes, exported and loaded back; a joiner w
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -195,4 +196,4 @@ def test_nodes_train_an_entry_point_model_with_tp_and_a_different_architecture_i
     finally:
         swarm.close()
     losses = [by_peer["tp2"][r].get("train_loss") for r in sorted(by_peer["tp2"])]
-    assert all(loss is not None and loss == loss for loss in losses), losses
+    assert all(loss is not None and math.isfinite(loss) for loss in losses), losses
