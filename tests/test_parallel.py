@@ -166,7 +166,9 @@ def test_tensor_parallel_fsdp_ranks_train_as_one_plain_model(tmp_path: Path) -> 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("which", ["qwen2", "custom"])
+# The entry point's TP and FSDP run in tests/test_usermodel.py's swarm too (with agreeing hashes); its exact
+# equality with the plain model is the `-m slow` half, to keep the default suite under ~15 minutes.
+@pytest.mark.parametrize("which", ["qwen2", pytest.param("custom", marks=pytest.mark.slow)])
 def test_models_of_ones_own_shard_over_tp_and_fsdp_as_one_plain_model(tmp_path: Path, which: str) -> None:
     """Issue 14 point 1: an HF config (a tiny Qwen2, split by its own base_model_tp_plan) and an entry point
     (tests/fixtures/custom_lm.py, its blocks as FSDP units and its MLP plan) on the 2 x 2 mesh: the shards map

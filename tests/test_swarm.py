@@ -340,7 +340,8 @@ def together_after(peers: list[PeerProcess], round_id: int) -> list[int]:
     return sorted(ids or ())
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
+# The 3-node run is the same test with one more node (`-m slow`): the default suite keeps under ~15 minutes.
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_sigkilled_node_restarted_is_back_in_step_in_every_round_and_nothing_forks(
     swarm: Swarm, nodes: int
 ) -> None:
@@ -443,7 +444,8 @@ def test_a_whole_swarm_restarted_resumes_its_own_checkpoints_one_node_after_the_
         swarm.close()
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
+# The 3-node run is the same test with one more node (`-m slow`): the default suite keeps under ~15 minutes.
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_stalled_dht_process_never_forks_the_swarm(swarm: Swarm, nodes: int) -> None:
     """SIGSTOP one node's DHT process for 10 s (a DHT that hangs: its stores and reads never answer, and the
     others' requests to it time out), then SIGCONT: the swarm goes on over its links or waits, the node is in
