@@ -344,12 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from farloco.node.config import build_config
     from farloco.node.tools.demo import demo_config
-    from farloco.node.tools.netns import NamespaceWAN, unavailable
+    from farloco.node.tools.netns import NamespaceWAN, relay_unavailable
     from farloco.node.training.data import builtin_dataset
     from farloco.node.training.model import num_parameters
     from farloco.node.training.models import meta_spec
 
-    reason = unavailable()
+    reason = relay_unavailable()
     if reason is not None:
         print(f"benchmarks/wan.py: {reason}", file=sys.stderr)
         return 2

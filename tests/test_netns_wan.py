@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from farloco.node.tools.netem import Rules
-from farloco.node.tools.netns import NamespaceWAN, remove_stale_namespaces, unavailable
+from farloco.node.tools.netns import NamespaceWAN, relay_unavailable, remove_stale_namespaces
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -62,7 +62,7 @@ PROBE = textwrap.dedent(
 
 @pytest.fixture
 def root_ok() -> None:
-    reason = unavailable()
+    reason = relay_unavailable()
     if reason is not None:
         pytest.skip(reason)
 

@@ -60,6 +60,20 @@ def unavailable() -> str | None:
     return None
 
 
+def relay_unavailable() -> str | None:
+    """Why a WAN with the netem relay cannot be made here (None: it can): namespaces, plus a TUN device."""
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if shutil.which("sysctl") is None:
+        return "sysctl (procps) is not installed"
+    try:
+        os.close(os.open("/dev/net/tun", os.O_RDWR))
+    except OSError as exc:
+        return f"the netem relay needs a TUN device: /dev/net/tun: {exc.strerror}"
+    return None
+
+
 def _live_pid_suffixes() -> set[int]:
     return {int(entry) % 100000 for entry in os.listdir("/proc") if entry.isdigit()}
 
