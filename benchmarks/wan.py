@@ -281,13 +281,13 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace, num_params
         f"{args.seq_len} per node; target = DDP's held-out loss after {args.ddp_steps} steps: "
         f"**{ddp['target']:.3f}**",
         "",
-        "| variant | time to target | vs DDP | inner steps | compute utilization | MB sent per node |",
+        "| variant | time to target | speed-up (DDP's time / its time) | inner steps | compute utilization | MB sent per node |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
         seconds = r["seconds_to_target"]
         took = f"{seconds:.1f} s" if seconds else "not reached"
-        speedup = f"{ddp['seconds_to_target'] / seconds:.2f}x sooner" if seconds else "-"
+        speedup = f"{ddp['seconds_to_target'] / seconds:.2f}x" if seconds else "-"
         if r is ddp:
             speedup = "1 (baseline)"
         used = f"{r['utilization']:.1%}" if r["utilization"] is not None else "-"
