@@ -182,6 +182,11 @@ def load_checkpoint(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
     return meta, tensors
 
 
+def read_metadata(path: Path) -> dict[str, str]:
+    """A committed checkpoint's metadata only (checked for form, theta not read: `latest_checkpoint` verified it)."""
+    return _read_meta(Path(path))
+
+
 def verify_checkpoint(path: Path) -> dict[str, str]:
     """Check a checkpoint like `load_checkpoint` does, reading only theta; returns its metadata."""
     path = Path(path)

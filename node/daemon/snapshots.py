@@ -163,12 +163,12 @@ class SnapshotAgent(RanksAgent):
         """Our newest loadable checkpoint if it holds round `round_id` with one of `hashes` (the outer hashes the
         swarm's members of that round publish): the swarm's very state, so a restarted node resumes it from disk
         instead of fetching it over the network (and keeps its own inner state and data position)."""
-        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, verify_checkpoint
+        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, read_metadata
 
-        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        path = latest_checkpoint(checkpoints_dir(self.run_dir))  # verified: theta read and hashed once
         if path is None:
             return None
-        meta = verify_checkpoint(path)
+        meta = read_metadata(path)
         if (
             int(meta["round_id"]) == round_id
             and meta["outer_hash"] in hashes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -268,29 +269,38 @@ def _parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def seeded_normal_(param: nn.Parameter, seed: int, name: str, std: float) -> None:
+    """`param` <- normal(0, std) from a generator seeded by (seed, name): the same values on every machine."""
+    generator = torch.Generator(device="cpu").manual_seed(_parameter_seed(seed, name))
+    # Sample in float64: torch's float32 CPU normal has an AVX2-vectorised path whose values differ from the
+    # default one (checked with ATEN_CPU_CAPABILITY), so float32 sampling would depend on the CPU. The float64
+    # path is the same on every CPU; rounding to float32 happens in copy_.
+    with torch.no_grad():  # grad mode is per thread; a pool's threads start with it on
+        param.copy_(torch.empty(param.shape, dtype=torch.float64).normal_(0.0, std, generator=generator))
+
+
+def init_each_parameter(module: nn.Module, init_one: Callable[[str, nn.Parameter], None]) -> None:
+    """`init_one(name, param)` for every parameter, in parallel: each parameter has its own generator, so the
+    results do not depend on the order; the sampling is single-threaded and dominates a big model's build."""
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        for future in [pool.submit(init_one, name, param) for name, param in module.named_parameters()]:
+            future.result()
+
+
 def init_weights(model: Transformer, seed: int) -> None:
     """GPT-2-style init in place: normal(0, 0.02), residual projections (wo, w2) scaled by 1/sqrt(2*n_layers),
     norm weights 1. Deterministic across machines (see build_model)."""
     residual_std = 0.02 / math.sqrt(2 * model.config.n_layers)
 
     def init_one(name: str, param: nn.Parameter) -> None:
-        with torch.no_grad():  # grad mode is per thread; the pool's threads start with it on
-            if name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):
+            with torch.no_grad():
                 param.fill_(1.0)
-                return
-            std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
-            generator = torch.Generator(device="cpu").manual_seed(_parameter_seed(seed, name))
-            # Sample in float64: torch's float32 CPU normal has an AVX2-vectorised path whose values differ
-            # from the default one (checked with ATEN_CPU_CAPABILITY), so float32 sampling would depend on
-            # the CPU. The float64 path is the same on every CPU; rounding to float32 happens in copy_.
-            values = torch.empty(param.shape, dtype=torch.float64).normal_(0.0, std, generator=generator)
-            param.copy_(values)
+            return
+        std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
+        seeded_normal_(param, seed, name, std)
 
-    # Every parameter has its own generator, so they can be sampled in parallel with identical results;
-    # the sampling loop is single-threaded and dominates build time for the big presets.
-    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        for future in [pool.submit(init_one, name, param) for name, param in model.named_parameters()]:
-            future.result()
+    init_each_parameter(model, init_one)
 
 
 def build_model(config: ModelConfig, seed: int) -> Transformer:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +51,10 @@ from farloco.node.config import model_kind
 from farloco.node.training.model import (
     Transformer,
     build_model,
+    init_each_parameter,
     lm_loss,
     model_config,
-)
-from farloco.node.training.model import (
-    _parameter_seed as parameter_seed,
+    seeded_normal_,
 )
 
 
@@ -208,17 +206,13 @@ def seeded_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
     Sampled in float64 and rounded: the float32 CPU sampler's values depend on the CPU's vector unit."""
 
     def init_one(name: str, param: nn.Parameter) -> None:
-        with torch.no_grad():
-            if param.dim() >= 2:
-                generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-                values = torch.empty(param.shape, dtype=torch.float64).normal_(0.0, std, generator=generator)
-                param.copy_(values)
-            elif name.endswith("bias"):
+        if param.dim() >= 2:
+            seeded_normal_(param, seed, name, std)
+        elif name.endswith("bias"):
+            with torch.no_grad():
                 param.zero_()
 
-    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        for future in [pool.submit(init_one, name, param) for name, param in module.named_parameters()]:
-            future.result()
+    init_each_parameter(module, init_one)
 
 
 def _hf_tp_plan(module: nn.Module) -> dict[str, Any] | None:
