@@ -140,6 +140,10 @@ class SnapshotAgent(RanksAgent):
             "data_slot": str(self.slot),
             "data_step": str(round_id * self.config.run.inner_steps),
         }
+        if inner is not None and inner["result"] == "ok":
+            # What the inner/ holds, on disk with it (the checkpoint event below can be lost to a SIGKILL).
+            meta["optimizer_step"] = str(inner["optimizer_step"])
+            meta["optimizer_fingerprint"] = repr(float(inner["optimizer_fingerprint"]))
         root = checkpoints_dir(self.run_dir)
         started = time.monotonic()
         try:
