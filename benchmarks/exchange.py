@@ -3,6 +3,13 @@ DecentralizedAverager, each peer in its own process on 127.0.0.1.
 
     python benchmarks/exchange.py                       # every impl, 2 and 4 peers, 4 / 64 / 256 MiB fp32
     python benchmarks/exchange.py --impl farloco --peers 2 --mib 64 --codec int8 --markdown
+    python benchmarks/exchange.py --wan 1gbit:100 --impl farloco --impl gloo --streams 1 --streams 4 \
+        --peers 2 --mib 64 --codec fp32 --markdown     # each peer in its own namespace: 1 Gbit/s, 100 ms RTT
+
+With `--wan RATE:RTT_MS` (root: node/tools/netns.py) every peer runs in a network namespace of its own behind a
+link shaped to RATE, with RTT_MS round-trip time through the netem relay, gloo's ranks too (GLOO_SOCKET_IFNAME
+names the uplink). `--streams N` (repeatable) runs farloco with network.streams_per_peer = N: the chunks of a
+part spread over N TCP streams per peer pair, each with its own window.
 
 Every peer checks its result against the exact average (tolerance per codec): a wrong farloco or gloo result
 fails the run; a wrong hivemind result (its averager can return a partial average as success) is reported in
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -147,10 +155,14 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
         auth = Authenticator("bench", b"bench-secret", peer_id)
         # The daemon's default: streams on the TCP data plane; BENCH_DATA_PLANE=grpc keeps them on gRPC.
         data_port = 0 if os.environ.get("BENCH_DATA_PLANE", "tcp") == "tcp" else None
-        server = RpcServer(auth, data_port=data_port)
+        server = RpcServer(auth, host=os.environ.get("BENCH_HOST", "127.0.0.1"), data_port=data_port)
         client = RpcClient(auth)
         exchange = Exchange(
-            server, client, peer_id, chunk_bytes=int(os.environ.get("BENCH_CHUNK_BYTES", 1 << 20))
+            server,
+            client,
+            peer_id,
+            chunk_bytes=int(os.environ.get("BENCH_CHUNK_BYTES", 1 << 20)),
+            streams_per_peer=int(os.environ.get("BENCH_STREAMS", 1)),
         )
         send({"address": await server.start()})
         spec = await asyncio.get_running_loop().run_in_executor(None, receive)
@@ -190,7 +202,8 @@ def check(averaged: torch.Tensor, peers: int, codec: str) -> tuple[float, float]
 def worker_gloo(rank: int, peers: int, numel: int, reps: int, port: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=peers)
+    master = os.environ.get("BENCH_MASTER", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=peers)
     tensor = make_input(rank, numel)
     work = torch.empty_like(tensor)
     times, cpu = [], []
@@ -281,20 +294,43 @@ def free_port() -> int:
 
 
 def run_config(
-    impl: str, peers: int, mib: int, codec: str, malloc_tuning: bool, chunk_bytes: int = 1 << 20
+    impl: str,
+    peers: int,
+    mib: int,
+    codec: str,
+    malloc_tuning: bool,
+    chunk_bytes: int = 1 << 20,
+    *,
+    streams: int = 1,
+    wan: Any = None,
 ) -> dict[str, Any]:
     numel = mib * (1 << 20) // 4
-    reps = reps_for(mib, impl)
+    reps = reps_for(mib, impl) if wan is None else 3
     port = free_port()
     env = {
         **os.environ,
         **(MALLOC_ENV if malloc_tuning else {}),
         "BENCH_CHUNK_BYTES": str(chunk_bytes),
         "BENCH_DATA_PLANE": "grpc" if impl == "farloco-grpc" else "tcp",
+        "BENCH_STREAMS": str(streams),
     }
+
+    def where(rank: int) -> tuple[list[str], dict[str, str]]:
+        """The command prefix and environment of peer `rank`: its own namespace on a WAN."""
+        if wan is None:
+            return [], env
+        host = rank + 1
+        return list(wan.prefix_command(host)), {
+            **env,
+            "BENCH_HOST": wan.address(host),
+            "BENCH_MASTER": wan.address(1),
+            "GLOO_SOCKET_IFNAME": f"{wan.prefix}v{host}",
+        }
+
     procs = [
         subprocess.Popen(
             [
+                *where(rank)[0],
                 sys.executable,
                 __file__,
                 "--worker",
@@ -309,7 +345,7 @@ def run_config(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
+            env=where(rank)[1],
         )
         for rank in range(peers)
     ]
@@ -354,7 +390,7 @@ def run_config(
     # CPU seconds of the busiest peer (all its threads): far less sensitive than wall time to other load.
     cpu_seconds = statistics.median(max(c) for c in zip(*(r["cpu"] for r in reports), strict=True))
     return {
-        "impl": impl,
+        "impl": impl if streams == 1 else f"{impl} x{streams} streams",
         "peers": peers,
         "mib": mib,
         "codec": codec,
@@ -373,12 +409,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     gloo = {(r["peers"], r["mib"]): r["seconds_median"] for r in rows if r["impl"] == "gloo"}
+    if any("link" in r for r in rows):
+        lines[0] = lines[0].replace("| impl |", "| link | impl |")
+        lines[1] = "|---" + lines[1]
     for r in rows:
         ref = gloo.get((r["peers"], r["mib"]))
         ratio = f"{ref / r['seconds_median']:.2f}x" if ref else "-"
         wrong = f" (WRONG RESULT: {r['wrong_result']})" if "wrong_result" in r else ""
+        link = f"| {r['link']} " if "link" in r else ""
         lines.append(
-            f"| {r['impl']}{wrong} | {r['codec']} | {r['peers']} | {r['mib']} | {r['seconds_median']:.3f} | "
+            f"{link}| {r['impl']}{wrong} | {r['codec']} | {r['peers']} | {r['mib']} | {r['seconds_median']:.3f} | "
             f"{r['algbw_gbps']:.3f} | {ratio} | {r['cpu_seconds_median']:.3f} |"
         )
     return "\n".join(lines)
@@ -407,6 +447,12 @@ def main() -> None:
         "--chunk-mib", type=float, default=1.0, help="farloco chunk size (fp32 MiB), default 1"
     )
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    parser.add_argument(
+        "--wan", help="RATE:RTT_MS, e.g. 1gbit:100: every peer in its own namespace behind such a link (root)"
+    )
+    parser.add_argument(
+        "--streams", type=int, action="append", help="farloco's streams per peer pair (default 1)"
+    )
     args = parser.parse_args()
     configs = [(impl, codec) for impl, codec in DEFAULT_CONFIGS if not args.impl or impl in args.impl]
     if args.impl and "farloco-grpc" in args.impl and not args.codec:
@@ -415,16 +461,37 @@ def main() -> None:
         configs = [c for c in configs if not c[0].startswith("farloco")]
         farlocos = [i for i in args.impl or ["farloco"] if i.startswith("farloco")]
         configs = [(impl, codec) for impl in farlocos for codec in args.codec] + configs
+    # farloco rows once per --streams value
+    configs = [
+        (impl, codec, streams)
+        for impl, codec in configs
+        for streams in (args.streams or [1] if impl.startswith("farloco") else [1])
+    ]
     rows = []
-    # Implementations take turns at each size, so they see the same background load (this is a shared box).
-    for peers in args.peers or [2, 4]:
-        for mib in args.mib or [4, 64, 256]:
-            for impl, codec in configs:
-                row = run_config(
-                    impl, peers, mib, codec, not args.no_malloc_tuning, int(args.chunk_mib * (1 << 20))
-                )
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    with contextlib.ExitStack() as stack:
+        for peers in args.peers or [2, 4]:
+            wan = None
+            if args.wan:
+                from farloco.node.tools.netns import NamespaceWAN, relay_unavailable
+
+                reason = relay_unavailable()
+                if reason is not None:
+                    raise SystemExit(f"--wan: {reason}")
+                rate, _, rtt = args.wan.partition(":")
+                wan = stack.enter_context(NamespaceWAN(peers, rate, delay_ms=float(rtt or 0) / 2))
+            # Implementations take turns at each size, so they see the same background load (a shared box).
+            for mib in args.mib or [4, 64, 256]:
+                for impl, codec, streams in configs:
+                    row = run_config(
+                        impl, peers, mib, codec, not args.no_malloc_tuning, int(args.chunk_mib * (1 << 20)),
+                        streams=streams, wan=wan,
+                    )  # fmt: skip
+                    if args.wan:
+                        row["link"] = args.wan
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            if wan is not None:
+                stack.close()
     if args.markdown:
         print(markdown(rows))
 

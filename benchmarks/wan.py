@@ -14,6 +14,12 @@ i-1 of the builtin corpus), the same per-node batch, learning rate, warm-up and 
   int8 codec, streaming-diloco, diloco-int8 with run.outer_update = delayed, demo and sparseloco (each with its
   demo defaults otherwise), until a round's held-out loss reaches the target or `--max-steps` inner steps.
 
+Every host is a machine of `--cpus-per-host` cores (a CPU cgroup with a CFS quota; default: this machine's
+cores less 0.2 for the relay, shared out, at most 1): hosts that share the cores cannot borrow each other's idle
+time, so a rank that waits on its link leaves its share unused, as on separate machines. Without the cap, 4 hosts
+on 2 cores let DDP's mostly-waiting ranks lend their cores to nobody while farloco's always-busy ranks fight
+over them (measured: a farloco inner step took 3.5x its time alone).
+
 Per variant: the wall time to the target (from when every rank/node is up: DDP's first step, the last node's
 `joined`), the inner steps it took, each node's **compute utilization** (DDP: the local step time measured
 without communication x steps / wall; farloco: 1 - the ranks' idle time / wall, from the round events) and the
@@ -277,7 +283,13 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace, num_params
     ddp = results[0]
     rows = [
         f"{args.preset} ({num_params / 1e6:.2f}M params), {HOSTS} hosts x 1 rank in network namespaces, "
-        f"{args.rate} links with {args.rtt_ms:g} ms RTT (tbf + the netem relay), batch {args.batch_size} x "
+        f"{args.rate} links with {args.rtt_ms:g} ms RTT (tbf + the netem relay), "
+        + (
+            f"{args.cpus_per_host:g} cores per host (CPU cgroup), "
+            if args.cpus_per_host
+            else "cores shared, "
+        )
+        + f"batch {args.batch_size} x "
         f"{args.seq_len} per node; target = DDP's held-out loss after {args.ddp_steps} steps: "
         f"**{ddp['target']:.3f}**",
         "",
@@ -337,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--cpus-per-host",
+        type=float,
+        default=min(1.0, ((os.cpu_count() or 1) - 0.2) / HOSTS),
+        help="cores each host may use (a CPU cgroup per host); 0: no cap",
+    )
     parser.add_argument("--out", type=Path, default=Path("wan-results"))
     args = parser.parse_args(argv)
     if args.command == "ddp-rank":
@@ -362,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ddp_config.write_text(demo_config(1, [*base_overrides(args), *VARIANTS["diloco-int8"]]))
     num_params = num_parameters(meta_spec(build_config({"run": {"model": args.preset}}).run.model).module)
     results: list[dict[str, Any]] = []
-    with NamespaceWAN(HOSTS, args.rate, delay_ms=args.rtt_ms / 2) as wan:
+    cpus = args.cpus_per_host or None
+    with NamespaceWAN(HOSTS, args.rate, delay_ms=args.rtt_ms / 2, cpus=cpus) as wan:
         ddp = run_ddp(wan, work, ddp_config, dataset, args)
         results.append(ddp)
         print(f"ddp: target {ddp['target']:.3f} in {ddp['seconds_to_target']:.1f} s", flush=True)

@@ -187,6 +187,16 @@ class NetworkConfig:
     checks, ~2x less CPU per byte than Python gRPC) or "grpc". With mutual TLS configured they always ride gRPC."""
     data_port: int = 0
     """Port of the TCP data plane (0: any free port; peers learn it over gRPC)."""
+    streams_per_peer: int = 1
+    """Streams (TCP connections) this node opens to each other member for its share of an exchange, 1..16: the
+    chunks of a part travel side by side, each stream with its own TCP window. One stream carries at most its
+    window per round trip (4-8 MiB by default: 320-640 Mbit/s at 100 ms); on links with more bandwidth x delay,
+    e.g. 1 Gbit/s x 100 ms (12.5 MB in flight), use 2-4. Each node picks its own; dense codecs only."""
+    socket_buffer_bytes: int = 0
+    """Socket buffers of the data plane's connections: 0 (default) keeps the kernel's receive autotuning and sets
+    the send buffer to the kernel's ceiling (2 x net.core.wmem_max) where autotuning would stop lower; N > 0
+    sets both to N bytes (capped by net.core.wmem_max/rmem_max: a warning names the sysctl); -1 leaves both to
+    the kernel."""
     initial_peers: list[str] = field(default_factory=list)
     """Multiaddrs of DHT peers to join through (e.g. from `farloco bootstrap`)."""
     control_host: str = "127.0.0.1"
@@ -209,6 +219,12 @@ class NetworkConfig:
             value = getattr(self, key)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"network.{key}: expected a port in 0..65535, got {value!r}")
+        if not 1 <= self.streams_per_peer <= 16:
+            raise ConfigError(f"network.streams_per_peer: expected 1..16, got {self.streams_per_peer!r}")
+        if self.socket_buffer_bytes < -1:
+            raise ConfigError(
+                f"network.socket_buffer_bytes: expected -1, 0 or a size in bytes, got {self.socket_buffer_bytes!r}"
+            )
         if self.data_plane not in ("tcp", "grpc"):
             raise ConfigError(f"network.data_plane: expected 'tcp' or 'grpc', got {self.data_plane!r}")
         _check_tls(self)

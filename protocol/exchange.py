@@ -11,6 +11,12 @@ everyone (the owner too) uses decode(those bytes): the result is bit-identical o
 say `raw_float32` (farloco.optim's fp32) skip the codec altogether: chunks travel as raw float32 bytes, the
 owner sums straight from the received buffers and sends the mean's own bytes, which everyone copies as is.
 
+Lanes. A link with a large bandwidth-delay product (1 Gbit/s x 100 ms: 12.5 MB in flight) is more than one
+TCP stream's window can fill. With `streams_per_peer` = L > 1 a member opens up to L streams to each owner
+instead of one, lane l carrying the chunks k of the part with k % L == l (and their means back): the chunks of a
+part travel side by side over L connections, each with its own window (PCCL does the same). Each sender picks
+its own L (said in every hello); a part of n chunks uses max(1, min(L, n)) lanes, computed alike on both sides.
+
 Sparse codecs (`dense=False`) use an all-gather: each member streams its whole payload to every other member;
 each member decodes every payload and sums in sorted peer-id order.
 
@@ -76,6 +82,14 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 # every member's stream was seen and read to its end and every push of ours ended. Not after a deadline, our own
 # bad input or a group mismatch. A crashed member's stream never ends, so a crash costs up to this much more.
 EVIDENCE_GRACE_SECONDS = 1.0
+# Most streams one member opens to one owner for one part (network.streams_per_peer).
+MAX_LANES = 16
+
+
+def lanes_for(lanes: int, num_chunks: int) -> int:
+    """Lanes a part of `num_chunks` chunks travels in when its sender asks for `lanes` (at least one stream, so
+    an empty part is still confirmed)."""
+    return max(1, min(lanes, num_chunks))
 
 
 class TensorCodec(Protocol):
@@ -219,13 +233,15 @@ class _Attempt:
     failure: str = ""
     bad: set[str] = field(default_factory=set)
     local_error: BaseException | None = None
-    streams_from: set[int] = field(default_factory=set)
+    streams_from: set[tuple[int, int]] = field(default_factory=set)  # (member index, lane) streams seen
+    lanes_of: dict[int, int] = field(default_factory=dict)  # member index -> lanes of its streams to us
     weights: dict[int, float] = field(default_factory=dict)
     pending: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     chunks_reduced: int = 0
     payload: bytes = b""  # sparse: our encoded payload, sent to every member
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse: member index -> decoded payload
-    outboxes: dict[int, asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
+    # (member index, lane) -> what goes back on that stream; made when the stream arrives
+    outboxes: dict[tuple[int, int], asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[dict[str, Any]] | None = None
     consumers: set[asyncio.Task[None]] = field(default_factory=set)  # tasks reading the members' streams
     grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
@@ -252,8 +268,34 @@ class _Attempt:
             self.grace_until = min(now + EVIDENCE_GRACE_SECONDS, self.data_deadline)
         log.info("exchange attempt %s/%d failed: %s", self.key[:12], self.attempt_no, reason)
         for outbox in self.outboxes.values():
-            outbox.put_nowait(Reject(grpc.StatusCode.ABORTED, "ATTEMPT_FAILED", reason))
+            outbox.put_nowait(self.failed())
         self.finished.set()
+
+    def failed(self) -> Reject:
+        return Reject(grpc.StatusCode.ABORTED, "ATTEMPT_FAILED", self.failure)
+
+    def outbox(self, sender: int, lane: int) -> asyncio.Queue[Frame | Reject]:
+        """A new stream's outbox (already holding the failure if the attempt failed before it came)."""
+        outbox: asyncio.Queue[Frame | Reject] = asyncio.Queue()
+        if self.checking:
+            outbox.put_nowait(self.failed())
+        self.outboxes[(sender, lane)] = outbox
+        return outbox
+
+    def lane_of(self, sender: int, k: int) -> int:
+        """The lane of `sender`'s stream that carries chunk k of our part."""
+        return k % lanes_for(self.lanes_of[sender], len(self.plan.chunks(self.me)))
+
+    def all_streams_seen(self) -> bool:
+        """Every other member's every lane arrived (a sender's lane count is known from its first stream)."""
+        chunks = len(self.plan.chunks(self.me)) if self.dense else 1
+        return all(
+            j in self.lanes_of
+            and sum(1 for sender, _ in self.streams_from if sender == j)
+            == lanes_for(self.lanes_of[j], chunks)
+            for j in range(len(self.members))
+            if j != self.me
+        )
 
     @property
     def checking(self) -> bool:
@@ -261,7 +303,9 @@ class _Attempt:
         return self.finished.is_set() and not self.ok
 
     async def gather_evidence(
-        self, consumer: asyncio.Task[None] | None = None, pushes: dict[int, asyncio.Task[None]] | None = None
+        self,
+        consumer: asyncio.Task[None] | None = None,
+        pushes: dict[tuple[int, int], asyncio.Task[None]] | None = None,
     ) -> None:
         """Until the grace after a failure ends: wait for `consumer` (one stream) or, without it, for every other
         member's stream to arrive and be read to its end and for each of our `pushes` to end (its peer took every
@@ -272,7 +316,7 @@ class _Attempt:
                 if consumer.done():
                     return
             elif (
-                len(self.streams_from) >= len(self.members) - 1
+                self.all_streams_seen()
                 and all(c.done() for c in self.consumers)
                 and all(task.done() for task in (pushes or {}).values())
             ):
@@ -305,6 +349,7 @@ class Exchange:
         *,
         chunk_bytes: int = 1 << 20,
         max_payload_bytes: int = 4 << 30,
+        streams_per_peer: int = 1,
     ) -> None:
         if chunk_bytes < 1024 or chunk_bytes * 2 + 8192 > min(
             server.max_message_bytes, client.max_message_bytes
@@ -313,9 +358,12 @@ class Exchange:
                 f"chunk_bytes must be >= 1024 and leave room in max_message_bytes "
                 f"(server {server.max_message_bytes}, client {client.max_message_bytes}); got {chunk_bytes}"
             )
+        if not 1 <= streams_per_peer <= MAX_LANES:
+            raise ValueError(f"streams_per_peer must be in 1..{MAX_LANES}, got {streams_per_peer}")
         self.server = server
         self.client = client
         self.peer_id = peer_id
+        self.lanes = streams_per_peer
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
         self._attempts: dict[str, _Attempt] = {}
@@ -480,9 +528,17 @@ class Exchange:
             attempt.transmitted = torch.empty(flat.numel(), dtype=torch.float32)
         attempt.weights = {attempt.me: weight}
         attempt.status = asyncio.get_running_loop().create_future()
-        # Dense: every other member's part, plus our own part once it is reduced. Sparse: every other payload.
-        attempt.parts_missing = len(members) if attempt.dense else len(members) - 1
-        attempt.outboxes = {j: asyncio.Queue() for j in range(len(members)) if j != attempt.me}
+        # Dense: every lane of every other member's part, plus our own part once it is reduced. Sparse: every
+        # other payload.
+        if attempt.dense:
+            attempt.parts_missing = 1 + sum(
+                lanes_for(self.lanes, len(attempt.plan.chunks(j)))
+                for j in range(len(members))
+                if j != attempt.me
+            )
+        else:
+            attempt.parts_missing = len(members) - 1
+        attempt.outboxes = {}
         attempt.started.set()
         # Streams that arrived early under another group id for this round and attempt are refused now.
         for other in list(self._attempts.values()):
@@ -508,9 +564,10 @@ class Exchange:
             self._local_failure(attempt, exc)
             return
         pushes = {
-            j: asyncio.create_task(self._push(attempt, j, deadline))
+            (j, lane): asyncio.create_task(self._push(attempt, j, lane, deadline))
             for j in range(len(attempt.members))
             if j != attempt.me
+            for lane in range(lanes_for(self.lanes, len(attempt.plan.chunks(j))) if attempt.dense else 1)
         }
         try:
             try:
@@ -561,8 +618,9 @@ class Exchange:
         if len(attempt.members) == 1:
             self._finish_sparse(attempt)
 
-    async def _push(self, attempt: _Attempt, j: int, deadline: float) -> None:
-        """Stream our contribution to member j and, for dense codecs, receive j's mean of its part."""
+    async def _push(self, attempt: _Attempt, j: int, lane: int, deadline: float) -> None:
+        """Stream our contribution to member j and, for dense codecs, receive j's mean of its part: the chunks of
+        lane `lane` (see Lanes in the module docstring)."""
         member = attempt.members[j]
         codec = attempt.codec
         loop = asyncio.get_running_loop()
@@ -576,14 +634,18 @@ class Exchange:
                 "d": attempt.dense,
                 "w": attempt.weight,
                 "r": attempt.raw,
+                "l": lane,
+                "L": self.lanes if attempt.dense else 1,
             }
         )
-        chunks = attempt.plan.chunks(j)
+        part = attempt.plan.chunks(j)
+        ks = list(range(lane, len(part), lanes_for(self.lanes, len(part)))) if attempt.dense else []
+        chunks = [part[k] for k in ks]
 
         async def dense_frames() -> AsyncIterator[Frame]:
             attempt.bytes_sent += _wire_size(hello)
             yield hello
-            for k, (a, b) in enumerate(chunks):
+            for k, (a, b) in zip(ks, chunks, strict=True):
                 if attempt.raw:
                     # Our own NaN/Inf is refused chunk by chunk as it goes out: summing a chunk just before it
                     # is sent also brings it into cache for the send (one pass over 64 MiB up front cost more).
@@ -629,13 +691,17 @@ class Exchange:
                 yield frame
 
         received = 0
+        # The means of this lane's chunks, in whatever order the owner completes them: with lanes, a chunk whose
+        # contributions all came early is reduced before an earlier one still on its way.
+        remaining = set(ks)
 
         def mean_sink(header: dict[str, Any], size: int) -> memoryview | None:
             # Raw means land straight in the result (checked once in place below); anything unexpected gets a
             # buffer of its own and is refused there.
-            if header.get("k") != received or received >= len(chunks):
+            k = header.get("k")
+            if k not in remaining:
                 return None
-            a, b = chunks[received]
+            a, b = part[k]
             return _raw_bytes(attempt.result[a:b]) if size == 4 * (b - a) else None
 
         try:
@@ -656,18 +722,20 @@ class Exchange:
                         raise _invalid("BAD_HEADER", f"expected a done frame from {member.peer_id}")
                     received = 1
                     continue
-                if received >= len(chunks) or frame.header.get("k") != received:
+                k = frame.header.get("k")
+                if k not in remaining:
                     raise _invalid(
                         "CHUNK_ORDER",
-                        f"expected chunk {received} of {len(chunks)} of part {j}, got {frame.header.get('k')!r}",
+                        f"expected one of chunks {sorted(remaining)[:8]} of part {j} (lane {lane}), got {k!r:.20}",
                     )
-                a, b = chunks[received]
+                remaining.discard(k)
+                a, b = part[k]
                 if len(frame.payload) > _max_chunk_payload(b - a):
                     raise _invalid(
                         "SIZE_MISMATCH", f"mean chunk of {len(frame.payload)} bytes for {b - a} elements"
                     )
                 attempt.bytes_received += _wire_size(frame)
-                what = f"mean of part {j} chunk {received}"
+                what = f"mean of part {j} chunk {k}"
                 if attempt.raw:
                     target = attempt.result[a:b]
                     view = _raw_view(frame.payload, b - a, what)
@@ -679,7 +747,9 @@ class Exchange:
                     _decode(codec, frame.payload, b - a, what, attempt.fast, attempt.result[a:b])
                 received += 1
             if attempt.dense and received != len(chunks):
-                raise _invalid("TRUNCATED", f"part {j}: expected {len(chunks)} mean chunks, got {received}")
+                raise _invalid(
+                    "TRUNCATED", f"part {j} lane {lane}: expected {len(chunks)} mean chunks, got {received}"
+                )
             if not attempt.dense and received != 1:
                 raise _invalid(
                     "TRUNCATED", f"{member.peer_id} closed the stream without confirming our payload"
@@ -806,7 +876,9 @@ class Exchange:
             )
         return attempt
 
-    def _check_hello(self, attempt: _Attempt, ctx: CallContext, header: dict[str, Any]) -> tuple[int, float]:
+    def _check_hello(
+        self, attempt: _Attempt, ctx: CallContext, header: dict[str, Any]
+    ) -> tuple[int, int, float]:
         sender = attempt.member_ids.index(ctx.sender)
         where = f"round {attempt.round_id} from {ctx.sender}"
         if header.get("a") != attempt.attempt_no:
@@ -834,9 +906,32 @@ class Exchange:
         weight = header.get("w")
         if not isinstance(weight, float) or not (math.isfinite(weight) and weight > 0):
             raise _invalid("BAD_WEIGHT", f"{where}: expected a finite weight > 0, got {weight!r}")
-        if sender in attempt.streams_from:
-            raise _invalid("DUPLICATE_STREAM", f"{where}: a stream from this sender is already open")
-        return sender, weight
+        lanes, lane = header.get("L", 1), header.get("l", 0)
+        if (
+            not isinstance(lanes, int)
+            or not isinstance(lane, int)
+            or not 1 <= lanes <= MAX_LANES
+            or (not attempt.dense and lanes != 1)
+        ):
+            raise _invalid(
+                "BAD_HEADER",
+                f"{where}: expected lanes in 1..{MAX_LANES} (1 for a sparse codec), got {lanes!r:.20}",
+            )
+        if attempt.lanes_of.get(sender, lanes) != lanes:
+            raise _invalid(
+                "LANES_MISMATCH", f"{where}: expected {attempt.lanes_of[sender]} lanes as before, got {lanes}"
+            )
+        chunks = len(attempt.plan.chunks(attempt.me)) if attempt.dense else 1
+        if not 0 <= lane < lanes_for(lanes, chunks):
+            raise _invalid(
+                "BAD_HEADER", f"{where}: expected a lane in 0..{lanes_for(lanes, chunks) - 1}, got {lane}"
+            )
+        if (sender, lane) in attempt.streams_from:
+            raise _invalid(
+                "DUPLICATE_STREAM", f"{where}: a stream from this sender on lane {lane} is already open"
+            )
+        attempt.lanes_of[sender] = lanes
+        return sender, lane, weight
 
     async def _on_push(self, ctx: CallContext, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
         incoming = frames.__aiter__()
@@ -846,20 +941,24 @@ class Exchange:
             raise _invalid("TRUNCATED", f"stream from {ctx.sender} ended before its first frame") from None
         attempt = await self._find_attempt(ctx, hello.header.get("g"), hello.header.get("a"))
         try:
-            sender, weight = self._check_hello(attempt, ctx, hello.header)
+            sender, lane, weight = self._check_hello(attempt, ctx, hello.header)
         except Reject as exc:
             # A member whose stream we refuse cannot contribute: fail now rather than wait for the deadline.
             attempt.fail(f"refused stream from {ctx.sender}: {exc.reason}", _blame(exc, ctx.sender))
             raise
-        attempt.streams_from.add(sender)
+        attempt.streams_from.add((sender, lane))
         attempt.weights[sender] = weight
         if attempt.dense:  # a sparse hello is counted with its payload (_receive_sparse)
             attempt.bytes_received += _wire_size(hello)
-        outbox = attempt.outboxes[sender]
-        receive = self._receive_dense if attempt.dense else self._receive_sparse
-        consumer = asyncio.create_task(receive(attempt, sender, hello, incoming))
+        outbox = attempt.outbox(sender, lane)
+        if attempt.dense:
+            consumer = asyncio.create_task(self._receive_dense(attempt, sender, lane, incoming))
+            chunks = len(attempt.plan.chunks(attempt.me))
+            expected = len(range(lane, chunks, lanes_for(attempt.lanes_of[sender], chunks)))
+        else:
+            consumer = asyncio.create_task(self._receive_sparse(attempt, sender, hello, incoming))
+            expected = 1
         attempt.consumers.add(consumer)
-        expected = len(attempt.plan.chunks(attempt.me)) if attempt.dense else 1
         try:
             for _ in range(expected):
                 item = await outbox.get()
@@ -883,17 +982,21 @@ class Exchange:
                 attempt.fail(f"stream from {ctx.sender} ended early")
 
     async def _receive_dense(
-        self, attempt: _Attempt, sender: int, hello: Frame, incoming: AsyncIterator[Frame]
+        self, attempt: _Attempt, sender: int, lane: int, incoming: AsyncIterator[Frame]
     ) -> None:
-        """Take `sender`'s chunks of our part; reduce each chunk once every member's copy is in."""
+        """Take `sender`'s chunks of our part on lane `lane`; reduce each chunk once every member's copy is in."""
         peer = attempt.member_ids[sender]
         chunks = attempt.plan.chunks(attempt.me)
+        ks = range(lane, len(chunks), lanes_for(attempt.lanes_of[sender], len(chunks)))
         try:
-            for k, (a, b) in enumerate(chunks):
+            for got, k in enumerate(ks):
+                a, b = chunks[k]
                 try:
                     frame = await anext(incoming)
                 except StopAsyncIteration:
-                    raise _invalid("TRUNCATED", f"{peer} sent {k} of {len(chunks)} chunks") from None
+                    raise _invalid(
+                        "TRUNCATED", f"{peer} sent {got} of {len(ks)} chunks on lane {lane}"
+                    ) from None
                 if frame.header.get("k") != k:
                     raise _invalid(
                         "CHUNK_ORDER", f"{peer}: expected chunk {k}, got {frame.header.get('k')!r}"
@@ -930,8 +1033,9 @@ class Exchange:
             # told its data was bad.
             blamed = exc.peer if isinstance(exc, _Blamed) else _blame(exc, peer)
             culprit = attempt.member_ids.index(blamed) if blamed in attempt.member_ids else sender
-            if culprit in attempt.outboxes:
-                attempt.outboxes[culprit].put_nowait(exc)
+            for (member, _), outbox in attempt.outboxes.items():
+                if member == culprit:
+                    outbox.put_nowait(exc)
             attempt.fail(f"refused data from {blamed or peer}: {exc.reason}", blamed)
 
     def _reduce_chunk(self, attempt: _Attempt, k: int) -> None:
@@ -978,9 +1082,12 @@ class Exchange:
         self._send_mean(attempt, Frame({"k": k}, mean))
 
     def _send_mean(self, attempt: _Attempt, frame: Frame) -> None:
-        # Counted as sent when the member's stream takes it (_on_push), not when queued.
-        for outbox in attempt.outboxes.values():
-            outbox.put_nowait(frame)
+        # Counted as sent when the member's stream takes it (_on_push), not when queued. Every member's lane
+        # that carries chunk k is open: its contribution to k came on it.
+        k = frame.header["k"]
+        for j in range(len(attempt.members)):
+            if j != attempt.me:
+                attempt.outboxes[(j, attempt.lane_of(j, k))].put_nowait(frame)
         attempt.chunks_reduced += 1
         if attempt.chunks_reduced == len(attempt.plan.chunks(attempt.me)):
             attempt.part_done()
@@ -1027,12 +1134,12 @@ class Exchange:
             attempt.decoded[sender] = _decode(
                 attempt.codec, memoryview(buffer), attempt.plan.numel, f"payload of {peer}", attempt.fast
             )
-            attempt.outboxes[sender].put_nowait(Frame({"done": True}))
+            attempt.outboxes[(sender, 0)].put_nowait(Frame({"done": True}))
             attempt.part_done()
             if attempt.ok:
                 self._finish_sparse(attempt)
         except Reject as exc:
-            attempt.outboxes[sender].put_nowait(exc)
+            attempt.outboxes[(sender, 0)].put_nowait(exc)
             attempt.fail(f"refused data from {peer}: {exc.reason}", _blame(exc, peer))
 
     def _finish_sparse(self, attempt: _Attempt) -> None:

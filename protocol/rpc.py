@@ -191,8 +191,10 @@ class RpcServer:
         max_message_bytes: int = 8 << 20,
         tls: TlsConfig | None = None,
         data_port: int | None = None,
+        socket_buffer_bytes: int = 0,
     ) -> None:
         self.auth = auth
+        self.socket_buffer_bytes = socket_buffer_bytes  # the data plane's (tcpstream.size_socket_buffers)
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
@@ -244,7 +246,12 @@ class RpcServer:
             )
         if self.data_port is not None:
             data = DataServer(
-                self.host, self.data_port, self.max_message_bytes, self._open_data_stream, self._reject
+                self.host,
+                self.data_port,
+                self.max_message_bytes,
+                self._open_data_stream,
+                self._reject,
+                socket_buffer_bytes=self.socket_buffer_bytes,
             )
             try:
                 self.data_port = await data.start()
@@ -413,9 +420,15 @@ class RpcClient:
     """Calls farloco methods on other nodes; one channel per remote address, reused across calls."""
 
     def __init__(
-        self, auth: Authenticator, *, max_message_bytes: int = 8 << 20, tls: TlsConfig | None = None
+        self,
+        auth: Authenticator,
+        *,
+        max_message_bytes: int = 8 << 20,
+        tls: TlsConfig | None = None,
+        socket_buffer_bytes: int = 0,
     ) -> None:
         self.auth = auth
+        self.socket_buffer_bytes = socket_buffer_bytes
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -500,6 +513,7 @@ class RpcClient:
                     max_message_bytes=limit,
                     decode=lambda data: self._decode_owned(data, address, method),
                     sink=sink,
+                    socket_buffer_bytes=self.socket_buffer_bytes,
                 ):
                     yield answer
             except RpcError as exc:

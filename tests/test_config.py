@@ -43,6 +43,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("run.bogus=1", "unknown key run.bogus: expected one of"),
         ("nope.key=1", "unknown section 'nope'"),
         ("network.grpc_port=70000", "network.grpc_port: expected a port in 0..65535, got 70000"),
+        ("network.streams_per_peer=0", "network.streams_per_peer: expected 1..16, got 0"),
+        ("network.socket_buffer_bytes=-2", "network.socket_buffer_bytes: expected -1, 0 or a size in bytes"),
         ("node.device=tpu", "node.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
         ("run.name=a/b", "run.name: expected a non-empty name without '/'"),
         ("inner_steps", "expected section.key=value"),

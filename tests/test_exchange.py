@@ -16,7 +16,8 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,13 +174,13 @@ class Node:
     """One exchange member. `plane`: "tcp" streams on the TCP data plane (the daemon's default), "grpc" keeps
     them on gRPC; subprocess workers take it from EXCHANGE_TEST_PLANE."""
 
-    def __init__(self, peer_id: str, plane: str | None = None) -> None:
+    def __init__(self, peer_id: str, plane: str | None = None, lanes: int = 1) -> None:
         auth = Authenticator(RUN, SECRET, peer_id)
         self.peer_id = peer_id
         plane = plane or os.environ.get("EXCHANGE_TEST_PLANE", "tcp")
         self.server = RpcServer(auth, data_port=0 if plane == "tcp" else None)
         self.client = RpcClient(auth)
-        self.exchange = Exchange(self.server, self.client, peer_id, chunk_bytes=CHUNK)
+        self.exchange = Exchange(self.server, self.client, peer_id, chunk_bytes=CHUNK, streams_per_peer=lanes)
         self.address = ""
 
     async def start(self) -> GroupMember:
@@ -191,8 +192,10 @@ class Node:
         await self.server.stop(0)
 
 
-async def start_nodes(count: int, plane: str | None = None) -> tuple[list[Node], Group]:
-    nodes = [Node(f"peer-{i}", plane) for i in range(count)]
+async def start_nodes(
+    count: int, plane: str | None = None, lanes: Sequence[int] = ()
+) -> tuple[list[Node], Group]:
+    nodes = [Node(f"peer-{i}", plane, lanes[i] if lanes else 1) for i in range(count)]
     members = [await node.start() for node in nodes]
     return nodes, Group.make(11, members)
 
@@ -385,6 +388,52 @@ def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytes
     run(body())
 
 
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+@pytest.mark.parametrize("codec_name", ["raw", "int8", "fp32"])
+def test_lanes_give_the_same_bits_as_one_stream(codec_name: str, plane: str) -> None:
+    """Members with 1, 3, 4 and 2 streams per peer (each its own): every lane stream carries its chunks, and the mean
+    is bit-identical to the one-stream exchange of the same inputs (a chunk's mean does not depend on the lane it
+    came by). A part of fewer chunks than lanes uses one lane per chunk."""
+    numel = 100_003  # 4 parts of ~25_000 values: 2 chunks of 16384 values (CHUNK) each, the last one short
+    counts = [1, 3, 4, 2]  # so peer-1 and peer-2 open 2 streams per owner, one per chunk
+
+    async def mean(lanes: Sequence[int]) -> tuple[list[AverageResult], list[Counter[str]]]:
+        nodes, group = await start_nodes(4, plane, lanes)
+        opened: list[Counter[str]] = [Counter() for _ in nodes]
+        for node, calls in zip(nodes, opened, strict=True):
+            stream = node.client.stream
+
+            def counted(
+                address: str, method: str, *args: Any, _s: Any = stream, _c: Any = calls, **kw: Any
+            ) -> Any:
+                _c[address] += method == "ExchangePush"
+                return _s(address, method, *args, **kw)
+
+            node.client.stream = counted  # type: ignore[method-assign]
+        try:
+            inputs = [make_input(i, numel) for i in range(4)]
+            results = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], CODECS[codec_name](), timeout=30)
+                  for i, node in enumerate(nodes))
+            )  # fmt: skip
+            return list(results), opened
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    async def body() -> None:
+        one, _ = await mean([1, 1, 1, 1])
+        several, opened = await mean(counts)
+        for single, laned in zip(one, several, strict=True):
+            assert torch.equal(single.averaged, laned.averaged)
+            assert torch.equal(single.transmitted, laned.transmitted)
+        chunks = -(-(numel // 4 + 1) // (CHUNK // 4))
+        for i, calls in enumerate(opened):
+            assert sorted(calls.values()) == [min(counts[i], chunks)] * 3, (i, calls)
+
+    run(body())
+
+
 @pytest.mark.parametrize("target", ["one owner", "every owner"])
 def test_nan_insider_in_a_group_of_three_never_splits_the_round(
     monkeypatch: pytest.MonkeyPatch, target: str
@@ -399,7 +448,7 @@ def test_nan_insider_in_a_group_of_three_never_splits_the_round(
     monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
 
     async def body() -> None:
-        nodes, group = await start_nodes(3)
+        nodes, group = await start_nodes(3, lanes=[2, 3, 3])  # the NaN comes by one lane of several
         try:
             numel = 60_000  # three parts of 20_000
             inputs = [make_input(i, numel) for i in range(3)]

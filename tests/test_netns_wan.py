@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 from farloco.node.tools.netem import Rules
-from farloco.node.tools.netns import NamespaceWAN, relay_unavailable, remove_stale_namespaces
+from farloco.node.tools.netns import (
+    NamespaceWAN,
+    cpu_cap_unavailable,
+    relay_unavailable,
+    remove_stale_namespaces,
+)
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -199,20 +204,23 @@ def test_a_sigkilled_harness_leaves_nothing_after_the_next_one_starts(root_ok: N
         """
         import sys, time
         from farloco.node.tools.netns import NamespaceWAN
-        wan = NamespaceWAN(2, "100mbit", delay_ms=10).up()
-        print(wan.prefix, wan._relay_process.pid, flush=True)
+        from farloco.node.tools.netns import cpu_cap_unavailable
+        wan = NamespaceWAN(2, "100mbit", delay_ms=10, cpus=None if cpu_cap_unavailable() else 0.5).up()
+        print(wan.prefix, wan._relay_process.pid, ",".join(map(str, wan.cgroups.values())) or "-", flush=True)
         time.sleep(600)
         """
     )
     crashed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert crashed.stdout is not None
-    prefix, relay_pid = crashed.stdout.readline().split()
+    prefix, relay_pid, groups = crashed.stdout.readline().split()
     os.kill(crashed.pid, signal.SIGKILL)
     crashed.wait(timeout=30)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert prefix + "br" in listed  # left behind by the crash...
     removed = remove_stale_namespaces()  # ...and removed by the next harness (up() calls this first)
     assert {prefix + "br", prefix + "1", prefix + "2"} <= set(removed), removed
+    if groups != "-":  # the CPU cgroups too
+        assert set(groups.split(",")) <= set(removed) and not any(Path(g).exists() for g in groups.split(","))
     deadline = time.monotonic() + 10
     while Path(f"/proc/{relay_pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)  # the relay ends with its parent (PR_SET_PDEATHSIG)
@@ -220,3 +228,33 @@ def test_a_sigkilled_harness_leaves_nothing_after_the_next_one_starts(root_ok: N
         not Path(f"/proc/{relay_pid}").exists()
         or "netem" not in Path(f"/proc/{relay_pid}/cmdline").read_text()
     )
+
+
+BUSY = "import os, time\nt = time.time()\nwhile time.time() - t < 2.0: pass\nprint(sum(os.times()[:2]))"
+
+
+def test_cpu_caps_make_each_host_a_machine_of_that_many_cores(root_ok: None) -> None:
+    reason = cpu_cap_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+
+    def busy_cpu_seconds(wan: NamespaceWAN, i: int) -> float:
+        done = subprocess.run(
+            [*wan.prefix_command(i), sys.executable, "-c", BUSY], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return float(done.stdout)
+
+    with NamespaceWAN(2, "100mbit", cpus=0.2) as wan:
+        groups = list(wan.cgroups.values())
+        assert len(groups) == 2 and all(g.is_dir() for g in groups)
+        # 2 s of a busy loop at 0.2 cores: 0.4 s of CPU (one CFS period of slack), not 2 s
+        capped = busy_cpu_seconds(wan, 1)
+        assert 0.1 < capped < 0.6, capped
+        wan.set_cpus(1, 1.0)
+        assert busy_cpu_seconds(wan, 1) > 2 * capped
+        with pytest.raises(ValueError, match="positive"):
+            wan.set_cpus(2, 0)
+    assert not any(g.exists() for g in groups)  # removed with the namespaces
+    with pytest.raises(ValueError, match="cores per host"):
+        NamespaceWAN(2, cpus=-1)

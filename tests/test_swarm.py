@@ -472,51 +472,62 @@ def _events_of(peer: PeerProcess, kind: str) -> list[dict]:
     return [e for e in read_events(peer.run_dir) if e["event"] == kind]
 
 
-@pytest.mark.parametrize("min_peers", [1, 2])
-def test_a_node_whose_only_peer_vanished_is_isolated_then_follows_min_peers(
-    tmp_path: Path, min_peers: int
-) -> None:
+def test_a_node_whose_only_peer_vanished_is_isolated_then_follows_min_peers(tmp_path: Path) -> None:
     """SIGKILL one of two nodes: the survivor's peer vanished without leaving, so it is isolated (status, metric,
     event), commits no round alone and waits timeouts.isolation_timeout; then min_peers=1 goes on alone
-    (`continuing_alone`) and min_peers=2 exits with an error naming the isolation."""
+    (`continuing_alone`) and min_peers=2 exits with an error naming the isolation. Both cases at once: two
+    independent swarms (each its own bootstrap and DHT), one per min_peers."""
     from farloco.node.daemon.control import ControlClient
 
-    made = Swarm(
-        tmp_path,
-        [
-            "run.max_rounds=0",
-            "run.inner_steps=8",
-            f"run.min_peers={min_peers}",
-            "timeouts.isolation_timeout=6",
-        ],
-    )
+    swarms: dict[int, Swarm] = {}
     try:
-        a, b = made.add("a"), made.add("b")
+        for min_peers in (1, 2):
+            root = tmp_path / f"min-peers-{min_peers}"
+            root.mkdir()
+            swarms[min_peers] = Swarm(
+                root,
+                [
+                    "run.max_rounds=0",
+                    "run.inner_steps=8",
+                    f"run.min_peers={min_peers}",
+                    "timeouts.isolation_timeout=6",
+                ],
+            )
+        pairs = {m: (made.add("a"), made.add("b")) for m, made in swarms.items()}
+        everyone = [p for pair in pairs.values() for p in pair]
         wait_for(
-            lambda: all(len(rounds_of(p)) >= 2 for p in (a, b)), 240, "2 peers to commit 2 rounds", [a, b]
+            lambda: all(len(rounds_of(p)) >= 2 for p in everyone), 240, "2 pairs to commit 2 rounds", everyone
         )
-        os.killpg(b.process.pid, signal.SIGKILL)
-        b.process.wait(timeout=30)
-        wait_for(lambda: bool(_events_of(a, "isolated")), 60, "the survivor to say it is isolated", [a])
-        killed_at = len(rounds_of(a))
-        status = ControlClient(a.run_dir).status()
-        if status["isolated"]:  # (unless the timeout already passed: then the events below say it all)
-            assert status["state"] == "isolated" and status["vanished_peers"], status
-            assert "farloco_isolated 1" in ControlClient(a.run_dir).metrics()
-        if min_peers == 1:
-            wait_for(lambda: bool(_events_of(a, "continuing_alone")), 60, "the survivor to go on alone", [a])
-            isolated_at = _events_of(a, "isolated")[0]["time"]
-            going_on_at = _events_of(a, "continuing_alone")[0]["time"]
-            assert going_on_at - isolated_at >= 6 - 0.5
-            # No round was committed while it waited (the one in flight when b died may end before it).
-            waited = [e for e in rounds_of(a) if isolated_at < e["time"] < going_on_at]
-            assert not waited, waited
-            wait_for(lambda: len(rounds_of(a)) >= killed_at + 2, 60, "2 rounds alone", [a])
-            assert ControlClient(a.run_dir).status()["isolated"] is False
-        else:
-            a.process.wait(timeout=60)
-            assert a.process.returncode != 0
-            log = a.log_path.read_text(errors="replace")
-            assert "isolated for" in log and "run.min_peers=2 forbids training alone" in log, log[-3000:]
+        for _, b in pairs.values():
+            os.killpg(b.process.pid, signal.SIGKILL)
+            b.process.wait(timeout=30)
+        killed_at = {}
+        for min_peers, (a, _) in pairs.items():
+            wait_for(
+                lambda a=a: bool(_events_of(a, "isolated")), 60, "the survivor to say it is isolated", [a]
+            )
+            killed_at[min_peers] = len(rounds_of(a))
+            if a.process.poll() is not None:
+                continue  # min_peers=2 may have ended already: the log below says it all
+            status = ControlClient(a.run_dir).status()
+            if status["isolated"]:  # (unless the timeout already passed: then the events below say it all)
+                assert status["state"] == "isolated" and status["vanished_peers"], status
+                assert "farloco_isolated 1" in ControlClient(a.run_dir).metrics()
+        a = pairs[1][0]
+        wait_for(lambda: bool(_events_of(a, "continuing_alone")), 60, "the survivor to go on alone", [a])
+        isolated_at = _events_of(a, "isolated")[0]["time"]
+        going_on_at = _events_of(a, "continuing_alone")[0]["time"]
+        assert going_on_at - isolated_at >= 6 - 0.5
+        # No round was committed while it waited (the one in flight when b died may end before it).
+        waited = [e for e in rounds_of(a) if isolated_at < e["time"] < going_on_at]
+        assert not waited, waited
+        wait_for(lambda: len(rounds_of(a)) >= killed_at[1] + 2, 60, "2 rounds alone", [a])
+        assert ControlClient(a.run_dir).status()["isolated"] is False
+        a = pairs[2][0]
+        a.process.wait(timeout=60)
+        assert a.process.returncode != 0
+        log = a.log_path.read_text(errors="replace")
+        assert "isolated for" in log and "run.min_peers=2 forbids training alone" in log, log[-3000:]
     finally:
-        made.close()
+        for made in swarms.values():
+            made.close()

@@ -17,7 +17,7 @@ import torch
 
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer, TlsConfig
-from farloco.protocol.tcpstream import END, ERROR, MAGIC, tune_malloc
+from farloco.protocol.tcpstream import END, ERROR, MAGIC, size_socket_buffers, tune_malloc
 
 RUN = "run-tcp"
 SECRET = b"tcp-secret"
@@ -259,3 +259,28 @@ def test_peer_that_vanishes_mid_stream_is_an_rpc_error() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_tune_malloc_applies_on_glibc() -> None:
     assert tune_malloc() is True
+
+
+def _sysctl(path: str, field: int = 0) -> int:
+    with open(path) as f:
+        return int(f.read().split()[field])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's net sysctls")
+def test_socket_buffers_are_sized_for_long_fat_links() -> None:
+    ceiling, autotuned = _sysctl("/proc/sys/net/core/wmem_max"), _sysctl("/proc/sys/net/ipv4/tcp_wmem", 2)
+    with socket.socket() as default, socket.socket() as kernel, socket.socket() as explicit:
+        before = default.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        size_socket_buffers(default, 0)
+        after = default.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        if 2 * ceiling > autotuned:  # an explicit send buffer reaches further than autotuning would
+            assert after == 2 * ceiling, (after, ceiling)
+        else:
+            assert after == before
+        size_socket_buffers(kernel, -1)  # left to the kernel
+        assert kernel.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before
+        size_socket_buffers(explicit, 1 << 20)
+        assert explicit.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * min(1 << 20, ceiling)
+        assert explicit.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * min(
+            1 << 20, _sysctl("/proc/sys/net/core/rmem_max")
+        )

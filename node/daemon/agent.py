@@ -147,9 +147,14 @@ class Agent(RoundAgent):
 
         tls = load_tls(net)  # mutual TLS when [network] names a cert, key and CA (checked at config load)
         data_port = net.data_port if net.data_plane == "tcp" else None  # RpcServer ignores it under TLS
-        self.server = RpcServer(auth, host=net.host, port=net.grpc_port, tls=tls, data_port=data_port)
-        self.client = RpcClient(auth, tls=tls)
-        self.exchange = Exchange(self.server, self.client, self.peer_id)
+        buffers = net.socket_buffer_bytes
+        self.server = RpcServer(
+            auth, host=net.host, port=net.grpc_port, tls=tls, data_port=data_port, socket_buffer_bytes=buffers
+        )
+        self.client = RpcClient(auth, tls=tls, socket_buffer_bytes=buffers)
+        self.exchange = Exchange(
+            self.server, self.client, self.peer_id, streams_per_peer=net.streams_per_peer
+        )
         self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()

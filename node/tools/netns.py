@@ -11,6 +11,10 @@ Each host i gets its own namespace (`{prefix}{i}`) with one veth uplink into a h
   flows.
 
 The root namespace is never touched. Processes run inside host i through `prefix_command(i)` (`ip netns exec`).
+With `cpus`, each host is also a machine of that many cores: its processes run in a CPU cgroup of their own
+(v2, or v1's cpu controller) capped by CFS quota, so hosts that share this machine's cores cannot borrow each
+other's idle time (a host waiting on its link leaves its share unused, as a real machine would); `set_cpus`
+changes one host's cap (a straggler at half speed).
 Needs root and iproute2; `unavailable()` says why not, so tests can skip with a reason. Every namespace made is
 removed by `down()` (and on leaving the context manager), also when `up()` fails half-way; `up()` first removes
 the namespaces of earlier WANs whose process is gone (a harness that crashed or was SIGKILLed).
@@ -74,6 +78,51 @@ def relay_unavailable() -> str | None:
     return None
 
 
+CPU_PERIOD_US = 100_000
+
+
+def _cpu_cgroup_root() -> Path | None:
+    """Where CPU cgroups can be made: cgroup v2 with the cpu controller, or v1's cpu hierarchy (None: neither)."""
+    base = Path("/sys/fs/cgroup")
+    controllers = base / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+        return base
+    if (base / "cpu" / "cpu.cfs_quota_us").exists():
+        return base / "cpu"
+    return None
+
+
+def cpu_cap_unavailable() -> str | None:
+    """Why hosts cannot be given CPU caps here (None: they can)."""
+    root = _cpu_cgroup_root()
+    if root is None:
+        return "no CPU cgroup controller (cgroup v2 with cpu, or v1's cpu hierarchy) under /sys/fs/cgroup"
+    if not os.access(root, os.W_OK):
+        return f"{root} is not writable (CPU caps need root)"
+    return None
+
+
+def _set_cpu_quota(group: Path, cpus: float) -> None:
+    quota = max(1000, round(cpus * CPU_PERIOD_US))
+    if (group / "cpu.max").exists():  # v2
+        (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+    else:
+        (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+
+
+def _remove_cgroup(group: Path) -> None:
+    """Remove a cgroup this module made; processes still in it move to the parent first."""
+    if not group.is_dir():
+        return
+    with contextlib.suppress(OSError):
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (group.parent / "cgroup.procs").write_text(pid)
+    with contextlib.suppress(OSError):
+        group.rmdir()
+
+
 def _live_pid_suffixes() -> set[int]:
     return {int(entry) % 100000 for entry in os.listdir("/proc") if entry.isdigit()}
 
@@ -90,6 +139,13 @@ def remove_stale_namespaces() -> list[str]:
             with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
                 _ip("netns", "del", name)
                 removed.append(name)
+    root = _cpu_cgroup_root()
+    if root is not None:
+        for group in root.iterdir():
+            match = STALE_NAME.match(group.name)
+            if group.is_dir() and match and int(match.group(1)) not in alive:
+                _remove_cgroup(group)
+                removed.append(str(group))
     return removed
 
 
@@ -108,6 +164,7 @@ class NamespaceWAN:
         loss: float = 0.0,
         relay: bool | None = None,
         mtu: int = 9000,
+        cpus: float | None = None,
     ) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
@@ -121,6 +178,10 @@ class NamespaceWAN:
         self.made: list[str] = []
         self.relay = relay if relay is not None else bool(delay_ms or jitter_ms or loss)
         self.mtu = mtu
+        if cpus is not None and not cpus > 0:
+            raise ValueError(f"cpus must be a positive number of cores per host, got {cpus}")
+        self.cpus = cpus
+        self.cgroups: dict[int, Path] = {}
         self.rules: dict[str, Any] = {"default": {"delay_ms": delay_ms, "jitter_ms": jitter_ms, "loss": loss}}
         self._relay_process: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
@@ -132,8 +193,22 @@ class NamespaceWAN:
         return f"10.{self.net}.{i}.2" if self.relay else f"10.{self.net}.0.{i}"
 
     def prefix_command(self, i: int) -> Sequence[str]:
-        """Run a command inside host i: `[*prefix_command(i), *command]` (it execs, so the pid is the command's)."""
-        return ("ip", "netns", "exec", self.namespace(i))
+        """Run a command inside host i: `[*prefix_command(i), *command]` (it execs, so the pid is the command's;
+        with CPU caps it first moves itself into host i's cgroup, and its children stay there)."""
+        netns = ("ip", "netns", "exec", self.namespace(i))
+        if i not in self.cgroups:
+            return netns
+        # Joined before entering the namespace: `ip netns exec` remounts /sys, without the cgroup hierarchies.
+        procs = self.cgroups[i] / "cgroup.procs"
+        return ("sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *netns)
+
+    def set_cpus(self, i: int, cpus: float) -> None:
+        """Cap host i at `cpus` cores from now on (the WAN must have been made with `cpus`)."""
+        if i not in self.cgroups:
+            raise RuntimeError("CPU caps need NamespaceWAN(cpus=...)")
+        if not cpus > 0:
+            raise ValueError(f"cpus must be positive, got {cpus}")
+        _set_cpu_quota(self.cgroups[i], cpus)
 
     def up(self) -> NamespaceWAN:
         remove_stale_namespaces()
@@ -184,6 +259,19 @@ class NamespaceWAN:
                     )  # fmt: skip
             if self.relay:
                 self._start_relay(hub)
+            if self.cpus is not None:
+                reason = cpu_cap_unavailable()
+                root = _cpu_cgroup_root()
+                if reason is not None or root is None:
+                    raise RuntimeError(f"cannot cap the hosts' CPUs: {reason}")
+                control = root / "cgroup.subtree_control"  # v2: the children get cpu.max only once enabled
+                if control.exists() and "cpu" not in control.read_text().split():
+                    control.write_text("+cpu")
+                for i in range(1, self.hosts + 1):
+                    group = root / self.namespace(i)
+                    group.mkdir()
+                    self.cgroups[i] = group
+                    _set_cpu_quota(group, self.cpus)
         except BaseException:
             self.down()
             raise
@@ -277,6 +365,9 @@ class NamespaceWAN:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+        for group in self.cgroups.values():
+            _remove_cgroup(group)
+        self.cgroups.clear()
         errors = []
         for ns in reversed(self.made):
             try:
