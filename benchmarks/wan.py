@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -276,6 +277,108 @@ def run_farloco(
     }
 
 
+# -- stragglers -------------------------------------------------------------------------------------------------
+
+SCENARIOS = ("even", "slow-link", "half-compute")
+
+
+def _rate_bits(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate.removesuffix(unit)) * scale
+    raise ValueError(f"expected a rate like 100mbit, got {rate!r}")
+
+
+def run_straggler(wan: Any, work: Path, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+    """diloco-int8 for `--rounds` rounds with host 4 the straggler of `scenario`: a 10x slower link, or half the
+    cores of the others. What the swarm pays: the fast nodes' round period and its phases, how often the
+    straggler made it into a round, how long a round waited, whether anyone forked."""
+    from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+
+    work.mkdir(parents=True)
+    config = work / "node.toml"
+    config.write_text(demo_config(args.rounds, base_overrides(args) + VARIANTS["diloco-int8"]))
+    straggler = HOSTS
+    if scenario == "slow-link":
+        wan.set_rate(straggler, f"{_rate_bits(args.rate) / 10 / 1e3:g}kbit")
+    elif scenario == "half-compute":
+        wan.set_cpus(straggler, args.cpus_per_host / 2)
+    processes = []
+    try:
+        bootstrap, maddr = start_bootstrap(work, host=wan.address(1), prefix=wan.prefix_command(1))
+        processes.append(bootstrap)
+        peers = [
+            start_peer(f"h{i}", work, config, maddr, 1, host=wan.address(i), prefix=wan.prefix_command(i))
+            for i in range(1, HOSTS + 1)
+        ]
+        processes += [p.process for p in peers]
+        deadline = time.monotonic() + args.timeout
+        while any(p.process.poll() is None for p in peers[:-1]) and time.monotonic() < deadline:
+            time.sleep(1.0)
+    finally:
+        stop_process(*processes)
+        wan.set_rate(straggler, args.rate)
+        if args.cpus_per_host:
+            wan.set_cpus(straggler, args.cpus_per_host)
+    events = [read_events(p.run_dir) for p in peers]
+    rounds = [[e for e in ev if e["event"] == "round"] for ev in events]
+    slow_id = next(e["peer_id"] for e in events[-1] if e["event"] == "joined")
+    fast = rounds[: HOSTS - 1]
+    # From the second round on (the first includes joining): the wall time between commits, and its phases.
+    periods = [b["time"] - a["time"] for r in fast for a, b in itertools.pairwise(r[1:])]
+    phases = [e["phases"] for r in fast for e in r[2:] if "phases" in e]
+    with_straggler = [slow_id in e["contributors"] for e in fast[0][1:]]
+    hashes: dict[int, set[str]] = {}
+    for r in rounds:
+        for e in r:
+            hashes.setdefault(e["round_id"], set()).add(e["outer_hash"])
+    return {
+        "scenario": scenario,
+        "rounds": len(fast[0]),
+        "period_median": _median(periods),
+        "period_max": max(periods) if periods else None,
+        "match_share": sum(p["match"] for p in phases) / max(1e-9, sum(periods)),
+        "match_max": max((p["match"] for p in phases), default=None),
+        "exchange_share": sum(p["exchange"] for p in phases) / max(1e-9, sum(periods)),
+        "straggler_share": sum(with_straggler) / max(1, len(with_straggler)),
+        "straggler_rounds": len(rounds[-1]),
+        "straggler_synced": sum(1 for e in events[-1] if e["event"] in ("synced", "catching_up")),
+        "straggler_left_out": sum(1 for e in events[-1] if e["event"] in ("late", "left_out")),
+        "forked_rounds": sorted(r for r, h in hashes.items() if len(h) > 1),
+        "step_seconds_fast": _median([e["inner_step_seconds"] for r in fast for e in r[1:]]),
+        "step_seconds_straggler": _median([e["inner_step_seconds"] for e in rounds[-1][1:]]),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def straggler_markdown(results: list[dict[str, Any]], args: argparse.Namespace, num_params: int) -> str:
+    even = results[0]
+    rows = [
+        f"{args.preset} ({num_params / 1e6:.2f}M params), diloco-int8, H={args.inner_steps}, {HOSTS} hosts x 1 rank "
+        f"in network namespaces, {args.rate} links with {args.rtt_ms:g} ms RTT, {args.cpus_per_host:g} cores per "
+        f"host; host {HOSTS} is the straggler: a {_rate_bits(args.rate) / 10 / 1e6:g} Mbit/s link (slow-link) or "
+        f"{args.cpus_per_host / 2:g} cores (half-compute); {args.rounds} rounds; timeouts.match_timeout = 20 s",
+        "",
+        "| scenario | round period (median / max) | vs even | matchmaking share (max wait) | exchange share "
+        "| rounds with the straggler | straggler: resyncs, rounds left out | forked rounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cost = f"{r['period_median'] / even['period_median']:.2f}x" if r["period_median"] else "-"
+        rows.append(
+            f"| {r['scenario']} | {r['period_median']:.1f} s / {r['period_max']:.1f} s | {cost} | "
+            f"{r['match_share']:.1%} ({r['match_max']:.1f} s) | {r['exchange_share']:.1%} | "
+            f"{r['straggler_share']:.0%} | {r['straggler_synced']}, {r['straggler_left_out']} | "
+            f"{len(r['forked_rounds'])} |"
+        )
+    return "\n".join(rows)
+
+
 # -- report -----------------------------------------------------------------------------------------------------
 
 
@@ -338,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--rank", type=int, required=True)
     rank.add_argument("--steps", type=int, required=True)
     rank.add_argument("--eval-every", type=int, required=True)
+    sub.add_parser("stragglers", help="one slow host (10x slower link, half the cores): what the swarm pays")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--rtt-ms", type=float, default=50.0)
@@ -346,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--max-steps", type=int, default=600, help="inner steps a farloco variant may take")
     parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=12, help="stragglers: rounds per scenario")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), help="stragglers: which")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -381,6 +487,18 @@ def main(argv: list[str] | None = None) -> int:
     num_params = num_parameters(meta_spec(build_config({"run": {"model": args.preset}}).run.model).module)
     results: list[dict[str, Any]] = []
     cpus = args.cpus_per_host or None
+    if args.command == "stragglers":
+        found = []
+        with NamespaceWAN(HOSTS, args.rate, delay_ms=args.rtt_ms / 2, cpus=cpus) as wan:
+            for scenario in args.scenarios:
+                found.append(run_straggler(wan, work / scenario, scenario, args))
+                print(json.dumps(found[-1]), flush=True)
+        stem = f"stragglers-{args.preset}-{args.rate}-{args.rtt_ms:g}ms"
+        (args.out / f"{stem}.json").write_text(json.dumps(found, indent=1))
+        table = straggler_markdown(found, args, num_params)
+        (args.out / f"{stem}.md").write_text(table + "\n")
+        print(table)
+        return 0
     with NamespaceWAN(HOSTS, args.rate, delay_ms=args.rtt_ms / 2, cpus=cpus) as wan:
         ddp = run_ddp(wan, work, ddp_config, dataset, args)
         results.append(ddp)

@@ -129,6 +129,8 @@ def test_delay_rate_per_path_delay_and_nothing_left_in_the_root_namespace(root_o
             wan.set_path(1, 3, delay_ms=100)  # one direction only: RTT 100 + 25
             slow = echo(wan, 1, 3)
             assert 125 <= slow["rtt_ms"] < 160, slow
+            wan.set_rate(2, "4mbit")  # a straggler's link: 2 MB each way at 4 Mbit/s, at least 4 s
+            assert 3.8 <= echo(wan, 1, 2, size=2_000_000)["seconds"] < 12.0
         finally:
             for process in servers:
                 process.kill()

@@ -252,6 +252,7 @@ class AgentCore:
         self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._overlap_steps = overlap_steps(config)
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
+        self._phases: dict[str, float] = {}  # the current round's phase times (rounds.py `_round`)
         self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None

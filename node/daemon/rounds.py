@@ -250,16 +250,24 @@ class RoundAgent(SwarmAgent):
             self._left_out(shares.ISOLATED)
             return isolated
         facts = RoundFacts(self.round_id, self.config.run.min_peers, fixed_reference=prepared.fixed_reference)
+        # Where the round's time went (the round event's `phases`): forming the group (waiting for the others
+        # included), the hash check, the exchange.
+        phase_started = time.monotonic()
         group, facts = await self._match(facts)
+        self._phases = {"match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
             return await self._close(decision)
+        phase_started = time.monotonic()
         facts = await self._heal(group, facts)
+        self._phases["heal"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.GO_ON:
             return await self._close(decision)
         if decision.redo_contribution:
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             prepared.contribution = self._contribution(prepared.theta_local)
+        phase_started = time.monotonic()
         averaged, facts = await self._average(group, prepared.contribution, facts)
+        self._phases["exchange"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.COMMIT:
             return await self._close(decision)
         assert averaged is not None
@@ -417,6 +425,7 @@ class RoundAgent(SwarmAgent):
             overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
             fp32_bytes=averaged.fp32_bytes,
             seconds=self.counters.last_round_seconds,
+            phases=self._phases,
             ranks_idle_seconds=self.counters.ranks_idle_seconds,
             inner_step_seconds=self.inner_step_seconds,
             trained_from=prepared.trained_from,

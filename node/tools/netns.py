@@ -202,6 +202,22 @@ class NamespaceWAN:
         procs = self.cgroups[i] / "cgroup.procs"
         return ("sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *netns)
 
+    def _shape(self, i: int, rate: str, verb: str) -> None:
+        """tc tbf on both directions of host i's uplink (its veth end and the hub's)."""
+        ends = ((self.namespace(i), f"{self.prefix}v{i}"), (f"{self.prefix}br", f"{self.prefix}p{i}"))
+        for ns, dev in ends:
+            result = subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
+                 "rate", rate, "burst", "256kb", "latency", "100ms"],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            if result.returncode != 0:
+                raise RuntimeError(f"tc qdisc {verb} tbf rate {rate} on {dev}: {result.stderr.strip()}")
+
+    def set_rate(self, i: int, rate: str) -> None:
+        """Shape host i's uplink (both directions) to `rate` from now on, e.g. a straggler's slower link."""
+        self._shape(i, rate, "change")
+
     def set_cpus(self, i: int, cpus: float) -> None:
         """Cap host i at `cpus` cores from now on (the WAN must have been made with `cpus`)."""
         if i not in self.cgroups:
@@ -251,12 +267,7 @@ class NamespaceWAN:
                 _ip("-n", host, "link", "set", "lo", "up")
                 if self.relay:
                     _ip("-n", host, "route", "add", "default", "via", f"10.{self.net}.{i}.1")
-                for ns, dev in ((host, inner), (hub, outer)):  # both directions
-                    subprocess.run(
-                        ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                         "rate", self.rate, "burst", "256kb", "latency", "100ms"],
-                        check=True, capture_output=True, timeout=30,
-                    )  # fmt: skip
+                self._shape(i, self.rate, "add")
             if self.relay:
                 self._start_relay(hub)
             if self.cpus is not None:
