@@ -168,6 +168,10 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
         spec = await asyncio.get_running_loop().run_in_executor(None, receive)
         members = [GroupMember(p, a) for p, a in spec["members"]]
         codec = get_codec(codec_name)
+        from farloco.optim import Aggregator
+
+        name = os.environ.get("BENCH_AGGREGATOR", "mean")
+        rule = Aggregator(name) if name != "mean" else None
         tensor = make_input(rank, numel)
         out = torch.empty(numel)
         times: list[float] = []
@@ -180,7 +184,7 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
                 group = Group.make(2 * rep + 1, members)
                 start, cpu_start = time.perf_counter(), time.process_time()
                 # Like the daemon: one result buffer for every round (fresh pages per round cost ~10%).
-                result = await exchange.average(group, tensor, codec, timeout=600, out=out)
+                result = await exchange.average(group, tensor, codec, timeout=600, out=out, rule=rule)
                 if rep:
                     times.append(time.perf_counter() - start)
                     cpu.append(time.process_time() - cpu_start)
@@ -191,12 +195,33 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
         return {"times": times, "cpu": cpu, "averaged": result.averaged}
 
     out = asyncio.run(main())
-    return {"times": out["times"], "cpu": out["cpu"], "max_err": check(out["averaged"], peers, codec_name)}
+    aggregator = os.environ.get("BENCH_AGGREGATOR", "mean")
+    return {
+        "times": out["times"],
+        "cpu": out["cpu"],
+        "max_err": check(out["averaged"], peers, codec_name, aggregator),
+    }
 
 
-def check(averaged: torch.Tensor, peers: int, codec: str) -> tuple[float, float]:
-    exact = exact_mean(peers, averaged.numel())
-    return float((averaged - exact).abs().max()), tolerance(codec, peers, exact)
+def check(averaged: torch.Tensor, peers: int, codec: str, aggregator: str = "mean") -> tuple[float, float]:
+    """(max error, tolerance) against the exact result: the mean, or a coordinate-wise robust rule of every
+    peer's input. The norm-based rules depend on the chunking; they are checked to stay within the inputs'
+    range per coordinate (CenteredClip moves by convex combinations from the median; norm clipping scales inputs
+    toward 0, so 0 joins its range)."""
+    if aggregator in ("mean", "trimmed_mean", "median"):
+        if aggregator == "mean":
+            exact = exact_mean(peers, averaged.numel())
+        else:
+            from farloco.optim import aggregate
+
+            exact = aggregate(aggregator, [make_input(r, averaged.numel()) for r in range(peers)])
+        return float((averaged - exact).abs().max()), tolerance(codec, peers, exact)
+    inputs = torch.stack([make_input(r, averaged.numel()) for r in range(peers)])
+    if aggregator == "norm_clip":
+        inputs = torch.cat([inputs, torch.zeros_like(inputs[:1])])
+    low, high = inputs.min(0).values, inputs.max(0).values
+    outside = torch.clamp(low - averaged, min=0) + torch.clamp(averaged - high, min=0)
+    return float(outside.max()), tolerance(codec, peers, exact_mean(peers, averaged.numel()))
 
 
 def worker_gloo(rank: int, peers: int, numel: int, reps: int, port: int) -> dict[str, Any]:
@@ -303,6 +328,7 @@ def run_config(
     *,
     streams: int = 1,
     wan: Any = None,
+    aggregator: str = "mean",
 ) -> dict[str, Any]:
     numel = mib * (1 << 20) // 4
     reps = reps_for(mib, impl) if wan is None else 3
@@ -313,6 +339,7 @@ def run_config(
         "BENCH_CHUNK_BYTES": str(chunk_bytes),
         "BENCH_DATA_PLANE": "grpc" if impl == "farloco-grpc" else "tcp",
         "BENCH_STREAMS": str(streams),
+        "BENCH_AGGREGATOR": aggregator,
     }
 
     def where(rank: int) -> tuple[list[str], dict[str, str]]:
@@ -390,7 +417,8 @@ def run_config(
     # CPU seconds of the busiest peer (all its threads): far less sensitive than wall time to other load.
     cpu_seconds = statistics.median(max(c) for c in zip(*(r["cpu"] for r in reports), strict=True))
     return {
-        "impl": impl if streams == 1 else f"{impl} x{streams} streams",
+        "impl": (impl if streams == 1 else f"{impl} x{streams} streams")
+        + (f" {aggregator}" if aggregator != "mean" else ""),
         "peers": peers,
         "mib": mib,
         "codec": codec,
@@ -453,6 +481,11 @@ def main() -> None:
     parser.add_argument(
         "--streams", type=int, action="append", help="farloco's streams per peer pair (default 1)"
     )
+    parser.add_argument(
+        "--aggregator",
+        action="append",
+        help="farloco's run.aggregator (repeatable; default mean): what a robust rule costs the exchange",
+    )
     args = parser.parse_args()
     configs = [(impl, codec) for impl, codec in DEFAULT_CONFIGS if not args.impl or impl in args.impl]
     if args.impl and "farloco-grpc" in args.impl and not args.codec:
@@ -463,9 +496,10 @@ def main() -> None:
         configs = [(impl, codec) for impl in farlocos for codec in args.codec] + configs
     # farloco rows once per --streams value
     configs = [
-        (impl, codec, streams)
+        (impl, codec, streams, aggregator)
         for impl, codec in configs
         for streams in (args.streams or [1] if impl.startswith("farloco") else [1])
+        for aggregator in (args.aggregator or ["mean"] if impl.startswith("farloco") else ["mean"])
     ]
     rows = []
     with contextlib.ExitStack() as stack:
@@ -481,10 +515,10 @@ def main() -> None:
                 wan = stack.enter_context(NamespaceWAN(peers, rate, delay_ms=float(rtt or 0) / 2))
             # Implementations take turns at each size, so they see the same background load (a shared box).
             for mib in args.mib or [4, 64, 256]:
-                for impl, codec, streams in configs:
+                for impl, codec, streams, aggregator in configs:
                     row = run_config(
                         impl, peers, mib, codec, not args.no_malloc_tuning, int(args.chunk_mib * (1 << 20)),
-                        streams=streams, wan=wan,
+                        streams=streams, wan=wan, aggregator=aggregator,
                     )  # fmt: skip
                     if args.wan:
                         row["link"] = args.wan

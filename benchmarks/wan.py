@@ -70,6 +70,17 @@ def base_overrides(args: argparse.Namespace, variant: str = "ddp") -> list[str]:
         "run.seed=0",
         "node.eval_batches=4",
         "checkpoint.every_rounds=0",
+        # The config's defaults, not the loopback demo's twice-as-eager heartbeat (its DHT traffic and CPU).
+        "timeouts.heartbeat_interval=1.0",
+        "timeouts.member_ttl=8.0",
+        *(
+            [
+                f"timeouts.match_timeout={args.match_timeout}",
+                f"timeouts.match_timeout_min={min(2.0, args.match_timeout)}",
+            ]
+            if args.match_timeout
+            else []
+        ),
     ]
 
 
@@ -219,10 +230,26 @@ def run_ddp(wan: Any, work: Path, config: Path, dataset: Path, args: argparse.Na
 # -- farloco ----------------------------------------------------------------------------------------------------
 
 
+def start_swarm(wan: Any, work: Path, config: Path, processes: list[Any]) -> list[Any]:
+    """`farloco bootstrap` on host 1 and one `farloco join` (1 rank) per host; every process started is appended
+    to `processes` (for the caller to stop); returns the peers."""
+    from farloco.node.tools.demo import start_bootstrap, start_peer
+
+    bootstrap, maddr = start_bootstrap(work, host=wan.address(1), prefix=wan.prefix_command(1))
+    processes.append(bootstrap)
+    peers = []
+    for i in range(1, HOSTS + 1):
+        peers.append(
+            start_peer(f"h{i}", work, config, maddr, 1, host=wan.address(i), prefix=wan.prefix_command(i))
+        )
+        processes.append(peers[-1].process)
+    return peers
+
+
 def run_farloco(
     wan: Any, work: Path, variant: str, target: float, args: argparse.Namespace
 ) -> dict[str, Any]:
-    from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+    from farloco.node.tools.demo import demo_config, read_events, stop_process
 
     overrides = base_overrides(args, variant) + VARIANTS[variant]
     probe_rounds = 1
@@ -233,15 +260,9 @@ def run_farloco(
     config = work / "node.toml"
     config.write_text(demo_config(rounds, overrides))
     before = [tx_bytes(wan, i) for i in range(1, HOSTS + 1)]
-    processes = []
+    processes: list[Any] = []
     try:
-        bootstrap, maddr = start_bootstrap(work, host=wan.address(1), prefix=wan.prefix_command(1))
-        processes.append(bootstrap)
-        peers = [
-            start_peer(f"h{i}", work, config, maddr, 1, host=wan.address(i), prefix=wan.prefix_command(i))
-            for i in range(1, HOSTS + 1)
-        ]
-        processes += [p.process for p in peers]
+        peers = start_swarm(wan, work, config, processes)
         deadline = time.monotonic() + args.timeout
         reached = None
         while any(p.process.poll() is None for p in peers) and time.monotonic() < deadline:
@@ -294,7 +315,7 @@ def run_straggler(wan: Any, work: Path, scenario: str, args: argparse.Namespace)
     """diloco-int8 for `--rounds` rounds with host 4 the straggler of `scenario`: a 10x slower link, or half the
     cores of the others. What the swarm pays: the fast nodes' round period and its phases, how often the
     straggler made it into a round, how long a round waited, whether anyone forked."""
-    from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+    from farloco.node.tools.demo import demo_config, read_events, stop_process
 
     work.mkdir(parents=True)
     config = work / "node.toml"
@@ -304,15 +325,9 @@ def run_straggler(wan: Any, work: Path, scenario: str, args: argparse.Namespace)
         wan.set_rate(straggler, f"{_rate_bits(args.rate) / 10 / 1e3:g}kbit")
     elif scenario == "half-compute":
         wan.set_cpus(straggler, args.cpus_per_host / 2)
-    processes = []
+    processes: list[Any] = []
     try:
-        bootstrap, maddr = start_bootstrap(work, host=wan.address(1), prefix=wan.prefix_command(1))
-        processes.append(bootstrap)
-        peers = [
-            start_peer(f"h{i}", work, config, maddr, 1, host=wan.address(i), prefix=wan.prefix_command(i))
-            for i in range(1, HOSTS + 1)
-        ]
-        processes += [p.process for p in peers]
+        peers = start_swarm(wan, work, config, processes)
         deadline = time.monotonic() + args.timeout
         while any(p.process.poll() is None for p in peers[:-1]) and time.monotonic() < deadline:
             time.sleep(1.0)
@@ -323,7 +338,7 @@ def run_straggler(wan: Any, work: Path, scenario: str, args: argparse.Namespace)
             wan.set_cpus(straggler, args.cpus_per_host)
     events = [read_events(p.run_dir) for p in peers]
     rounds = [[e for e in ev if e["event"] == "round"] for ev in events]
-    slow_id = next(e["peer_id"] for e in events[-1] if e["event"] == "joined")
+    slow_id = next(e["peer_id"] for e in events[-1] if e["event"] == "started")
     fast = rounds[: HOSTS - 1]
     # From the second round on (the first includes joining): the wall time between commits, and its phases.
     periods = [b["time"] - a["time"] for r in fast for a, b in itertools.pairwise(r[1:])]
@@ -362,7 +377,7 @@ def straggler_markdown(results: list[dict[str, Any]], args: argparse.Namespace, 
         f"{args.preset} ({num_params / 1e6:.2f}M params), diloco-int8, H={args.inner_steps}, {HOSTS} hosts x 1 rank "
         f"in network namespaces, {args.rate} links with {args.rtt_ms:g} ms RTT, {args.cpus_per_host:g} cores per "
         f"host; host {HOSTS} is the straggler: a {_rate_bits(args.rate) / 10 / 1e6:g} Mbit/s link (slow-link) or "
-        f"{args.cpus_per_host / 2:g} cores (half-compute); {args.rounds} rounds; timeouts.match_timeout = 20 s",
+        f"{args.cpus_per_host / 2:g} cores (half-compute); {args.rounds} rounds; timeouts.match_timeout = {args.match_timeout or 20:g} s",
         "",
         "| scenario | round period (median / max) | vs even | matchmaking share (max wait) | exchange share "
         "| rounds with the straggler | straggler: resyncs, rounds left out | forked rounds |",
@@ -451,6 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=600, help="inner steps a farloco variant may take")
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=12, help="stragglers: rounds per scenario")
+    parser.add_argument(
+        "--match-timeout",
+        type=float,
+        default=0.0,
+        help="timeouts.match_timeout of the nodes (0: the demo's 20 s)",
+    )
+    parser.add_argument(
+        "--ddp-json",
+        type=Path,
+        default=None,
+        help="take the DDP row from this earlier run's JSON (same settings)",
+    )
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), help="stragglers: which")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -493,14 +520,20 @@ def main(argv: list[str] | None = None) -> int:
             for scenario in args.scenarios:
                 found.append(run_straggler(wan, work / scenario, scenario, args))
                 print(json.dumps(found[-1]), flush=True)
-        stem = f"stragglers-{args.preset}-{args.rate}-{args.rtt_ms:g}ms"
+        stem = f"stragglers-{args.preset}-{args.rate}-{args.rtt_ms:g}ms" + (
+            f"-match{args.match_timeout:g}s" if args.match_timeout else ""
+        )
         (args.out / f"{stem}.json").write_text(json.dumps(found, indent=1))
         table = straggler_markdown(found, args, num_params)
         (args.out / f"{stem}.md").write_text(table + "\n")
         print(table)
         return 0
     with NamespaceWAN(HOSTS, args.rate, delay_ms=args.rtt_ms / 2, cpus=cpus) as wan:
-        ddp = run_ddp(wan, work, ddp_config, dataset, args)
+        if args.ddp_json is not None:
+            # The DDP row of an earlier run with the same settings (its JSON): the baseline without its minutes.
+            ddp = next(r for r in json.loads(args.ddp_json.read_text()) if r["variant"] == "ddp")
+        else:
+            ddp = run_ddp(wan, work, ddp_config, dataset, args)
         results.append(ddp)
         print(f"ddp: target {ddp['target']:.3f} in {ddp['seconds_to_target']:.1f} s", flush=True)
         for variant in args.variants:
@@ -511,7 +544,11 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{variant}: {result['seconds_to_target']} s, utilization {result['utilization']}", flush=True
             )
-    stem = f"wan-{args.preset}-{args.rate}-{args.rtt_ms:g}ms"
+    stem = f"wan-{args.preset}-{args.rate}-{args.rtt_ms:g}ms" + (
+        f"-b{args.batch_size}" if args.batch_size != 8 else ""
+    )
+    if args.ddp_json is not None:
+        stem += "-" + "-".join(v for v in args.variants if v != "ddp")
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     plot(
         results,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -88,6 +90,12 @@ class RunConfig:
     'eager': as delayed, and each node previews its own fresh update in the weights its ranks start from.
     A mean applied one round late is a stale step: with diloco's outer momentum 0.9 it oscillates; lower
     outer_momentum (0-0.5) for delayed and eager (BENCHMARKS.md, "Overlapped outer updates")."""
+    aggregator: str = "mean"
+    """How a round's contributions are combined: 'mean' (weighted by samples, the default) or a robust rule that
+    bounds what a minority of Byzantine members (valid but wrong updates) can do: 'trimmed_mean' (per
+    coordinate, drops the largest and smallest quarter), 'median' (per coordinate), 'norm_clip' (each member's
+    chunk clipped to the median chunk norm) or 'centered_clip' (CenteredClip, hivemind's BTARD rule). Applied per
+    chunk by its owner (farloco.optim.aggregate); the norm-based two need a dense codec. Every member must agree."""
     min_peers: int = 1
     """Commit rule: a round commits only if at least this many peers contributed, else it is aborted."""
     max_rounds: int = 0
@@ -101,6 +109,10 @@ class RunConfig:
         if self.inner_optimizer not in INNER_OPTIMIZERS:
             raise ConfigError(
                 f"run.inner_optimizer: expected one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}"
+            )
+        if self.aggregator not in AGGREGATOR_NAMES:
+            raise ConfigError(
+                f"run.aggregator: expected one of {list(AGGREGATOR_NAMES)}, got {self.aggregator!r}"
             )
         if self.outer_update not in OUTER_UPDATES:
             raise ConfigError(f"run.outer_update: expected one of {OUTER_UPDATES}, got {self.outer_update!r}")
@@ -347,8 +359,64 @@ class AuthConfig:
     """How peers prove they belong to the run."""
 
     secret_file: str = ""
-    """File holding the run secret (HMAC key of every RPC). Empty: the FARLOCO_RUN_SECRET environment variable,
-    else a secret derived from the run hash (keeps other runs out, not attackers)."""
+    """File holding the run secret (HMAC key of every RPC and DHT record; at least 16 bytes, e.g. 32 random bytes
+    in hex from `farloco secret`), the same on every node. Empty: the FARLOCO_RUN_SECRET environment variable.
+    Neither: a node listening on loopback only uses a secret derived from the run hash (it keeps other runs
+    out, not attackers); a node listening on any other address refuses to start, unless
+    `insecure_no_secret` says so."""
+    insecure_no_secret: bool = False
+    """Let a node that listens beyond loopback run without a secret (the one derived from the public run hash):
+    anyone who can read a config of the run can then join it and push updates. For closed test networks only."""
+
+
+# farloco.optim.AGGREGATORS (this module stays torch-free; a test keeps the two equal)
+AGGREGATOR_NAMES = ("mean", "trimmed_mean", "median", "norm_clip", "centered_clip")
+MIN_SECRET_BYTES = 16
+SECRET_ENV = "FARLOCO_RUN_SECRET"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a listener on this machine (a name other than localhost: no)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def run_secret(config: Config, run_hash_hex: str, environ: Mapping[str, str] | None = None) -> bytes:
+    """The run secret this node uses (see AuthConfig): from auth.secret_file, else FARLOCO_RUN_SECRET, else
+    derived from the run hash where that is allowed. ConfigError saying what to do where it is not."""
+    environ = os.environ if environ is None else environ
+    path = config.auth.secret_file
+    if path:
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"auth.secret_file: cannot read {path!r}: {exc.strerror or exc}") from None
+        where = f"auth.secret_file {path!r}"
+    elif environ.get(SECRET_ENV):
+        secret, where = environ[SECRET_ENV].strip().encode(), SECRET_ENV
+    else:
+        host = config.network.host
+        if not is_loopback(host) and not config.auth.insecure_no_secret:
+            raise ConfigError(
+                f"network.host = {host!r} listens beyond this machine, but the run has no secret: anyone who can "
+                f"read a config of the run could join it and push updates. Make one and give it to every node: "
+                f'`farloco secret --out run-secret` then auth.secret_file = "run-secret" (or the '
+                f"{SECRET_ENV} environment variable); or listen on 127.0.0.1; or, on a closed test network, "
+                f"set auth.insecure_no_secret = true"
+            )
+        return hashlib.sha256(b"farloco-run-secret:" + run_hash_hex.encode()).digest()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{where}: expected a secret of at least {MIN_SECRET_BYTES} bytes (e.g. `farloco secret`), got "
+            f"{len(secret)}"
+        )
+    return secret
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import math
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,6 +118,17 @@ class TensorCodec(Protocol):
     def encode(self, tensor: torch.Tensor) -> bytes: ...
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor: ...
+
+
+class RobustRule(Protocol):
+    """A robust aggregation rule (farloco.optim's `Aggregator`): replaces the weighted mean where a minority of
+    members may send wrong-but-valid data. Called by a dense chunk's owner on every member's decoded copy of the
+    chunk (sparse codecs: by every member on every decoded payload), in member (sorted peer id) order; must be
+    deterministic. Its `name` travels in every hello: members of one group must use the same rule."""
+
+    name: str
+
+    def __call__(self, decoded: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -227,6 +238,7 @@ class _Attempt:
     result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     transmitted: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     fast: bool = False  # the codec takes checksum=False and out= (TensorCodec.optional_checksum)
+    rule: RobustRule | None = None  # None: the weighted mean
     # Progress:
     parts_missing: int = 0  # dense: parts (or sparse: payloads) this node still lacks
     ok: bool = False
@@ -383,6 +395,7 @@ class Exchange:
         weight: float = 1.0,
         out: torch.Tensor | None = None,
         transmitted_out: torch.Tensor | None = None,
+        rule: RobustRule | None = None,
     ) -> AverageResult:
         """Weighted mean of `tensor` over the group (see the module docstring). Raises ExchangeAborted if no
         consistent mean can be produced before `timeout` seconds, ValueError on bad arguments.
@@ -390,7 +403,8 @@ class Exchange:
         `out`, a contiguous float32 CPU tensor of the same size, receives the mean (and is `averaged`): a caller
         that exchanges every round reuses it instead of paying fresh pages for a new result each time (zeroing
         and faulting in 64 MiB costs about as much as summing it). Its content is undefined if this raises.
-        `transmitted_out`, likewise, receives `transmitted` for lossy codecs (lossless ones share the input)."""
+        `transmitted_out`, likewise, receives `transmitted` for lossy codecs (lossless ones share the input).
+        `rule`: a robust aggregation rule instead of the weighted mean (see RobustRule); the group must agree."""
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError(f"expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}")
         if tensor.numel() * 4 > self.max_payload_bytes:
@@ -441,7 +455,7 @@ class Exchange:
             # The same group may average again (e.g. several tensors in one round): a new exchange.
             self._decided.pop(key, None)
             self._start(
-                attempt, group.round_id, attempt_no, members, flat, codec, weight, out, transmitted_out
+                attempt, group.round_id, attempt_no, members, flat, codec, weight, out, transmitted_out, rule
             )
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
@@ -502,8 +516,10 @@ class Exchange:
         weight: float,
         out: torch.Tensor | None = None,
         transmitted_out: torch.Tensor | None = None,
+        rule: RobustRule | None = None,
     ) -> None:
         attempt.round_id = round_id
+        attempt.rule = rule
         attempt.attempt_no = attempt_no
         attempt.members = members
         attempt.me = [m.peer_id for m in members].index(self.peer_id)
@@ -636,6 +652,7 @@ class Exchange:
                 "r": attempt.raw,
                 "l": lane,
                 "L": self.lanes if attempt.dense else 1,
+                "ag": attempt.rule.name if attempt.rule is not None else "mean",
             }
         )
         part = attempt.plan.chunks(j)
@@ -903,6 +920,11 @@ class Exchange:
                 "CHUNK_MISMATCH",
                 f"{where}: expected {attempt.plan.chunk_elems} elements, got {header.get('ce')!r}",
             )
+        ours = attempt.rule.name if attempt.rule is not None else "mean"
+        if header.get("ag", "mean") != ours:
+            raise _invalid(
+                "AGGREGATOR_MISMATCH", f"{where}: expected aggregator {ours!r}, got {header.get('ag')!r:.40}"
+            )
         weight = header.get("w")
         if not isinstance(weight, float) or not (math.isfinite(weight) and weight > 0):
             raise _invalid("BAD_WEIGHT", f"{where}: expected a finite weight > 0, got {weight!r}")
@@ -1050,19 +1072,31 @@ class Exchange:
         # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order.
         # Lossless codecs: the mean is the result itself, so it is summed straight into place.
         total = attempt.result[a:b] if attempt.lossless else torch.empty(b - a, dtype=torch.float32)
-        terms = [
-            contributions[i] if attempt.weights[i] == 1.0 else contributions[i] * attempt.weights[i]
-            for i in range(len(attempt.members))
-        ]
-        if len(terms) == 2 and attempt.weights[0] == attempt.weights[1]:
-            # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
-            # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
-            torch.lerp(terms[0], terms[1], 0.5, out=total)
+        if attempt.rule is not None:
+            # A robust rule instead of the mean (contributions in member order, unweighted). A NaN need not reach
+            # its result (a median skips it), so every raw contribution is checked here first.
+            ordered = [contributions[i] for i in range(len(attempt.members))]
+            if attempt.raw and not all(_all_finite(c) for c in ordered):
+                error = _own_chunk_error(codec, contributions[attempt.me], a)
+                if error is not None:
+                    self._local_failure(attempt, error)
+                    return
+                self._blame_nonfinite(attempt, contributions)
+            total.copy_(attempt.rule(ordered))
         else:
-            torch.add(terms[0], terms[1], out=total)  # a dense reduce has >= 2 members
-            for term in terms[2:]:
-                total.add_(term)
-            total.mul_(1.0 / math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+            terms = [
+                contributions[i] if attempt.weights[i] == 1.0 else contributions[i] * attempt.weights[i]
+                for i in range(len(attempt.members))
+            ]
+            if len(terms) == 2 and attempt.weights[0] == attempt.weights[1]:
+                # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
+                # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
+                torch.lerp(terms[0], terms[1], 0.5, out=total)
+            else:
+                torch.add(terms[0], terms[1], out=total)  # a dense reduce has >= 2 members
+                for term in terms[2:]:
+                    total.add_(term)
+                total.mul_(1.0 / math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
         if attempt.raw:
             # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
             if not _all_finite(total):
@@ -1144,14 +1178,19 @@ class Exchange:
 
     def _finish_sparse(self, attempt: _Attempt) -> None:
         total = attempt.result
-        for index in range(len(attempt.members)):
-            weight = attempt.weights[index]
-            term = attempt.decoded[index] if weight == 1.0 else attempt.decoded[index] * weight
-            if index == 0:
-                total.copy_(term)
-            else:
-                total.add_(term)
-        total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+        if attempt.rule is not None:
+            # Every member applies the rule to every payload, in member order: a rule whose arithmetic could differ
+            # between machines (a norm's reduction) must not be used with sparse codecs (the agent refuses it).
+            total.copy_(attempt.rule([attempt.decoded[i] for i in range(len(attempt.members))]))
+        else:
+            for index in range(len(attempt.members)):
+                weight = attempt.weights[index]
+                term = attempt.decoded[index] if weight == 1.0 else attempt.decoded[index] * weight
+                if index == 0:
+                    total.copy_(term)
+                else:
+                    total.add_(term)
+            total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
         attempt.decoded.clear()
         if len(attempt.members) == 1:
             attempt.ok = True

@@ -693,3 +693,69 @@ def test_joiner_resumes_from_another_donor_when_its_donor_dies_mid_transfer(tmp_
     finally:
         stop_process(*(peer.process for peer in peers))
         stop_process(bootstrap)
+
+
+# -- secure by default (issue 16 point 6) -----------------------------------------------------------------------
+
+
+def test_a_node_beyond_loopback_without_a_secret_is_refused_and_told_how_to_make_one(tmp_path: Path) -> None:
+    from farloco.node.config import run_secret
+
+    def config(**values: Any) -> Any:
+        return build_config({"network": {"host": values.pop("host", "127.0.0.1")}, "auth": values})
+
+    digest = run_hash(config())
+    derived = run_secret(config(), digest, environ={})  # loopback: the secret derived from the run hash
+    assert len(derived) == 32
+    for host in ("0.0.0.0", "10.1.2.3", "node-7.cluster"):
+        with pytest.raises(ConfigError) as refused:
+            run_secret(config(host=host), digest, environ={})
+        message = str(refused.value)
+        assert f"network.host = {host!r}" in message and "farloco secret" in message
+        assert "auth.insecure_no_secret = true" in message and "FARLOCO_RUN_SECRET" in message
+    assert run_secret(config(host="0.0.0.0", insecure_no_secret=True), digest, environ={}) == derived
+    assert run_secret(config(host="::1"), digest, environ={}) == derived
+    # A given secret: from the environment or a file, at least 16 bytes.
+    assert run_secret(config(host="0.0.0.0"), digest, environ={"FARLOCO_RUN_SECRET": "x" * 16}) == b"x" * 16
+    with pytest.raises(
+        ConfigError, match=r"FARLOCO_RUN_SECRET: expected a secret of at least 16 bytes, got 5"
+    ):
+        run_secret(config(host="0.0.0.0"), digest, environ={"FARLOCO_RUN_SECRET": "short"})
+    path = tmp_path / "run-secret"
+    with pytest.raises(ConfigError, match=r"auth\.secret_file: cannot read"):
+        run_secret(config(secret_file=str(path)), digest, environ={})
+    from click.testing import CliRunner
+
+    from farloco.node.tools.cli import main
+
+    made = CliRunner().invoke(main, ["secret", "--out", str(path)])
+    assert made.exit_code == 0, made.output
+    assert path.stat().st_mode & 0o777 == 0o600 and re.fullmatch(r"[0-9a-f]{64}\n", path.read_text())
+    assert (
+        run_secret(config(host="0.0.0.0", secret_file=str(path)), digest, environ={})
+        == path.read_bytes().strip()
+    )
+    again = CliRunner().invoke(main, ["secret", "--out", str(path)])
+    assert again.exit_code != 0 and "exists" in again.output  # a run keeps its secret
+    printed = CliRunner().invoke(main, ["secret"])
+    assert re.fullmatch(r"[0-9a-f]{64}\n", printed.output) and printed.output != path.read_text()
+
+
+def test_farloco_join_on_a_public_address_without_a_secret_exits_at_once_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FARLOCO_RUN_SECRET"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "farloco.node.tools.cli", "join", "--run-dir", str(tmp_path / "node"),
+         "--host", "0.0.0.0"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]  # a usage error, before anything listens
+    assert "listens beyond this machine, but the run has no secret" in done.stderr
+    assert "farloco secret --out run-secret" in done.stderr
+    assert time.monotonic() - started < 60

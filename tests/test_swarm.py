@@ -113,7 +113,8 @@ def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
     try:
         peers = [
             made.add("tp2", ranks=2, extra=("--set", "node.tp=2")),
-            made.add("fsdp2", ranks=2),
+            # ... and this one sends its part of each exchange over 3 streams per peer (network.streams_per_peer)
+            made.add("fsdp2", ranks=2, extra=("--set", "network.streams_per_peer=3")),
             # ... and this one also logs its rounds to TensorBoard (node.loggers), read back below.
             made.add("one", ranks=1, extra=("--set", 'node.loggers=["tensorboard"]')),
         ]

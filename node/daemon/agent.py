@@ -141,7 +141,7 @@ class Agent(RoundAgent):
         net, run = self.config.network, self.config.run
         self.peer_id = self.dht.peer_id.to_base58()
         self.multiaddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        secret = self._secret()
+        secret = self.run_secret
         auth = Authenticator(f"{run.name}:{self.run_hash}", secret, self.peer_id)
         from farloco.node.config import load_tls
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
 import json
 import logging
 import math
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from farloco.node.config import Config, ConfigError, run_hash, to_toml
+from farloco.node.config import Config, ConfigError, run_hash, run_secret, to_toml
 from farloco.node.daemon.loggers import ExperimentLoggers
 from farloco.node.daemon.metrics import NodeMetrics
 from farloco.node.daemon.outer import OuterRound
@@ -111,6 +110,14 @@ def build_outer(config: Config, num_params: int) -> tuple[Any, Any]:
         strategy = make_strategy(run.strategy, num_params, codec, **hparams)
     except (StrategyError, TypeError) as exc:
         raise ConfigError(f"run.strategy / run.strategy_options: {exc}") from exc
+    if run.aggregator in ("norm_clip", "centered_clip") and not strategy.codec.dense:
+        # Sparse payloads are aggregated by every member itself: a norm's reduction order (so its last bits) may
+        # differ between machines, and the members' results with it. Dense chunks have one owner each.
+        raise ConfigError(
+            f"run.aggregator: {run.aggregator!r} needs a dense codec (every member would compute norms over "
+            f"{strategy.codec.name!r}'s sparse payloads itself); use 'trimmed_mean' or 'median' with "
+            f"run.strategy={run.strategy!r}"
+        )
     return codec, strategy
 
 
@@ -202,6 +209,8 @@ class AgentCore:
         )
         self.events = EventLog(self.run_dir / "logs" / "agent.jsonl", loggers)
         self.run_hash = run_hash(config)
+        # Resolved before anything listens: a node reachable beyond loopback without a secret refuses to start.
+        self.run_secret = run_secret(config, self.run_hash)
         self.status = Status.STARTING
         self.counters = Counters()
         self.metrics = NodeMetrics(self.metric_values)
@@ -247,12 +256,17 @@ class AgentCore:
         del model
         # Built before anything listens, so a bad strategy or codec is a config error, not a half-started node.
         self.codec, self.strategy = build_outer(config, self.num_params)
+        from farloco.optim import Aggregator
+
+        # run.aggregator: None keeps the exchange's own weighted mean
+        self.aggregator = Aggregator(config.run.aggregator) if config.run.aggregator != "mean" else None
         self.outer = OuterRound(self.theta, self.strategy, self.codec)
         # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
         self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._overlap_steps = overlap_steps(config)
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
         self._phases: dict[str, float] = {}  # the current round's phase times (rounds.py `_round`)
+        self._byzantine_stale: torch.Tensor | None = None  # FARLOCO_FAULTS byzantine: the last honest update
         self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None
@@ -391,15 +405,6 @@ class AgentCore:
 
     def metrics_text(self) -> str:
         return self.metrics.text()
-
-    def _secret(self) -> bytes:
-        path = self.config.auth.secret_file
-        if path:
-            return Path(path).read_bytes().strip()
-        env = os.environ.get("FARLOCO_RUN_SECRET")
-        if env:
-            return env.encode()
-        return hashlib.sha256(b"farloco-run-secret:" + self.run_hash.encode()).digest()
 
     def _live_ids(self) -> list[str]:
         return [m.peer_id for m in self.membership.core.live(_dht_now())]

@@ -266,7 +266,7 @@ class RoundAgent(SwarmAgent):
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             prepared.contribution = self._contribution(prepared.theta_local)
         phase_started = time.monotonic()
-        averaged, facts = await self._average(group, prepared.contribution, facts)
+        averaged, facts = await self._average(group, self._byzantine(prepared.contribution), facts)
         self._phases["exchange"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.COMMIT:
             return await self._close(decision)
@@ -364,6 +364,7 @@ class RoundAgent(SwarmAgent):
                     timeout=self.config.timeouts.exchange_timeout,
                     out=mean_out,
                     transmitted_out=sent_out,
+                    rule=self.aggregator,
                 )
                 self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
                 averaged = Averaged(

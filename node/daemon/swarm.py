@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+import torch
+
 from farloco.node.config import diff_run, run_section
 from farloco.node.daemon.core import (
     AgentError,
@@ -392,6 +394,21 @@ class SwarmAgent(SnapshotAgent):
 
                 return die
         return None
+
+    def _byzantine(self, contribution: torch.Tensor) -> torch.Tensor:
+        """Chaos, from FARLOCO_FAULTS 'byzantine=KIND' (farloco.optim ATTACKS): this node is a Byzantine insider
+        that sends a wrong-but-valid update in place of its own every round (what run.aggregator defends)."""
+        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
+            kind, _, attack = fault.partition("=")
+            if kind == "byzantine":
+                from farloco.optim import byzantine_update
+
+                sent = byzantine_update(attack, contribution, self._byzantine_stale)
+                if self._byzantine_stale is None:
+                    log.warning("fault injected: a Byzantine update (%s) goes out every round", attack)
+                self._byzantine_stale = contribution.clone()  # "stale" sends the round before's
+                return sent
+        return contribution
 
     def _inject_faults(self) -> None:
         """Test-only fault injection, from FARLOCO_FAULTS (e.g. 'corrupt-theta@2'): after committing the named

@@ -192,6 +192,35 @@ def bootstrap(
     stop_dht(dht)
 
 
+@main.command()
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write it to this file (mode 0600, refused if it exists) instead of printing it.",
+)
+def secret(out: Path | None) -> None:
+    """Make a fresh run secret: 32 random bytes in hex. Give the same one to every node of the run
+    (auth.secret_file, or the FARLOCO_RUN_SECRET environment variable); keep it out of version control."""
+    import secrets as random_source
+
+    value = random_source.token_hex(32) + "\n"
+    if out is None:
+        click.echo(value, nl=False)
+        return
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise click.UsageError(
+            f"{out} exists: a run keeps its secret (remove it first to make a new one)"
+        ) from None
+    except OSError as exc:
+        raise click.UsageError(f"cannot create {out}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+    click.echo(f'wrote a run secret to {out}; set auth.secret_file = "{out}" on every node', err=True)
+
+
 # ---- steering a running node ------------------------------------------------------------------------------------
 def _client(run_dir: Path) -> Any:
     from farloco.node.daemon.control import ControlClient, ControlError

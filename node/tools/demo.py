@@ -31,7 +31,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from farloco.node.config import PRESETS, ConfigError, build_config, parse_override, to_toml
+from farloco.node.config import (
+    PRESETS,
+    SECRET_ENV,
+    ConfigError,
+    build_config,
+    is_loopback,
+    parse_override,
+    to_toml,
+)
 
 DEMO_TIMEOUT_SECONDS = 900.0
 DEFAULT_ROUNDS = 6
@@ -158,6 +166,10 @@ def start_peer(
         "--set", f"node.num_ranks={ranks}",
         *extra,
     ]  # fmt: skip
+    env = dict(env or {})
+    if not is_loopback(host) and SECRET_ENV not in env and SECRET_ENV not in os.environ:
+        # Beyond loopback a node needs a run secret (auth): the peers started in one work_dir share one.
+        env[SECRET_ENV] = swarm_secret(work_dir)
     # Own session: stop_process can then reach the node's DHT child and trainer ranks too.
     process = subprocess.Popen(
         command,
@@ -167,6 +179,19 @@ def start_peer(
         env={**os.environ, **env} if env else None,
     )
     return PeerProcess(name, run_dir, process, log_path)
+
+
+def swarm_secret(work_dir: Path) -> str:
+    """The run secret of the peers started in `work_dir` (made once, 32 random bytes in hex, mode 0600)."""
+    import secrets
+
+    path = work_dir / "run-secret"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(secrets.token_hex(32) + "\n")
+        tmp.chmod(0o600)
+        tmp.replace(path)
+    return path.read_text().strip()
 
 
 def stop_process(*processes: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
