@@ -50,9 +50,12 @@ def test_one_byzantine_member_moves_a_robust_result_little_and_the_mean_far(
     spread = max(float((u - target).norm()) for u in updates[1:])
     sent = [attacked(attack, updates, stale), *updates[1:]]
     errors = {name: float((aggregate(name, sent) - target).norm()) for name in AGGREGATORS}
+    # One member's bounded say: at most about its share of twice the honest scale, whatever the attacker's scale
+    # (the outlier-removing rules do better: within the honest members' own spread).
+    share = 2 * max(float(u.norm()) for u in updates[1:]) / members
     for name in ROBUST:
-        # bounded by the honest members' own spread, whatever the attacker's scale
-        assert errors[name] <= 1.0 * spread, (name, errors, spread)
+        bound = spread if name in ("trimmed_mean", "median", "centered_clip") else spread + share
+        assert errors[name] <= bound, (name, errors, spread, share)
     if attack != "stale":  # a stale update is within the honest scale: the mean is hurt little too
         assert errors["mean"] > 5 * max(errors[name] for name in ROBUST), errors
 
@@ -138,7 +141,9 @@ def test_the_exchange_applies_the_rule_per_chunk_and_every_member_gets_the_same_
         assert torch.equal(first.averaged, expected)
     honest = mean_of([inputs[i] for i in (0, 1, 3)])
     spread = max(float((inputs[i] - honest).norm()) for i in (0, 1, 3))
-    assert float((first.averaged - honest).norm()) <= spread  # the x1000 member did not take it over
+    share = 2 * max(float(inputs[i].norm()) for i in (0, 1, 3)) / 4  # one member's bounded say (norm_clip)
+    bound = spread + share if rule == "norm_clip" else spread
+    assert float((first.averaged - honest).norm()) <= bound  # the x1000 member did not take it over
 
 
 def chunk_ranges(numel: int, parts: int, chunk: int) -> list[tuple[int, int]]:
@@ -160,10 +165,11 @@ def test_members_with_different_rules_refuse_each_other_naming_both() -> None:
 def test_norm_rules_need_a_dense_codec() -> None:
     from farloco.node.daemon.core import build_outer
 
-    config = build_config({"run": {"strategy": "sparseloco", "aggregator": "centered_clip"}})
+    sparse = {"strategy": "sparseloco", "codec": "topk"}
+    config = build_config({"run": {**sparse, "aggregator": "centered_clip"}})
     with pytest.raises(ConfigError, match="needs a dense codec"):
         build_outer(config, 1000)
-    build_outer(build_config({"run": {"strategy": "sparseloco", "aggregator": "median"}}), 1000)
+    build_outer(build_config({"run": {**sparse, "aggregator": "median"}}), 1000)
     build_outer(build_config({"run": {"strategy": "diloco", "aggregator": "centered_clip"}}), 1000)
 
 
