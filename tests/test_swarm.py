@@ -82,6 +82,10 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
         made.close()
 
 
+# Slow: by default the README's `farloco demo` (3 peers, which CI runs as a new user does: it exits non-zero unless
+# the loss fell and every hash agreed) and test_nodes_of_different_layouts_train_as_one_swarm (2-rank nodes in a
+# swarm) cover what this adds, and the default suite must stay within ~15 minutes.
+@pytest.mark.slow
 def test_three_peers_one_with_two_ranks_train_and_agree(tmp_path: Path) -> None:
     """The demo path: 3 peers (the first with 2 gloo ranks), 4 rounds; loss falls and every hash agrees."""
     out = io.StringIO()
