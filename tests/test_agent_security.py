@@ -253,9 +253,15 @@ class Swarm:
         return max(int(ControlClient(a.peer.run_dir).status()["round_id"]) for a in self.agents)
 
     def rounds_together(self, after: int) -> list[dict[str, Any]]:
-        """Round events after `after` whose contributors are exactly the agents."""
+        """Round events after `after` whose contributors are exactly the agents, and that every agent has logged
+        (each agent writes its own round event when it commits: one may trail the other by a moment)."""
         ids = sorted(a.peer_id for a in self.agents)
-        return [e for e in self.agents[0].rounds() if e["round_id"] > after and e["contributors"] == ids]
+        logged = [{e["round_id"] for e in a.rounds()} for a in self.agents[1:]]
+        return [
+            e
+            for e in self.agents[0].rounds()
+            if e["round_id"] > after and e["contributors"] == ids and all(e["round_id"] in r for r in logged)
+        ]
 
 
 def _status(peer: PeerProcess) -> dict[str, Any]:
