@@ -164,9 +164,21 @@ class NodeConfig:
     """Experiment trackers that also get the per-round figures of logs/agent.jsonl: "tensorboard" (under
     <run-dir>/logs/tensorboard; pip install 'farloco[tensorboard]') and/or "wandb" (project = run.name; its own
     environment applies, e.g. WANDB_MODE=offline; pip install 'farloco[wandb]')."""
+    partial_contributions: bool = True
+    """A straggler's way out (run.outer_update = sync, with the members' links on): when every other member
+    of the round is ready and waits for this node, its ranks end their inner steps after the one they are in
+    and the node joins the round with what it trained, weighted in the mean by its share of the round's steps
+    (steps run / inner_steps). Off: the others wait for all of its steps (up to timeouts.match_timeout)."""
+    partial_min_fraction: float = 0.25
+    """The smallest share of the round's inner steps a partial contribution carries: a node further behind
+    keeps training, and the others wait for it (up to timeouts.match_timeout) or leave it out of the round."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "threads_per_rank", "tp", "micro_batches")
+        if not 0.0 < self.partial_min_fraction <= 1.0:
+            raise ConfigError(
+                f"node.partial_min_fraction: expected a number in (0, 1], got {self.partial_min_fraction!r}"
+            )
         _non_negative(self, "max_restarts", "eval_batches")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"node.device: expected one of 'auto', 'cpu', 'cuda', got {self.device!r}")

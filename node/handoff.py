@@ -49,6 +49,9 @@ SLOT_INNER_STEPS = 8  # H for this sequence
 SLOT_STEP_BASE = 9  # global inner step at which this sequence starts (data position)
 SLOT_INNER_OP = 10  # INNER_SAVE or INNER_LOAD: what the pending inner-state request asks
 SLOT_INNER_SEQ = 11  # bumped by the agent after writing the request (op + its directory in the sidecar file)
+SLOT_CUT_SEQ = (
+    12  # the sequence the agent asks the ranks to end early: a partial contribution (a straggler's)
+)
 
 COMMAND_RUN = 0
 COMMAND_STOP = 1
@@ -81,6 +84,9 @@ R_INNER_DONE = 9  # the inner-state request (SLOT_INNER_SEQ) this rank served la
 R_INNER_RESULT = 10  # INNER_OK / INNER_FRESH / INNER_FAILED for that request
 R_OPT_STEP = 11  # optimizer step count after that request (saved or loaded): a fresh optimizer has 0
 R_OPT_FINGERPRINT = 12  # float64 bits: sum of |first moment| over the node's shards after that request
+R_SEQ_STEPS = (
+    13  # inner steps the rank ran in the sequence it reported done (fewer than asked when cut short)
+)
 
 
 def _f2i(value: float) -> int:
@@ -113,6 +119,7 @@ class RankReport:
     inner_result: int = 0
     optimizer_step: int = 0
     optimizer_fingerprint: float = 0.0
+    seq_steps: int = 0
 
 
 class Handoff:
@@ -189,6 +196,11 @@ class Handoff:
     def stop(self) -> None:
         self.header[SLOT_COMMAND] = COMMAND_STOP
 
+    def cut(self, seq: int) -> None:
+        """Ask the ranks to end sequence `seq` after the inner step they are in (all ranks agree on which, see
+        the trainer's `step_signals`); their report's `seq_steps` then says how many they ran."""
+        self.header[SLOT_CUT_SEQ] = seq
+
     def all_done(self, seq: int) -> bool:
         return all(self.report(rank).done_seq >= seq for rank in range(self.world_size))
 
@@ -208,6 +220,7 @@ class Handoff:
             inner_result=block[R_INNER_RESULT],
             optimizer_step=block[R_OPT_STEP],
             optimizer_fingerprint=_i2f(block[R_OPT_FINGERPRINT]),
+            seq_steps=block[R_SEQ_STEPS],
         )
 
     @property
@@ -260,6 +273,10 @@ class Handoff:
     def inner_seq(self) -> int:
         return int(self.header[SLOT_INNER_SEQ])
 
+    @property
+    def cut_seq(self) -> int:
+        return int(self.header[SLOT_CUT_SEQ])
+
     def inner_request(self) -> tuple[int, Path]:
         """(op, directory) of the pending inner-state request; read only after seeing `inner_seq` move."""
         return int(self.header[SLOT_INNER_OP]), Path(self.inner_path.read_text())
@@ -285,9 +302,10 @@ class Handoff:
         self._set(rank, R_EVAL_LOSS, _f2i(loss))
         self._set(rank, R_EVAL_SEQ, seq)
 
-    def mark_done(self, rank: int, seq: int, *, train_loss: float, step_seconds: float) -> None:
+    def mark_done(self, rank: int, seq: int, *, train_loss: float, step_seconds: float, steps: int) -> None:
         self._set(rank, R_TRAIN_LOSS, _f2i(train_loss))
         self._set(rank, R_STEP_MICROS, int(step_seconds * 1e6))
+        self._set(rank, R_SEQ_STEPS, steps)
         self._set(rank, R_DONE_SEQ, seq)  # written last: the agent reads `local` only after seeing it
 
 

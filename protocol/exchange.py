@@ -378,6 +378,7 @@ class Exchange:
         self.lanes = streams_per_peer
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
+        self.corrupt_rounds: set[int] = set()  # chaos only: see `_outgoing`
         self._attempts: dict[str, _Attempt] = {}
         self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
         server.add_stream(PUSH_METHOD, self._on_push)
@@ -634,6 +635,11 @@ class Exchange:
         if len(attempt.members) == 1:
             self._finish_sparse(attempt)
 
+    def _outgoing(self, attempt: _Attempt, data: bytes | memoryview) -> bytes | memoryview:
+        """A chunk's payload as it goes out; all 0xFF bytes (NaN floats, out-of-range indices) in the rounds
+        `corrupt_rounds` names (chaos: FARLOCO_FAULTS corrupt@exchange, what the receivers must refuse)."""
+        return b"\xff" * len(data) if attempt.round_id in self.corrupt_rounds else data
+
     async def _push(self, attempt: _Attempt, j: int, lane: int, deadline: float) -> None:
         """Stream our contribution to member j and, for dense codecs, receive j's mean of its part: the chunks of
         lane `lane` (see Lanes in the module docstring)."""
@@ -671,7 +677,7 @@ class Exchange:
                         self._local_failure(attempt, error)
                         return
                     # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
-                    frame = Frame({"k": k}, _raw_bytes(attempt.flat[a:b]))
+                    frame = Frame({"k": k}, self._outgoing(attempt, _raw_bytes(attempt.flat[a:b])))
                     attempt.bytes_sent += _wire_size(frame)
                     attempt.fp32_sent += 4 * (b - a)
                     yield frame
@@ -686,7 +692,7 @@ class Exchange:
                 except Exception as exc:
                     self._local_failure(attempt, exc)
                     return
-                frame = Frame({"k": k}, data)
+                frame = Frame({"k": k}, self._outgoing(attempt, data))
                 attempt.bytes_sent += _wire_size(frame)
                 attempt.fp32_sent += 4 * (b - a)
                 yield frame
@@ -702,7 +708,7 @@ class Exchange:
             members = len(attempt.members)
             dense_per_byte = 8 * attempt.plan.numel / (members * max(1, len(payload)))
             for offset in range(0, len(payload), step):
-                frame = Frame({"o": offset}, payload[offset : offset + step])
+                frame = Frame({"o": offset}, self._outgoing(attempt, payload[offset : offset + step]))
                 attempt.bytes_sent += _wire_size(frame)
                 attempt.fp32_sent += len(frame.payload) * dense_per_byte
                 yield frame

@@ -12,8 +12,10 @@ refuse goes to the real DHT. The agent installs it when `FARLOCO_FAULTS` asks fo
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -97,3 +99,146 @@ def parse_dht_faults(spec: str) -> dict[str, Any]:
                 "or dht-silent-after=SECONDS"
             ) from None
     return options
+
+
+# -- the fault plan: every FARLOCO_FAULTS entry, parsed and checked in one place ----------------------------
+
+PHASES = ("train", "match", "heal", "exchange", "commit")
+"""Where in a round a phase fault fires: `train` once the ranks were handed the round's inner steps, `match` as
+group forming starts, `heal` as the hash check starts, `exchange` as the exchange starts, `commit` right after
+the round committed."""
+
+PHASE_ACTIONS = ("crash", "hang", "drop", "delay", "corrupt", "wrong")
+"""crash: SIGKILL the node (its process group: agent, ranks, DHT daemon). hang=S: SIGSTOP the node for S seconds
+(a frozen machine; a helper outside it sends SIGCONT). drop: shut every open connection of the node down (its
+gRPC channels and data-plane sockets: the peers see them reset mid-call). delay=S: the agent sleeps S seconds
+where it stands (a slow phase). corrupt: the round's outgoing exchange payloads are overwritten with 0xFF bytes
+(NaN floats, out-of-range indices: what the receivers must refuse). wrong=KIND: a wrong-but-valid update
+(farloco.optim.ATTACKS) in place of the node's own."""
+
+_VALUED = {"hang": "seconds", "delay": "seconds", "wrong": "attack"}
+
+
+@dataclass(frozen=True)
+class PhaseFault:
+    """`ACTION[=VALUE]@PHASE[+OFFSET][:ROUNDS]`: `action` at `offset` seconds into `phase` of the rounds
+    `first`..`last` (None: no end)."""
+
+    action: str
+    phase: str
+    value: float | str | None = None
+    offset: float = 0.0
+    first: int = 0
+    last: int | None = None
+    spec: str = ""
+
+    def applies(self, phase: str, round_id: int) -> bool:
+        return phase == self.phase and round_id >= self.first and (self.last is None or round_id <= self.last)
+
+
+@dataclass
+class FaultPlan:
+    """Every fault one node was asked for (FARLOCO_FAULTS, `farloco join --fault`)."""
+
+    dht: dict[str, Any] = field(default_factory=dict)  # FlakyDHT keyword arguments
+    phase: list[PhaseFault] = field(default_factory=list)
+    slow_steps: float = 0.0  # seconds added to every inner step
+    die_serving_state: int | None = None  # SIGKILL once this many bytes of state were served
+    corrupt_theta: set[int] = field(default_factory=set)  # nudge theta_outer after committing these rounds
+
+    def at(self, phase: str, round_id: int) -> list[PhaseFault]:
+        return [f for f in self.phase if f.applies(phase, round_id)]
+
+    def __bool__(self) -> bool:
+        return bool(self.dht or self.phase or self.slow_steps or self.corrupt_theta) or (
+            self.die_serving_state is not None
+        )
+
+
+FAULT_GRAMMAR = (
+    "ACTION[=VALUE]@PHASE[+SECONDS][:ROUNDS] with ACTION one of crash, hang=SECONDS, drop, delay=SECONDS, "
+    "corrupt, wrong=ATTACK; PHASE one of "
+    + ", ".join(PHASES)
+    + "; ROUNDS N, N-M or N+ (default: every round); "
+    "or dht-refuse-stores=N, dht-refuse-stores-for=SECONDS, dht-silent-after=SECONDS, slow-steps=SECONDS, "
+    "die-serving-state@BYTES, corrupt-theta@ROUND, byzantine=ATTACK (wrong=ATTACK@exchange)"
+)
+
+
+def _seconds(text: str, entry: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _rounds(text: str, entry: str) -> tuple[int, int | None]:
+    first, dash, last = text.partition("-")
+    try:
+        if text.endswith("+") and text[:-1].isdigit():
+            return int(text[:-1]), None
+        if dash and first.isdigit() and last.isdigit() and int(first) <= int(last):
+            return int(first), int(last)
+        if not dash and text.isdigit():
+            return int(text), int(text)
+    except ValueError:
+        pass
+    raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected rounds N, N-M (N <= M) or N+, got {text!r}")
+
+
+def _phase_fault(entry: str) -> PhaseFault:
+    from farloco.optim import ATTACKS
+
+    head, _, where = entry.partition("@")
+    action, has_value, raw = head.partition("=")
+    if action not in PHASE_ACTIONS:
+        raise ValueError(
+            f"FARLOCO_FAULTS entry {entry!r}: unknown fault {action!r}; expected {FAULT_GRAMMAR}"
+        )
+    if bool(has_value) != (action in _VALUED):
+        wanted = f"{action}={_VALUED[action].upper()}" if action in _VALUED else f"{action} without a value"
+        raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected {wanted}")
+    value: float | str | None = None
+    if action == "wrong":
+        if raw not in ATTACKS:
+            raise ValueError(
+                f"FARLOCO_FAULTS entry {entry!r}: expected an attack of {list(ATTACKS)}, got {raw!r}"
+            )
+        value = raw
+    elif has_value:
+        value = _seconds(raw, entry)
+    where, colon, rounds = where.partition(":")
+    phase, plus, offset = where.partition("+")
+    if phase not in PHASES:
+        raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected a phase of {list(PHASES)}, got {phase!r}")
+    first, last = _rounds(rounds, entry) if colon else (0, None)
+    return PhaseFault(action, phase, value, _seconds(offset, entry) if plus else 0.0, first, last, spec=entry)
+
+
+def parse_faults(spec: str) -> FaultPlan:
+    """The FaultPlan of a FARLOCO_FAULTS value (comma-separated entries); ValueError naming the entry and what
+    was expected for anything it does not know."""
+    plan = FaultPlan()
+    plan.dht = parse_dht_faults(spec)
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, rest = entry.partition("=")
+        if name.startswith("dht-"):
+            continue
+        if name == "slow-steps":
+            plan.slow_steps = _seconds(rest, entry)
+        elif name == "byzantine":
+            plan.phase.append(_phase_fault(f"wrong={rest}@exchange"))
+        elif entry.startswith(("die-serving-state@", "corrupt-theta@")):
+            kind, _, at = entry.partition("@")
+            if not at.isdigit():
+                raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected {kind}@N with N a whole number")
+            if kind == "die-serving-state":
+                plan.die_serving_state = int(at)
+            else:
+                plan.corrupt_theta.add(int(at))
+        else:
+            plan.phase.append(_phase_fault(entry))
+    return plan

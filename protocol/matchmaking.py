@@ -679,6 +679,23 @@ class DHTMatchmaker:
         horizon = self.clock.now() - self.membership.core.ttl
         return {p: h for p, (r, at, h) in self._at.items() if r == round_id and h and at >= horizon}
 
+    def waiting_for(self, round_id: int, me: str) -> bool:
+        """Whether every other member expected in `round_id` already told us over the links that it is ready
+        for it (it waits for us now): a straggler's cue to end its inner steps early (a partial contribution).
+        False without links (the DHT's ready records are read only while forming a group), and when no other
+        member is expected."""
+        if self.client is None:
+            return False
+        now = self.clock.now()
+        live = self.membership.core.live(now)
+        expected = {
+            r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving"
+        } | self._from_last_group(round_id, live, now, me)
+        expected |= self._catching_up(round_id, live, now, me)
+        expected.discard(me)
+        ready = self._ready_in.get(round_id, {})
+        return bool(expected) and expected <= ready.keys()
+
     def _from_last_group(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:
         """The members of our group of round r-1, expected in round r: they were in step with us a round ago,
         whatever our member table says (under load its DHT reads lag by seconds; a leader that trusted only the

@@ -31,6 +31,7 @@ import logging
 import socket
 import struct
 import sys
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -127,6 +128,19 @@ def _status(name: Any) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+_OPEN: weakref.WeakSet[_Conn] = weakref.WeakSet()  # every data-plane connection of this process (drop_all)
+
+
+def drop_all() -> int:
+    """Chaos: shut every open data-plane connection of this process down, both ways, at once (the peers see
+    them reset mid-stream, as when a link drops). Returns how many there were."""
+    conns = list(_OPEN)
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+    return len(conns)
+
+
 class _Conn:
     """One non-blocking TCP connection driven by the running event loop, with exact reads into new buffers."""
 
@@ -136,6 +150,7 @@ class _Conn:
         self.sock = sock
         self.peer = peer
         self.loop = asyncio.get_running_loop()
+        _OPEN.add(self)
 
     async def read_into(self, view: memoryview) -> None:
         got, size = 0, len(view)

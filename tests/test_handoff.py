@@ -37,7 +37,7 @@ def _rank(path: str, rank: int) -> None:
     half = handoff.num_params // 2
     rows = slice(rank * half, (rank + 1) * half)
     handoff.local[rows] = handoff.theta[rows] * 2 + rank
-    handoff.mark_done(rank, 1, train_loss=1.5 + rank, step_seconds=0.01)
+    handoff.mark_done(rank, 1, train_loss=1.5 + rank, step_seconds=0.01, steps=4)
 
 
 @pytest.mark.multiprocess
@@ -56,6 +56,7 @@ def test_sequence_protocol_across_processes(tmp_path: Path) -> None:
     expected = theta * 2 + torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.float32)
     assert torch.equal(handoff.local, expected)
     assert [handoff.report(r).train_loss for r in range(2)] == [1.5, 2.5]
+    assert [handoff.report(r).seq_steps for r in range(2)] == [4, 4]
     path = handoff.path
     handoff.close()
     assert not path.exists()

@@ -49,7 +49,7 @@ from farloco.node.daemon.core import (
 from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht
 from farloco.node.daemon.outer import theta_hash
 from farloco.node.daemon.rounds import RoundAgent
-from farloco.protocol.faults import FlakyDHT, parse_dht_faults
+from farloco.protocol.faults import FlakyDHT
 from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
@@ -120,7 +120,7 @@ class Agent(RoundAgent):
             identity_path=str(identity),
             start=True,
         )
-        faults = parse_dht_faults(os.environ.get("FARLOCO_FAULTS", ""))
+        faults = self.faults.dht
         if faults:  # test and chaos hook: a real DHT that refuses or stops answering some calls
             log.warning("fault injected: the DHT misbehaves on purpose (%s)", faults)
             self.dht = FlakyDHT(self.dht, **faults)

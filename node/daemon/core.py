@@ -159,6 +159,7 @@ class Counters:
     rounds_committed: int = 0
     rounds_aborted: int = 0
     rounds_late: int = 0
+    partial_contributions: int = 0  # sequences cut short because the round's other members waited for us
     hash_mismatches: int = 0
     resyncs: int = 0
     last_round_seconds: float = math.nan
@@ -179,6 +180,9 @@ class Prepared:
     leaves it as it is."""
     inner_step: int = 0
     """The ranks' inner step count at the end of the sequence this round carries (the round event reports it)."""
+    weight: float = 1.0
+    """The contribution's weight in the round's mean: its share of the round's inner steps (below 1 for a
+    partial contribution, node.partial_contributions)."""
     trained_from: str = ""
     """run.outer_update delayed/eager: the outer_hash of the theta_outer the ranks' sequence started from (with
     eager, the one their preview was built on); the round event reports it."""
@@ -222,6 +226,10 @@ class AgentCore:
         self.leave_mode: str | None = None
         self._leave_requested_at: float | None = None  # monotonic time of the first non-drain leave request
         self._seq_inner_step = 0  # the ranks' inner steps at the end of the last sequence read
+        # Published sequence -> (step_base, inner_steps asked); the share of the round's steps a sequence the
+        # agent cut short carries (`_seq_weight`, 1 when it ran in full) is read from the ranks' reports.
+        self._seq_plans: dict[int, tuple[int, int]] = {}
+        self._seq_weight = 1.0
         self._idle_since: float | None = (
             None  # when the ranks last finished a sequence we have not followed up
         )
@@ -267,6 +275,12 @@ class AgentCore:
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
         self._phases: dict[str, float] = {}  # the current round's phase times (rounds.py `_round`)
         self._byzantine_stale: torch.Tensor | None = None  # FARLOCO_FAULTS byzantine: the last honest update
+        from farloco.protocol.faults import parse_faults
+
+        try:  # chaos on purpose (node/daemon/chaos.py): a plan it cannot read stops the node before it starts
+            self.faults = parse_faults(os.environ.get("FARLOCO_FAULTS", ""))
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
         self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None
@@ -314,6 +328,7 @@ class AgentCore:
                 "num_params": self.num_params,
                 "num_ranks": self.config.node.num_ranks,
                 "rounds_committed": self.counters.rounds_committed,
+                "partial_contributions": self.counters.partial_contributions,
                 # Of the last 100 rounds this node closed, the fraction it contributed to.
                 "group_share": self.shares.share(self.peer_id) if self.peer_id else None,
                 "left_out": dict(self.shares.left_out),

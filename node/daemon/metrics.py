@@ -51,6 +51,11 @@ COUNTERS = (
     ("trainer_restarts", "trainer_restarts", "Trainer rank groups restarted by the elastic launcher."),
     ("rounds_committed", "rounds_committed", "Committed rounds."),
     ("rounds_aborted", "rounds_aborted", "Aborted rounds."),
+    (
+        "partial_contributions",
+        "partial_contributions",
+        "Rounds whose inner steps this node cut short because the round's other members waited for it.",
+    ),
     ("isolations", "isolations", "Times this node found itself isolated."),
     (
         "ranks_idle_seconds",

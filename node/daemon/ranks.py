@@ -122,6 +122,8 @@ class RanksAgent(AgentCore):
         """Hand the ranks their next sequence (`Handoff.publish`), adding the time they waited for it since
         their last one ended to `counters.ranks_idle_seconds`."""
         seq = self.handoff.publish(load, round_id=round_id, step_base=step_base, inner_steps=inner_steps)
+        self._seq_plans = {s: plan for s, plan in self._seq_plans.items() if s > seq - 4}
+        self._seq_plans[seq] = (step_base, inner_steps)
         if self._idle_since is not None:  # the ranks start once the publish (and its copy of theta) is done
             idle = time.monotonic() - self._idle_since
             self.counters.ranks_idle_seconds += idle
@@ -129,14 +131,40 @@ class RanksAgent(AgentCore):
             self._idle_since = None
         return seq
 
+    def _cut_short(self, seq: int) -> bool:
+        """Ask the ranks to end sequence `seq` after their current inner step if every other member of the
+        round is ready and waits for us, and the steps already run make at least node.partial_min_fraction of
+        the round's. Returns whether it asked."""
+        step_base, planned = self._seq_plans.get(seq, (0, 0))
+        inner_steps = self.config.run.inner_steps
+        ran = max(self.handoff.report(r).inner_step for r in range(self.handoff.world_size)) - step_base
+        # The round's steps already run before this sequence (streaming-diloco's overlapped tau) count too.
+        share = (inner_steps - planned + max(ran, 0)) / inner_steps
+        if not 0 < ran < planned or share < self.config.node.partial_min_fraction:
+            return False
+        if not self.matchmaker.waiting_for(self.round_id, self.peer_id):
+            return False
+        self.handoff.cut(seq)
+        self.counters.partial_contributions += 1
+        self.events.write("cut_short", round_id=self.round_id, at_step=ran, of=planned)
+        return True
+
     def _trainer_failure(self) -> str | None:
         if self._trainers_exited.is_set() and self.handoff.command == 0:
             return f"trainer ranks exited ({self._trainer_error or 'without error'})"
         return None
 
-    async def _wait_ranks(self, seq: int) -> bool:
-        """Wait until every rank finished sequence `seq`; False if the node must leave now."""
+    async def _wait_ranks(self, seq: int, *, partial: bool = False) -> bool:
+        """Wait until every rank finished sequence `seq`; False if the node must leave now.
+
+        `partial`: `seq` carries this round's contribution and may be cut short when the round's other members
+        all wait for us (node.partial_contributions, `_cut_short`)."""
+        cut = not (partial and self.config.node.partial_contributions)
+        next_check = 0.0
         while not self.handoff.all_done(seq):
+            if not cut and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.05
+                cut = self._cut_short(seq)
             failure = self._trainer_failure()
             if failure:
                 raise AgentError(f"{failure}; leaving the swarm")

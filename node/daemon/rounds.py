@@ -65,7 +65,8 @@ class RoundAgent(SwarmAgent):
                 inner_steps=run.inner_steps - steps_done,
             )
             self.status = Status.TRAINING
-            if not await self._wait_ranks(seq):
+            await self._phase_faults("train")
+            if not await self._wait_ranks(seq, partial=True):
                 self.events.write("withdrew", round_id=self.round_id)
                 return
             self._overlap_seq = None
@@ -118,6 +119,7 @@ class RoundAgent(SwarmAgent):
             inner_steps=run.inner_steps,
         )
         self.status = Status.TRAINING
+        await self._phase_faults("train")
         try:
             while True:
                 ranks_done = await self._wait_ranks(seq)
@@ -180,6 +182,7 @@ class RoundAgent(SwarmAgent):
                 pending = asyncio.create_task(
                     self._round_in_flight(round_seq, prepared), name="farloco-round"
                 )
+                await self._phase_faults("train", self.round_id + 1)
         finally:
             if pending is not None:
                 await cancel_and_wait(pending)
@@ -214,6 +217,11 @@ class RoundAgent(SwarmAgent):
         reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
         self.train_loss = sum(r.train_loss for r in reports) / len(reports)
         self._seq_inner_step = max(r.inner_step for r in reports)
+        # A sequence cut short (a partial contribution) carries its share of the round's steps.
+        _, planned = self._seq_plans.get(seq, (0, 0))
+        ran = min(r.seq_steps for r in reports)
+        inner_steps = self.config.run.inner_steps
+        self._seq_weight = 1.0 if ran >= planned else (inner_steps - planned + ran) / inner_steps
         step_seconds = max(r.step_seconds for r in reports)
         # The ranks step in lockstep: the slowest rank's mean step time is the node's (0: none timed yet).
         self.inner_step_seconds = step_seconds
@@ -234,7 +242,11 @@ class RoundAgent(SwarmAgent):
         theta_local = self.outer.read_local(self.handoff.local, copy=copy)
         contribution = self._contribution(theta_local, reference)
         return Prepared(
-            theta_local, contribution, fixed_reference=reference is not None, inner_step=self._seq_inner_step
+            theta_local,
+            contribution,
+            fixed_reference=reference is not None,
+            inner_step=self._seq_inner_step,
+            weight=self._seq_weight,
         )
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
@@ -253,11 +265,13 @@ class RoundAgent(SwarmAgent):
         # Where the round's time went (the round event's `phases`): forming the group (waiting for the others
         # included), the hash check, the exchange.
         phase_started = time.monotonic()
+        await self._phase_faults("match")
         group, facts = await self._match(facts)
         self._phases = {"match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
             return await self._close(decision)
         phase_started = time.monotonic()
+        await self._phase_faults("heal")
         facts = await self._heal(group, facts)
         self._phases["heal"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.GO_ON:
@@ -266,12 +280,16 @@ class RoundAgent(SwarmAgent):
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             prepared.contribution = self._contribution(prepared.theta_local)
         phase_started = time.monotonic()
-        averaged, facts = await self._average(group, self._byzantine(prepared.contribution), facts)
+        await self._phase_faults("exchange")
+        averaged, facts = await self._average(
+            group, self._byzantine(prepared.contribution), facts, prepared.weight
+        )
         self._phases["exchange"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.COMMIT:
             return await self._close(decision)
         assert averaged is not None
         await self._commit(group, prepared, averaged, started)
+        await self._phase_faults("commit", self.round_id - 1)
         return True
 
     def _hand_off(self, seq: int, prepared: Prepared | None) -> Prepared:
@@ -343,7 +361,7 @@ class RoundAgent(SwarmAgent):
         return replace(facts, fork="healed" if resynced else "none")
 
     async def _average(
-        self, group: Any, contribution: torch.Tensor, facts: RoundFacts
+        self, group: Any, contribution: torch.Tensor, facts: RoundFacts, weight: float = 1.0
     ) -> tuple[Averaged | None, RoundFacts]:
         """The group's mean of contributions (protocol/exchange.py; a group of one encodes nothing), counting
         every byte that crossed the wire, aborted attempts included."""
@@ -365,6 +383,7 @@ class RoundAgent(SwarmAgent):
                     out=mean_out,
                     transmitted_out=sent_out,
                     rule=self.aggregator,
+                    weight=weight,
                 )
                 self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
                 averaged = Averaged(
@@ -431,6 +450,7 @@ class RoundAgent(SwarmAgent):
             inner_step_seconds=self.inner_step_seconds,
             trained_from=prepared.trained_from,
             inner_step=prepared.inner_step,
+            weight=prepared.weight,
         )
         # Our record moves to the next round in the background: the round's path holds no DHT store (the next
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import signal
 import time
 from collections.abc import Awaitable
 from typing import Any
 
-import torch
-
 from farloco.node.config import diff_run, run_section
+from farloco.node.daemon.chaos import ChaosAgent
 from farloco.node.daemon.core import (
     AgentError,
     Status,
@@ -23,7 +20,6 @@ from farloco.node.daemon.core import (
 )
 from farloco.node.daemon.dhtnode import daemon_alive
 from farloco.node.daemon.outer import theta_hash
-from farloco.node.daemon.snapshots import SnapshotAgent
 from farloco.node.logs import SyncProgress
 from farloco.protocol.tasks import cancel_and_wait
 
@@ -32,7 +28,7 @@ class SwarmGone(Exception):
     """`_catch_up(join=True)`: every member that was ahead of us is gone, none is left to fetch from."""
 
 
-class SwarmAgent(SnapshotAgent):
+class SwarmAgent(ChaosAgent):
     """Membership, joining, isolation, catching up and fork healing."""
 
     def _record(self) -> Any:
@@ -379,47 +375,6 @@ class SwarmAgent(SnapshotAgent):
                 log.warning("fetching the winning side's state failed (%s); trying again", exc)
                 await asyncio.sleep(1.0)
         return True
-
-    def _state_fault(self) -> Any:
-        """Test-only, from FARLOCO_FAULTS 'die-serving-state@N': SIGKILL this node once it has served N bytes
-        of state, i.e. a donor that dies in the middle of a joiner's transfer."""
-        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
-            kind, _, at = fault.partition("@")
-            if kind == "die-serving-state" and at.isdigit():
-
-                def die(served: int, limit: int = int(at)) -> None:
-                    if served >= limit:
-                        log.warning("fault injected: dying after serving %d bytes of state", served)
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-                return die
-        return None
-
-    def _byzantine(self, contribution: torch.Tensor) -> torch.Tensor:
-        """Chaos, from FARLOCO_FAULTS 'byzantine=KIND' (farloco.optim ATTACKS): this node is a Byzantine insider
-        that sends a wrong-but-valid update in place of its own every round (what run.aggregator defends)."""
-        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
-            kind, _, attack = fault.partition("=")
-            if kind == "byzantine":
-                from farloco.optim import byzantine_update
-
-                sent = byzantine_update(attack, contribution, self._byzantine_stale)
-                if self._byzantine_stale is None:
-                    log.warning("fault injected: a Byzantine update (%s) goes out every round", attack)
-                self._byzantine_stale = contribution.clone()  # "stale" sends the round before's
-                return sent
-        return contribution
-
-    def _inject_faults(self) -> None:
-        """Test-only fault injection, from FARLOCO_FAULTS (e.g. 'corrupt-theta@2'): after committing the named
-        round, nudge theta_outer so this node silently diverges and the hash check has to repair it."""
-        for fault in filter(None, os.environ.get("FARLOCO_FAULTS", "").split(",")):
-            kind, _, at = fault.partition("@")
-            if kind == "corrupt-theta" and at.isdigit() and int(at) == self.round_id:
-                self.theta[0] += 1e-3
-                self.outer_hash = theta_hash(self.theta)
-                self._snapshot = None
-                log.warning("fault injected: theta_outer corrupted after round %d", self.round_id)
 
     async def _while_dht_daemon_lives(self, work: Awaitable[Any]) -> Any:
         """`work` (a DHT call), cut short with TimeoutError as soon as the DHT's p2pd is gone: a signal sent to

@@ -90,6 +90,15 @@ def _host_overrides(
     help="stderr log lines as text or JSON lines (ts, level, logger, msg, extra fields). Default: text when "
     "stderr is a terminal, json otherwise. <run-dir>/logs/daemon.jsonl always gets JSON lines.",
 )
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    metavar="SPEC",
+    help="Chaos on purpose (repeatable; adds to FARLOCO_FAULTS): ACTION[=VALUE]@PHASE[+SECONDS][:ROUNDS], e.g. "
+    "crash@exchange+0.2:5 (SIGKILL 0.2 s into round 5's exchange), hang=20@train:3, drop@exchange:4, "
+    "delay=5@match, corrupt@exchange:6, wrong=sign_flip_x1000@exchange. See RELIABILITY.md.",
+)
 def join(
     config_path: Path | None,
     run_dir: Path,
@@ -101,6 +110,7 @@ def join(
     overrides: tuple[str, ...],
     verbose: bool,
     log_format: str | None,
+    faults: tuple[str, ...],
 ) -> None:
     """Start a node and join (or found) a swarm. Prints the node's multiaddrs; runs until it leaves."""
     # A SIGTERM or Ctrl+C before the agent's own handlers exist (torch's import, the model, the DHT's start take
@@ -117,6 +127,14 @@ def join(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, leave_while_starting)
     _setup_logging(verbose, log_format, run_dir)
+    if faults:  # the ranks read the plan from the environment too (slow-steps)
+        os.environ["FARLOCO_FAULTS"] = ",".join(filter(None, [os.environ.get("FARLOCO_FAULTS", ""), *faults]))
+    from farloco.protocol.faults import parse_faults
+
+    try:
+        parse_faults(os.environ.get("FARLOCO_FAULTS", ""))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port, data_port)])
     except ConfigError as exc:

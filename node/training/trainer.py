@@ -189,6 +189,7 @@ def loop(
     steps_taken = 0
     # The first steps of a compiled model compile it: they stay out of the step time (and so of tokens/s).
     warmup_steps = COMPILE_WARMUP_STEPS if config.node.compile else 0
+    slow_step = slow_step_seconds()
     while True:
         while (
             handoff.publish_seq <= done_seq
@@ -216,6 +217,7 @@ def loop(
         losses: list[torch.Tensor] = []
         timed = 0.0
         timed_steps = 0
+        ran = 0
         for i in range(inner_steps):
             step = step_base + i
             started = time.perf_counter()
@@ -223,19 +225,27 @@ def loop(
                 group["lr"] = learning_rate(config, step)
             inputs, targets = sampler.batch(step)
             losses.append(train_step(spec, optimizer, inputs.to(device), targets.to(device), config))
+            if slow_step:
+                time.sleep(slow_step)
             tokens += inputs.numel()
             handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
-            if should_stop(handoff, parent, device):
+            stop, cut = step_signals(handoff, parent, device, seq)
+            if stop:
                 return
+            ran += 1
             steps_taken += 1
             if steps_taken > warmup_steps:
                 timed += time.perf_counter() - started
                 timed_steps += 1
+            if cut:
+                break  # a partial contribution: the agent's round is ready without the steps we have left
         train_loss = float(torch.stack(losses).mean()) if losses else math.nan
         staging.store(handoff.local)
         # Every rank's rows must be in place before any rank reports done: the agent reads the whole vector.
         dist.barrier()
-        handoff.mark_done(rank, seq, train_loss=train_loss, step_seconds=timed / max(timed_steps, 1))
+        handoff.mark_done(
+            rank, seq, train_loss=train_loss, step_seconds=timed / max(timed_steps, 1), steps=ran
+        )
         done_seq = seq
 
 
@@ -337,14 +347,29 @@ def serve_inner_request(
     return seq
 
 
-def should_stop(handoff: Handoff, parent: int, device: torch.device) -> bool:
-    """Stop mid-sequence when the agent says so or died; all ranks agree, so none is left in a collective."""
-    flag = torch.tensor(
-        [1 if handoff.command == COMMAND_STOP or os.getppid() != parent else 0], device=device
+def slow_step_seconds() -> float:
+    """Chaos, from FARLOCO_FAULTS 'slow-steps=S': every inner step of this node takes S seconds longer (a node
+    with less compute than the others: a straggler). The agent checked the plan before starting the ranks."""
+    from farloco.protocol.faults import parse_faults
+
+    return parse_faults(os.environ.get("FARLOCO_FAULTS", "")).slow_steps
+
+
+def step_signals(handoff: Handoff, parent: int, device: torch.device, seq: int) -> tuple[bool, bool]:
+    """After each inner step: (stop, cut). Stop: the agent says so or died. Cut: the agent asks to end sequence
+    `seq` here (`Handoff.cut`). All ranks agree on both in one collective, so none is left in a collective and
+    a cut sequence ends after the same step on every rank, whichever rank saw the request first."""
+    flags = torch.tensor(
+        [
+            1 if handoff.command == COMMAND_STOP or os.getppid() != parent else 0,
+            1 if handoff.cut_seq == seq else 0,
+        ],
+        device=device,
     )
     if dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    stop, cut = flags.tolist()
+    return bool(stop), bool(cut)
 
 
 # How long a rank given SIGTERM waits for the agent's STOP before it dies of the signal after all.

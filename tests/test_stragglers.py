@@ -1,0 +1,75 @@
+"""A straggler's partial contribution (node.partial_contributions): a node with less compute ends its inner steps
+early when the round's other members all wait for it, and joins the round weighted by the steps it ran."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from farloco.node.config import ConfigError, build_config
+from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+
+INNER_STEPS = 8
+SLOW_STEP = 1.0  # extra seconds per inner step of the straggler: a full round of its own takes >= 8 s
+
+
+def test_partial_min_fraction_is_checked() -> None:
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(
+            ConfigError, match=rf"node\.partial_min_fraction: expected a number in \(0, 1\], got {bad}"
+        ):
+            build_config({"node": {"partial_min_fraction": bad}})
+    assert build_config({}).node.partial_contributions is True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.dht
+def test_a_slow_node_contributes_part_of_each_round_instead_of_stalling_the_swarm(tmp_path: Path) -> None:
+    """3 real nodes; one (2 ranks) takes 1 s more per inner step (FARLOCO_FAULTS=slow-steps=1). The two others
+    finish their 8 steps first and wait for it; it cuts its sequence short, and every round commits with all
+    three, the straggler's contribution weighted by its share of the steps. Without the cut no round could close
+    before the straggler's 8 x 1 s of sleep; with it, the rounds come well within three quarters of that (it runs
+    a quarter of the steps, plus the one under way when asked). Every node holds the same theta after every
+    round."""
+    rounds = 5
+    config = tmp_path / "swarm.toml"
+    config.write_text(demo_config(rounds, [f"run.inner_steps={INNER_STEPS}", "node.eval_batches=0"]))
+    bootstrap, maddr = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for name in ("a", "b", "slow"):
+            env = {"FARLOCO_FAULTS": f"slow-steps={SLOW_STEP}"} if name == "slow" else None
+            # The straggler runs 2 ranks: they must agree on the step the cut lands after (else one would wait
+            # in a collective the other never enters).
+            peers.append(start_peer(name, tmp_path, config, maddr, 2 if name == "slow" else 1, env=env))
+        deadline = time.monotonic() + 300
+        while any(p.process.poll() is None for p in peers):
+            assert time.monotonic() < deadline, f"3 nodes did not finish {rounds} rounds in 300 s"
+            time.sleep(0.5)
+        assert all(p.process.returncode == 0 for p in peers), [p.log_path.read_text()[-2000:] for p in peers]
+    finally:
+        stop_process(*(p.process for p in peers), bootstrap)
+    events = [read_events(p.run_dir) for p in peers]
+    by_round = [{e["round_id"]: e for e in log if e["event"] == "round"} for log in events]
+    assert all(sorted(r) == list(range(1, rounds + 1)) for r in by_round), [sorted(r) for r in by_round]
+    for round_id in range(1, rounds + 1):
+        assert len({r[round_id]["outer_hash"] for r in by_round}) == 1, round_id
+        assert len(by_round[0][round_id]["contributors"]) == 3, by_round[0][round_id]
+    # The fast nodes never cut (nobody waited for them), the straggler did, with a share of at least a quarter
+    # and below one; the fast nodes contributed in full.
+    assert not [e for log in events[:2] for e in log if e["event"] == "cut_short"]
+    cuts = [e for e in events[2] if e["event"] == "cut_short"]
+    assert len(cuts) >= rounds - 1, cuts
+    assert all(INNER_STEPS / 4 <= e["at_step"] < e["of"] == INNER_STEPS for e in cuts), cuts
+    weights = [by_round[2][r]["weight"] for r in range(1, rounds + 1)]
+    assert sum(w < 1 for w in weights) >= rounds - 1, weights
+    assert all(0.25 <= w <= 1 and (w * INNER_STEPS).is_integer() for w in weights), weights
+    assert all(by_round[i][r]["weight"] == 1.0 for i in (0, 1) for r in range(1, rounds + 1))
+    # The swarm's pace is the fast nodes' plus the straggler's quarter, not the straggler's full sequence.
+    times = [by_round[0][r]["time"] for r in range(1, rounds + 1)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert statistics.median(gaps) < 0.75 * INNER_STEPS * SLOW_STEP, gaps
