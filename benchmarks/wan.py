@@ -300,7 +300,9 @@ def run_farloco(
 
 # -- stragglers -------------------------------------------------------------------------------------------------
 
-SCENARIOS = ("even", "slow-link", "half-compute")
+SCENARIOS = ("even", "slow-link", "half-compute", "half-compute-full")
+"""half-compute: the straggler contributes what it has when the others wait (node.partial_contributions, the
+default); half-compute-full: the same host with partial contributions off (the others wait for all its steps)."""
 
 
 def _rate_bits(rate: str) -> float:
@@ -319,11 +321,12 @@ def run_straggler(wan: Any, work: Path, scenario: str, args: argparse.Namespace)
 
     work.mkdir(parents=True)
     config = work / "node.toml"
-    config.write_text(demo_config(args.rounds, base_overrides(args) + VARIANTS["diloco-int8"]))
+    extra = ["node.partial_contributions=false"] if scenario == "half-compute-full" else []
+    config.write_text(demo_config(args.rounds, base_overrides(args) + VARIANTS["diloco-int8"] + extra))
     straggler = HOSTS
     if scenario == "slow-link":
         wan.set_rate(straggler, f"{_rate_bits(args.rate) / 10 / 1e3:g}kbit")
-    elif scenario == "half-compute":
+    elif scenario.startswith("half-compute"):
         wan.set_cpus(straggler, args.cpus_per_host / 2)
     processes: list[Any] = []
     try:
@@ -360,6 +363,9 @@ def run_straggler(wan: Any, work: Path, scenario: str, args: argparse.Namespace)
         "straggler_rounds": len(rounds[-1]),
         "straggler_synced": sum(1 for e in events[-1] if e["event"] in ("synced", "catching_up")),
         "straggler_left_out": sum(1 for e in events[-1] if e["event"] in ("late", "left_out")),
+        # its contributions' weight in the mean (its share of the round's steps; < 1 when it cut them short)
+        "straggler_weight": _median([e.get("weight", 1.0) for e in rounds[-1][1:]]),
+        "straggler_cuts": sum(1 for e in events[-1] if e["event"] == "cut_short"),
         "forked_rounds": sorted(r for r, h in hashes.items() if len(h) > 1),
         "step_seconds_fast": _median([e["inner_step_seconds"] for r in fast for e in r[1:]]),
         "step_seconds_straggler": _median([e["inner_step_seconds"] for e in rounds[-1][1:]]),
@@ -380,8 +386,9 @@ def straggler_markdown(results: list[dict[str, Any]], args: argparse.Namespace, 
         f"{args.cpus_per_host / 2:g} cores (half-compute); {args.rounds} rounds; timeouts.match_timeout = {args.match_timeout or 20:g} s",
         "",
         "| scenario | round period (median / max) | vs even | matchmaking share (max wait) | exchange share "
-        "| rounds with the straggler | straggler: resyncs, rounds left out | forked rounds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rounds with the straggler | straggler: resyncs, rounds left out | straggler: rounds cut short, median "
+        "weight | forked rounds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cost = f"{r['period_median'] / even['period_median']:.2f}x" if r["period_median"] else "-"
@@ -389,6 +396,7 @@ def straggler_markdown(results: list[dict[str, Any]], args: argparse.Namespace, 
             f"| {r['scenario']} | {r['period_median']:.1f} s / {r['period_max']:.1f} s | {cost} | "
             f"{r['match_share']:.1%} ({r['match_max']:.1f} s) | {r['exchange_share']:.1%} | "
             f"{r['straggler_share']:.0%} | {r['straggler_synced']}, {r['straggler_left_out']} | "
+            f"{r['straggler_cuts']}, {r['straggler_weight'] if r['straggler_weight'] is not None else 1.0:.2f} | "
             f"{len(r['forked_rounds'])} |"
         )
     return "\n".join(rows)
