@@ -36,6 +36,7 @@ the members that answered, so every survivor takes the same one:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import sys
@@ -84,6 +85,20 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 EVIDENCE_GRACE_SECONDS = 1.0
 # Most streams one member opens to one owner for one part (network.streams_per_peer).
 MAX_LANES = 16
+# An attempt that failed with every member answering its vote and none to drop (a connection reset, a stream
+# cut: nobody's fault that the votes can see) is tried again with the same members this many times, while at
+# least SAME_MEMBERS_RETRY_SHARE of the exchange's time is left; then the round aborts (NO_PROGRESS).
+SAME_MEMBERS_RETRIES = 1
+SAME_MEMBERS_RETRY_SHARE = 0.5
+
+
+def attempt_key(group: Group, attempt_no: int, member_ids: list[str]) -> str:
+    """The id every member gives attempt `attempt_no` of `group`'s exchange among `member_ids`: the group id for
+    the first, then one per (members, attempt number), so a retry with the same members is a new attempt too."""
+    if attempt_no == 0:
+        return group.group_id
+    digest = hashlib.sha256(f"{group_id_of(group.round_id, member_ids)}/attempt={attempt_no}".encode())
+    return digest.hexdigest()
 
 
 def lanes_for(lanes: int, num_chunks: int) -> int:
@@ -444,11 +459,7 @@ class Exchange:
         fp32_sent = 0.0
         attempt_no = 0
         while True:
-            key = (
-                group.group_id
-                if attempt_no == 0
-                else group_id_of(group.round_id, [m.peer_id for m in members])
-            )
+            key = attempt_key(group, attempt_no, [m.peer_id for m in members])
             if key in self._attempts and self._attempts[key].started.is_set():
                 raise RuntimeError(f"an exchange for group {key[:12]} is already running on {self.peer_id}")
             attempt = self._attempts.get(key) or _Attempt(key)
@@ -490,11 +501,28 @@ class Exchange:
                 f"excluded: {sorted(excluded)}"
             )
             aborted: ExchangeAborted | None = None
+            same_again = len(survivors) == len(members)
+            # An accusation nobody could settle (one report of bad data, which may come from a liar) would be
+            # made again: only a failure without evidence (a reset, a cut stream) is worth the same members again.
+            accused = any(votes[m.peer_id]["bad"] for m in alive)
             if self.peer_id in excluded:
                 aborted = ExchangeAborted("EXCLUDED", detail)
-            elif len(survivors) == len(members):
+            elif same_again and accused:
                 aborted = ExchangeAborted(
-                    "NO_PROGRESS", detail + "; nobody to drop, so a retry would fail alike"
+                    "NO_PROGRESS", detail + "; an accusation without a majority drops nobody"
+                )
+            elif same_again and (
+                attempt_no >= SAME_MEMBERS_RETRIES
+                or deadline - loop.time() < timeout * SAME_MEMBERS_RETRY_SHARE
+            ):
+                aborted = ExchangeAborted(
+                    "NO_PROGRESS",
+                    detail
+                    + (
+                        f"; nobody to drop, and no retry left after attempt {attempt_no}"
+                        if attempt_no >= SAME_MEMBERS_RETRIES
+                        else "; nobody to drop, and too little time left to try again"
+                    ),
                 )
             elif loop.time() >= deadline:
                 aborted = ExchangeAborted("DEADLINE", detail + f"; no time left of {timeout}s")
@@ -793,6 +821,11 @@ class Exchange:
         except asyncio.CancelledError:
             attempt.fail(f"push to {member.peer_id} cancelled", evidence=False)
             raise
+        except Exception as exc:
+            # Anything else (a bug, a socket error that escaped its RpcError) must still end the attempt: a push
+            # task that dies quietly leaves every member waiting for its data until the data phase's deadline.
+            log.exception("push to %s failed unexpectedly", member.peer_id)
+            attempt.fail(f"push to {member.peer_id} failed: {type(exc).__name__}: {exc}", evidence=False)
 
     async def _vote_phase(self, attempt: _Attempt, deadline: float) -> dict[str, dict[str, Any]]:
         """Tell every other member our outcome and learn theirs; returns peer_id -> vote for those that answered."""
@@ -966,6 +999,17 @@ class Exchange:
         try:
             hello = await anext(incoming)
         except StopAsyncIteration:
+            # Cut before its hello (a connection reset): the sender's part of the attempt it was for will not
+            # come, and no hello says which attempt that was. Every attempt of that round with the sender among
+            # its members fails now (nobody's fault) rather than wait for the data phase's deadline.
+            for attempt in list(self._attempts.values()):
+                if (
+                    attempt.started.is_set()
+                    and attempt.round_id == ctx.round_id
+                    and ctx.sender in attempt.member_ids
+                    and ctx.sender != self.peer_id
+                ):
+                    attempt.fail(f"stream from {ctx.sender} cut before its first frame")
             raise _invalid("TRUNCATED", f"stream from {ctx.sender} ended before its first frame") from None
         attempt = await self._find_attempt(ctx, hello.header.get("g"), hello.header.get("a"))
         try:

@@ -141,6 +141,18 @@ def drop_all() -> int:
     return len(conns)
 
 
+def _lost(where: str, exc: BaseException) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE, "CONNECTION_LOST", f"{where}: connection lost: {exc}")
+
+
+def _writer_error(writer: asyncio.Task[None], where: str) -> BaseException:
+    """What the stream's writer failed with, a socket error as the caller's RpcError (CONNECTION_LOST): a raw
+    OSError would escape every caller that handles RpcError, and its exchange attempt would wait for nothing."""
+    exc = writer.exception()
+    assert exc is not None
+    return _lost(where, exc) if isinstance(exc, OSError) else exc
+
+
 class _Conn:
     """One non-blocking TCP connection driven by the running event loop, with exact reads into new buffers."""
 
@@ -478,7 +490,12 @@ async def open_stream(
             {"m": method, "md": [list(item) for item in metadata], "t": max(0.001, timeout)},
             use_bin_type=True,
         )
-        await conn.write(MAGIC + _U32.pack(len(preamble)) + preamble)
+        try:
+            await conn.write(MAGIC + _U32.pack(len(preamble)) + preamble)
+        except (
+            OSError
+        ) as exc:  # reset as it opened (a dropped link): the caller's RpcError, not a raw OSError
+            raise _lost(where, exc) from None
 
         async def write_all() -> None:
             assert conn is not None
@@ -510,10 +527,8 @@ async def open_stream(
                 ) from None
             except (OSError, ConnectionError) as exc:
                 if writer.done() and not writer.cancelled() and writer.exception() is not None:
-                    raise writer.exception() from None  # type: ignore[misc]
-                raise RpcError(
-                    grpc.StatusCode.UNAVAILABLE, "CONNECTION_LOST", f"{where}: connection lost: {exc}"
-                ) from None
+                    raise _writer_error(writer, where) from None
+                raise _lost(where, exc) from None
             if item == END:
                 break
             if isinstance(item, tuple):
@@ -521,7 +536,7 @@ async def open_stream(
                 raise RpcError(code, reason, f"{where}: {detail}")
             yield item
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
-            raise writer.exception() from None  # type: ignore[misc]
+            raise _writer_error(writer, where) from None
     finally:
         if writer is not None and not writer.done():
             writer.cancel()

@@ -983,3 +983,42 @@ def test_byte_accounting_per_path() -> None:
                 await node.stop()
 
     run(body())
+
+
+def test_connections_dropped_mid_exchange_are_retried_with_every_member(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every data-plane connection reset while the chunks are in flight (what `FARLOCO_FAULTS=drop@exchange` does
+    to a node): every member still answers its vote and nobody accused anybody, so nobody is to blame and the
+    same members try again, under a new attempt id, and all three get the same mean of all three."""
+    from farloco.protocol import tcpstream
+
+    numel = 4_000_000  # 16 MB each: the streams are still open when the connections drop
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3, "tcp")
+        try:
+            inputs = [make_input(i, numel) for i in range(3)]
+            averaging = asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=60)
+                    for i, node in enumerate(nodes)
+                )
+            )
+            while not tcpstream._OPEN:
+                await asyncio.sleep(0.001)
+            assert tcpstream.drop_all() >= 1
+            results = await averaging
+            assert all(r.contributors == ("peer-0", "peer-1", "peer-2") for r in results)
+            assert torch.equal(results[0].averaged, results[1].averaged)
+            assert torch.equal(results[0].averaged, results[2].averaged)
+            assert torch.allclose(results[0].averaged, sum(inputs) / 3, atol=1e-5)
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    with caplog.at_level("WARNING", logger="farloco.protocol.exchange"):
+        run(body())
+    assert any("retrying among" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]

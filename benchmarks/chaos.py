@@ -1,0 +1,91 @@
+"""The chaos table: every scenario of farloco.node.tools.chaos (or those named), one after the other, each a
+fresh local swarm of real `farloco join` processes on 127.0.0.1 (tiny preset, H = 8), and what each fault cost.
+
+    python benchmarks/chaos.py --out benchmarks/results [--scenarios healthy sigkill-exchange ...]
+
+Writes <out>/chaos.json and <out>/chaos.md (the table RELIABILITY.md carries) and prints the table. Exits 1 if
+any scenario broke an invariant or missed its expected outcome."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from farloco.node.tools.chaos import SCENARIOS, Outcome, run, verdict
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | None) -> list[str]:
+    scenario = SCENARIOS[name]
+    rejected = ", ".join(f"{reason} {int(n)}" for reason, n in sorted(outcome.rejected.items())) or "-"
+    loss = "-"
+    if outcome.final_loss is not None:
+        loss = f"{outcome.final_loss:.3f}"
+        if healthy is not None and healthy.final_loss is not None and outcome is not healthy:
+            loss += f" ({outcome.final_loss - healthy.final_loss:+.3f})"
+    held = "yes" if not problems else "**no**: " + "; ".join(problems)
+    lines = []
+    faults = scenario.faults or ()
+    if not faults:
+        lines.append(
+            f"| {name} | {scenario.setup} | - | every round commits with all | {held} | - | "
+            f"{_seconds(outcome.round_period_s)} | - | 0 / 0 | {rejected} | {loss} | {outcome.memory_growth:+.0%} |"
+        )
+    for fault, figures in zip(faults, outcome.faults, strict=True):
+        lines.append(
+            f"| {name} | {scenario.setup} | {fault.name} | {fault.expected} | {held} | "
+            f"{_seconds(figures.detection_s)} | {_seconds(figures.degraded_round_s)} | {_seconds(figures.rejoin_s)} | "
+            f"{figures.rounds_aborted} / {figures.rounds_missed} | {rejected} | {loss} | {outcome.memory_growth:+.0%} |"
+        )
+    return lines
+
+
+HEADER = [
+    "| scenario | setup | fault | expected | held | detection | degraded round | rejoin | rounds aborted / missed "
+    "by the node | refused (survivors, by reason) | held-out loss (vs healthy) | memory growth |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--out", type=Path, default=Path("chaos-results"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="farloco-chaos-"))
+    outcomes: dict[str, Outcome] = {}
+    results: list[dict[str, Any]] = []
+    lines = list(HEADER)
+    failed = False
+    for name in args.scenarios:
+        started = time.monotonic()
+        outcome = run(SCENARIOS[name], work / name, progress=lambda line: print(line, flush=True))
+        outcomes[name] = outcome
+        healthy = outcomes.get("healthy")
+        problems = verdict(SCENARIOS[name], outcome, healthy)
+        failed = failed or bool(problems)
+        lines += row(name, outcome, problems, healthy)
+        results.append({**outcome.to_json(), "problems": problems, "seconds": time.monotonic() - started})
+        print(
+            f"{name}: {problems if problems else 'held'} ({time.monotonic() - started:.0f} s)", flush=True
+        )
+    (args.out / "chaos.json").write_text(json.dumps(results, indent=1))
+    table = "\n".join(lines)
+    (args.out / "chaos.md").write_text(table + "\n")
+    print(table)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,606 @@
+"""Chaos scenarios: a local swarm of real `farloco join` processes on 127.0.0.1, faults on purpose, and what
+the swarm paid for each, measured from the nodes' own events and metrics.
+
+A scenario is a swarm (peers, rounds, config overrides) and a timeline of faults. A fault is either in a node's
+fault plan from its start (`FARLOCO_FAULTS`, protocol/faults.py: crash, hang, drop, delay, corrupt, wrong at a
+phase of a round; the node writes a `fault` event as it acts) or done to it from outside once the swarm reached
+a round (SIGKILL, SIGSTOP/SIGCONT, `farloco leave`, a new `farloco join`). A node that a fault ended is started
+again (same run directory: same identity, its checkpoints) when the fault says so.
+
+Figures per fault, from the survivors' round events: detection (the fault to the first round committed
+without the node), the degraded round (the longest gap between two commits after it), rejoin (the fault to the
+first round with the node again), rounds aborted, rounds the node missed; per scenario: messages refused by reason
+(the survivors' /metrics), the held-out loss against the healthy run's, memory growth. Invariants checked after
+every scenario (`Outcome.broken`): no NaN, one outer hash per round among the nodes that committed it, no node
+that no fault touched exited other than cleanly, memory bounded, no process left behind.
+
+Used by tests/test_chaos.py (the fast scenarios) and benchmarks/chaos.py (all of them, RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from farloco.node.tools.demo import (
+    PeerProcess,
+    demo_config,
+    read_events,
+    start_bootstrap,
+    start_peer,
+    stop_process,
+)
+
+# Rounds of H = 8 inner steps of the tiny preset: a few seconds each on 2 cores.
+BASE_OVERRIDES = ("run.inner_steps=8", "node.eval_batches=2", "checkpoint.every_rounds=2")
+MEMORY_GROWTH_LIMIT = 0.5  # a node's RSS may grow by at most half over a scenario (after its first round)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of a scenario's timeline, done to peer `peer` (an index)."""
+
+    name: str
+    peer: int
+    at_round: int
+    plan: str = ""  # a FARLOCO_FAULTS entry the peer starts with (acts by itself at its phase and round)
+    signal: str = ""  # or done from outside once the swarm committed `at_round`: sigkill, hang=S, leave, join
+    restart_after: float | None = None  # start the peer again this many seconds after it exited
+    expected: str = ""
+    checks: tuple[str, ...] = ()  # what must have happened (CHECKS), beside the invariants
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    setup: str
+    faults: tuple[Fault, ...] = ()
+    peers: int = 3
+    rounds: int = 8
+    overrides: tuple[str, ...] = ()
+    late_peers: tuple[int, ...] = ()  # peers started only by a `join` fault
+    timeout: float = 240.0
+
+
+@dataclass
+class FaultFigures:
+    name: str
+    at: float | None = None  # wall time the fault happened (its event, or when we did it)
+    detection_s: float | None = None
+    degraded_round_s: float | None = None
+    rejoin_s: float | None = None
+    rounds_aborted: int = 0
+    rounds_missed: int = 0
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    faults: list[FaultFigures] = field(default_factory=list)
+    rounds: int = 0  # rounds committed by the swarm (distinct round ids)
+    round_period_s: float | None = None  # median gap between commits of the first peer
+    final_loss: float | None = None
+    rejected: dict[str, float] = field(default_factory=dict)
+    memory_growth: float = 0.0  # the largest relative RSS growth of a node over the run
+    exit_codes: dict[str, list[int]] = field(default_factory=dict)
+    broken: list[str] = field(default_factory=list)  # invariants that did not hold
+    events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k not in ("events", "faults")}
+        data["faults"] = [f.__dict__ for f in self.faults]
+        return data
+
+
+class ChaosSwarm:
+    """The processes of one scenario (started, restarted, stopped) and what we sample from them meanwhile."""
+
+    def __init__(self, scenario: Scenario, work: Path) -> None:
+        self.scenario = scenario
+        self.work = work
+        self.config = work / "swarm.toml"
+        self.config.write_text(demo_config(scenario.rounds, [*BASE_OVERRIDES, *scenario.overrides]))
+        self.bootstrap, self.maddr = start_bootstrap(work)
+        self.peers: dict[int, PeerProcess] = {}
+        self.exits: dict[int, list[int]] = {}
+        self.rss: dict[int, list[int]] = {}
+        self.metrics: dict[int, dict[tuple[str, str], float]] = {}
+        self.done_at: dict[str, float] = {}  # fault name -> when an outside fault was done
+        self.first_round: dict[int, int] = {}  # round events a process must have logged before its RSS counts
+
+    def start(self, index: int, plan: str = "") -> None:
+        env = {"FARLOCO_FAULTS": plan}
+        self.peers[index] = start_peer(f"p{index}", self.work, self.config, self.maddr, 1, env=env)
+        self.rss[index] = []  # a new process: its memory is measured from its own first round
+        self.first_round[index] = len(self.rounds_of(index)) + 1
+
+    def rounds_of(self, index: int) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.work / f"p{index}") if e["event"] == "round"]
+
+    def committed(self) -> int:
+        """The newest round every running peer committed."""
+        running = [i for i, p in self.peers.items() if p.process.poll() is None]
+        return min((max((e["round_id"] for e in self.rounds_of(i)), default=0) for i in running), default=0)
+
+    def sample(self) -> None:
+        import psutil
+
+        for index, peer in self.peers.items():
+            if peer.process.poll() is not None:
+                continue
+            if len(self.rounds_of(index)) >= self.first_round[index]:  # started: ranks and DHT process up
+                with contextlib.suppress(psutil.Error):
+                    root = psutil.Process(peer.process.pid)
+                    total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                    self.rss[index].append(total)
+            self.metrics[index] = {**self.metrics.get(index, {}), **_metrics(self.work / f"p{index}")}
+
+    def stop(self) -> None:
+        stop_process(*(p.process for p in self.peers.values()), self.bootstrap)
+        for index, peer in self.peers.items():
+            if peer.process.returncode is not None and index not in self.exits:
+                self.exits[index] = [peer.process.returncode]
+
+
+def _metrics(run_dir: Path) -> dict[tuple[str, str], float]:
+    """{(metric, reason): value} of a running node's labelled counters (empty when it does not answer)."""
+    from farloco.node.daemon.control import ControlClient, ControlError
+
+    try:
+        url = ControlClient(run_dir).status()["metrics_url"]
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except (ControlError, OSError, KeyError, ValueError):
+        return {}
+    found = re.findall(r'^(farloco_\w+)\{reason="(\w+)"\} (\S+)$', text, flags=re.M)
+    return {(name, reason): float(value) for name, reason, value in found}
+
+
+def _do(swarm: ChaosSwarm, fault: Fault) -> None:
+    """An outside fault, now."""
+    peer = swarm.peers.get(fault.peer)
+    kind, _, value = fault.signal.partition("=")
+    swarm.done_at[fault.name] = time.time()
+    if kind == "join":
+        swarm.start(fault.peer)
+    elif peer is None or peer.process.poll() is not None:
+        return
+    elif kind == "sigkill":
+        os.killpg(peer.process.pid, signal.SIGKILL)
+    elif kind == "hang":
+        os.killpg(peer.process.pid, signal.SIGSTOP)
+        time.sleep(float(value))
+        os.killpg(peer.process.pid, signal.SIGCONT)
+    elif kind == "leave":
+        subprocess.run(
+            [sys.executable, "-m", "farloco.node.tools.cli", "leave", "--run-dir", str(peer.run_dir)],
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+    else:
+        raise ValueError(f"chaos: unknown outside fault {fault.signal!r}")
+
+
+def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | None = None) -> Outcome:
+    """Run `scenario` in `work` (a fresh directory) to its last round; its figures and broken invariants."""
+    work.mkdir(parents=True, exist_ok=True)
+    swarm = ChaosSwarm(scenario, work)
+    pending = [f for f in scenario.faults if f.signal]
+    restarts = {f.peer: f.restart_after for f in scenario.faults if f.restart_after is not None}
+    exited_at: dict[int, float] = {}
+    started = time.monotonic()
+    try:
+        for index in range(scenario.peers):
+            if index not in scenario.late_peers:
+                plans = [f.plan for f in scenario.faults if f.peer == index and f.plan]
+                swarm.start(index, ",".join(plans))
+        last_sample = 0.0
+        while True:
+            if time.monotonic() - started > scenario.timeout:
+                raise TimeoutError(f"chaos scenario {scenario.name}: not over in {scenario.timeout:.0f} s")
+            committed = swarm.committed()
+            for fault in [f for f in pending if committed >= f.at_round]:
+                pending.remove(fault)
+                if progress:
+                    progress(f"{scenario.name}: {fault.name} at round {committed}")
+                _do(swarm, fault)
+            for index, peer in list(swarm.peers.items()):
+                code = peer.process.poll()
+                if code is None or index in exited_at:
+                    continue
+                exited_at[index] = time.monotonic()
+                swarm.exits.setdefault(index, []).append(code)
+                delay = restarts.pop(index, None)
+                if delay is not None and code != 0:
+                    time.sleep(delay)
+                    swarm.start(index)  # without its fault plan: the node comes back healthy
+                    del exited_at[index]
+            if all(p.process.poll() is not None for p in swarm.peers.values()) and not pending:
+                break
+            if time.monotonic() - last_sample > 1.0:
+                swarm.sample()
+                last_sample = time.monotonic()
+            time.sleep(0.2)
+    finally:
+        swarm.stop()
+    return _outcome(scenario, swarm)
+
+
+def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
+    events = {f"p{i}": read_events(swarm.work / f"p{i}") for i in range(scenario.peers)}
+    ids: dict[str, str] = {}
+    for name, log in events.items():
+        ids.update((name, e["peer_id"]) for e in log if e["event"] == "started")
+    outcome = Outcome(scenario.name, events=events)
+    outcome.exit_codes = {f"p{i}": codes for i, codes in sorted(swarm.exits.items())}
+    rounds = {name: [e for e in log if e["event"] == "round"] for name, log in events.items()}
+    faulty = {f"p{f.peer}" for f in scenario.faults}
+    # Invariants.
+    hashes: dict[int, set[str]] = {}
+    for name, log in rounds.items():
+        evaluated = False
+        for e in log:
+            hashes.setdefault(e["round_id"], set()).add(e["outer_hash"])
+            train, held_out = e.get("train_loss"), e.get("eval_loss")
+            if isinstance(train, float) and not math.isfinite(train):
+                outcome.broken.append(f"{name} round {e['round_id']}: train loss {train}")
+            # A held-out loss is NaN only before the node's first evaluation, never after, never infinite.
+            if (
+                isinstance(held_out, float)
+                and not math.isfinite(held_out)
+                and (evaluated or held_out == held_out)
+            ):
+                outcome.broken.append(f"{name} round {e['round_id']}: held-out loss {held_out}")
+            evaluated = evaluated or (isinstance(held_out, float) and math.isfinite(held_out))
+    outcome.broken += [
+        f"round {r}: {len(h)} different outer hashes" for r, h in sorted(hashes.items()) if len(h) > 1
+    ]
+    for name, codes in outcome.exit_codes.items():
+        if name not in faulty and any(code != 0 for code in codes):
+            outcome.broken.append(f"{name} (no fault) exited with {codes}")
+    for samples in swarm.rss.values():
+        if len(samples) >= 2:
+            growth = (max(samples) - samples[0]) / samples[0]
+            outcome.memory_growth = max(outcome.memory_growth, growth)
+    if outcome.memory_growth > MEMORY_GROWTH_LIMIT:
+        outcome.broken.append(f"a node's memory grew by {outcome.memory_growth:.0%}")
+    left = _left_behind(swarm.work)
+    if left:
+        outcome.broken.append(f"processes left behind: {left}")
+    # Figures.
+    outcome.rounds = len(hashes)
+    survivors = [n for n in rounds if n not in faulty] or list(rounds)
+    reference = rounds[survivors[0]]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(reference[1:])]
+    outcome.round_period_s = sorted(gaps)[len(gaps) // 2] if gaps else None
+    losses = [
+        e["eval_loss"]
+        for e in reference
+        if isinstance(e.get("eval_loss"), float) and math.isfinite(e["eval_loss"])
+    ]
+    outcome.final_loss = losses[-1] if losses else None
+    for index, counts in swarm.metrics.items():
+        if f"p{index}" in faulty:
+            continue
+        for (metric, reason), value in counts.items():
+            if metric == "farloco_rejected_messages_total" and value:
+                outcome.rejected[reason] = outcome.rejected.get(reason, 0) + value
+    for fault in scenario.faults:
+        outcome.faults.append(_fault_figures(fault, events, rounds, survivors, ids, swarm.done_at))
+    return outcome
+
+
+def _fault_figures(
+    fault: Fault,
+    events: dict[str, list[dict[str, Any]]],
+    rounds: dict[str, list[dict[str, Any]]],
+    survivors: list[str],
+    ids: dict[str, str],
+    done_at: dict[str, float],
+) -> FaultFigures:
+    name = f"p{fault.peer}"
+    figures = FaultFigures(fault.name)
+    if fault.plan:
+        acted = [e for e in events[name] if e["event"] == "fault" and e.get("fault") in fault.plan.split(",")]
+        figures.at = acted[0]["time"] if acted else None
+    else:
+        figures.at = done_at.get(fault.name)
+    if figures.at is None or name not in ids:
+        return figures
+    at = figures.at
+    peer_id = ids[name]
+    seen = rounds[survivors[0]]
+    after = [e for e in seen if e["time"] >= at]
+    without = [e for e in after if peer_id not in e["contributors"]]
+    if without:
+        figures.detection_s = without[0]["time"] - at
+        back = [e for e in after if e["time"] > without[0]["time"] and peer_id in e["contributors"]]
+        if back:
+            figures.rejoin_s = back[0]["time"] - at
+    before = [e for e in seen if e["time"] < at]
+    times = [before[-1]["time"] if before else at] + [e["time"] for e in after[:4]]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    figures.degraded_round_s = max(gaps) if gaps else None
+    window_end = (figures.rejoin_s or 60.0) + at
+    figures.rounds_aborted = sum(
+        1
+        for survivor in survivors
+        for e in events[survivor]
+        if e["event"] == "aborted" and at <= e["time"] <= window_end
+    ) // max(1, len(survivors))
+    figures.rounds_missed = len(
+        [e for e in after if e["time"] <= window_end and peer_id not in e["contributors"]]
+    )
+    return figures
+
+
+def _left_behind(work: Path) -> list[str]:
+    """Processes still running whose command line names this scenario's directory (a node, its ranks, its DHT)."""
+    import psutil
+
+    left = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(str(work) in part for part in process.info["cmdline"] or []):
+                left.append(f"{process.pid} {' '.join(process.info['cmdline'])[:120]}")
+    return left
+
+
+# -- the scenarios ---------------------------------------------------------------------------------------------
+
+_BACK = "it restarts from its checkpoint, catches up with the swarm's state and contributes again"
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("healthy", "3 nodes, 8 rounds, nothing goes wrong: the reference for the others"),
+        Scenario(
+            "sigkill-exchange",
+            "3 nodes; node 2 SIGKILLed (with its ranks and DHT process) 50 ms into round 3's exchange",
+            (
+                Fault(
+                    "SIGKILL mid-exchange",
+                    2,
+                    3,
+                    plan="crash@exchange+0.05:3",
+                    restart_after=1.0,
+                    expected=f"the others finish the round without it or abort it, nothing forks; {_BACK}",
+                    checks=("left_out", "back"),
+                ),
+            ),
+        ),
+        Scenario(
+            "sigkill-train",
+            "3 nodes; node 2 SIGKILLed while its ranks run round 3's inner steps",
+            (
+                Fault(
+                    "SIGKILL during inner steps",
+                    2,
+                    3,
+                    plan="crash@train:3",
+                    restart_after=1.0,
+                    expected=f"the others leave it out once its record expires; {_BACK}",
+                    checks=("left_out", "back"),
+                ),
+            ),
+        ),
+        Scenario(
+            "sigstop-straggler",
+            "3 nodes, match_timeout 8 s; node 2 frozen (SIGSTOP, whole process group) for 15 s in round 3's inner "
+            "steps, then SIGCONT",
+            (
+                Fault(
+                    "SIGSTOP/SIGCONT straggler",
+                    2,
+                    3,
+                    plan="hang=15@train:3",
+                    expected="the others go on without it; back, it is late for the swarm's round, resyncs and "
+                    "contributes again",
+                    checks=("left_out", "back"),
+                ),
+            ),
+            overrides=("timeouts.match_timeout=8",),
+        ),
+        Scenario(
+            "frozen-exchange",
+            "3 nodes; node 2 frozen (SIGSTOP) 50 ms into round 3's exchange for 15 s",
+            (
+                Fault(
+                    "member frozen mid-exchange",
+                    2,
+                    3,
+                    plan="hang=15@exchange+0.05:3",
+                    expected="the others drop it from the exchange and commit without it; back, it resyncs",
+                    checks=("left_out", "back"),
+                ),
+            ),
+        ),
+        Scenario(
+            "cli-leave",
+            "3 nodes; `farloco leave` on node 2 once round 3 committed",
+            (
+                Fault(
+                    "CLI leave",
+                    2,
+                    3,
+                    signal="leave",
+                    expected="it finishes its round and exits 0; the others never wait for it",
+                    checks=("left_out", "exit_0", "no_abort"),
+                ),
+            ),
+        ),
+        Scenario(
+            "cli-join",
+            "3 nodes, a 4th joins with `farloco join` once round 3 committed",
+            (
+                Fault(
+                    "CLI join",
+                    3,
+                    3,
+                    signal="join",
+                    expected="it fetches the swarm's state (hash-verified) and contributes from its next round",
+                    checks=("back", "synced"),
+                ),
+            ),
+            peers=4,
+            late_peers=(3,),
+        ),
+        Scenario(
+            "below-min-peers",
+            "2 nodes, run.min_peers = 2; node 1 SIGKILLed once round 3 committed, restarted 3 s later",
+            (
+                Fault(
+                    "below min_peers and back",
+                    1,
+                    3,
+                    signal="sigkill",
+                    restart_after=3.0,
+                    expected="the survivor commits nothing alone, waits (isolated), and trains on once it is back",
+                    checks=("nothing_alone", "back"),
+                ),
+            ),
+            peers=2,
+            overrides=("run.min_peers=2", "timeouts.isolation_timeout=60"),
+        ),
+        Scenario(
+            "corrupt-payload",
+            "3 nodes; node 2's round-3 exchange chunks overwritten with 0xFF bytes on the way out",
+            (
+                Fault(
+                    "corrupted payload",
+                    2,
+                    3,
+                    plan="corrupt@exchange:3",
+                    expected="refused by every receiver (counted by reason), the round commits without it, it resyncs",
+                    checks=("refused", "left_out", "back"),
+                ),
+            ),
+        ),
+        Scenario(
+            "dropped-connections",
+            "3 nodes; node 2 resets every connection it has 20 ms into round 3's exchange",
+            (
+                Fault(
+                    "dropped connections",
+                    2,
+                    3,
+                    plan="drop@exchange+0.02:3",
+                    expected="the exchange retries or goes on without it; nothing forks",
+                    checks=("fired",),
+                ),
+            ),
+        ),
+        Scenario(
+            "delay",
+            "3 nodes; node 2's agent stalls 6 s as round 3's matchmaking starts",
+            (
+                Fault(
+                    "delayed phase",
+                    2,
+                    3,
+                    plan="delay=6@match:3",
+                    expected="the others wait for it (within the straggler wait) or go on without it; no fork",
+                    checks=("fired",),
+                ),
+            ),
+        ),
+        Scenario(
+            "wrong-update-mean",
+            "3 nodes, run.aggregator = mean; node 2 sends its update negated x1000 in rounds 3-4",
+            (
+                Fault(
+                    "wrong-but-valid update (mean)",
+                    2,
+                    3,
+                    plan="wrong=sign_flip_x1000@exchange:3-4",
+                    expected="accepted (valid values): the mean takes the step, the loss shows it",
+                    checks=("fired",),
+                ),
+            ),
+        ),
+        Scenario(
+            "wrong-update-median",
+            "3 nodes, run.aggregator = median; node 2 sends its update negated x1000 in rounds 3-4",
+            (
+                Fault(
+                    "wrong-but-valid update (median)",
+                    2,
+                    3,
+                    plan="wrong=sign_flip_x1000@exchange:3-4",
+                    expected="outvoted per coordinate: the loss falls as in the healthy run",
+                    checks=("fired", "loss_as_healthy"),
+                ),
+            ),
+            overrides=('run.aggregator="median"',),
+        ),
+    )
+}
+
+
+LOSS_TOLERANCE = 0.15  # "as in the healthy run": the final held-out loss within this of the healthy one's
+
+
+def verdict(scenario: Scenario, outcome: Outcome, healthy: Outcome | None = None) -> list[str]:
+    """What did not hold: the invariants (`outcome.broken`), then each fault's `checks`."""
+    problems = list(outcome.broken)
+    for fault, figures in zip(scenario.faults, outcome.faults, strict=True):
+        name = f"p{fault.peer}"
+        for check in fault.checks:
+            problem = _check(check, fault, figures, outcome, healthy, name)
+            if problem:
+                problems.append(f"{fault.name}: {problem}")
+    return problems
+
+
+def _check(
+    check: str, fault: Fault, figures: FaultFigures, outcome: Outcome, healthy: Outcome | None, name: str
+) -> str | None:
+    if figures.at is None:
+        return "the fault never happened (no fault event, or the swarm never reached its round)"
+    if check == "fired":
+        return None
+    if check == "left_out":
+        return None if figures.detection_s is not None else "no round went on without the node"
+    if check == "back":
+        return None if figures.rejoin_s is not None else "the node never contributed again"
+    if check == "exit_0":
+        codes = outcome.exit_codes.get(name, [])
+        return None if codes and codes[0] == 0 else f"exit codes {codes}, expected 0"
+    if check == "no_abort":
+        return None if figures.rounds_aborted == 0 else f"{figures.rounds_aborted} rounds aborted"
+    if check == "synced":
+        synced = [e for e in outcome.events[name] if e["event"] == "synced"]
+        return None if synced else "the node never synced the swarm's state"
+    if check == "nothing_alone":
+        alone = [
+            e["round_id"]
+            for survivor, log in outcome.events.items()
+            if survivor != name
+            for e in log
+            if e["event"] == "round" and len(e["contributors"]) < 2
+        ]
+        return None if not alone else f"rounds committed alone: {alone}"
+    if check == "refused":
+        return None if outcome.rejected else "no receiver refused anything"
+    if check == "loss_as_healthy":
+        if healthy is None or healthy.final_loss is None or outcome.final_loss is None:
+            return None  # nothing to compare with (the healthy run was not part of this run)
+        gap = outcome.final_loss - healthy.final_loss
+        return (
+            None
+            if gap <= LOSS_TOLERANCE
+            else f"final loss {outcome.final_loss:.3f}, healthy {healthy.final_loss:.3f}"
+        )
+    raise ValueError(f"chaos: unknown check {check!r}")

@@ -1,0 +1,61 @@
+"""The chaos scenarios' fast half, in the default suite: real `farloco join` processes on 127.0.0.1, faults from
+their fault plans (node/daemon/chaos.py) and from outside, and the invariants and expected outcomes of
+farloco.node.tools.chaos checked after each. `benchmarks/chaos.py` runs every scenario (RELIABILITY.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from farloco.node.tools.chaos import SCENARIOS, Fault, Scenario, run, verdict
+
+# Four faults one after the other in one swarm of 4 (each a few rounds after the last, so their figures do not
+# mix): what would be four swarm start-ups costs one.
+TIMELINE = Scenario(
+    "timeline",
+    "4 nodes, 14 rounds: a corrupted payload, dropped connections, a SIGKILL during inner steps, a CLI leave",
+    (
+        Fault("corrupted payload", 1, 2, plan="corrupt@exchange:2", checks=("refused", "left_out", "back")),
+        Fault("dropped connections", 2, 5, plan="drop@exchange+0.02:5", checks=("fired",)),
+        Fault(
+            "SIGKILL during inner steps",
+            3,
+            8,
+            plan="crash@train:8",
+            restart_after=1.0,
+            checks=("left_out", "back"),
+        ),
+        Fault("CLI leave", 1, 11, signal="leave", checks=("left_out", "exit_0")),
+    ),
+    peers=4,
+    rounds=14,
+    timeout=300,
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.dht
+def test_a_timeline_of_faults_costs_rounds_never_a_fork(tmp_path: Path) -> None:
+    outcome = run(TIMELINE, tmp_path)
+    problems = verdict(TIMELINE, outcome)
+    assert not problems, (problems, outcome.to_json())
+    corrupted, dropped, killed, left = outcome.faults
+    # every receiver refused node 1's 0xFF chunks by reason; the round went on without it and it came back
+    assert set(outcome.rejected) & {"NON_FINITE", "BAD_INDICES", "BAD_PAYLOAD", "MALFORMED"}, outcome.rejected
+    assert corrupted.detection_s is not None and corrupted.rejoin_s is not None
+    assert killed.detection_s is not None and killed.rejoin_s is not None
+    assert dropped.at is not None and left.detection_s is not None
+    assert outcome.exit_codes["p3"][0] != 0 and outcome.exit_codes["p1"] == [0]
+    assert outcome.rounds >= TIMELINE.rounds
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.dht
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "healthy"])
+def test_each_scenario_holds(tmp_path: Path, name: str) -> None:
+    """Every scenario of the table, each in a swarm of its own (`-m slow`; benchmarks/chaos.py measures them)."""
+    scenario = SCENARIOS[name]
+    outcome = run(scenario, tmp_path)
+    assert not verdict(scenario, outcome), (verdict(scenario, outcome), outcome.to_json())
