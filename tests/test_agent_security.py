@@ -485,7 +485,10 @@ def test_records_of_a_foreign_dht_node_are_ignored_by_running_agents(swarm: Swar
         assert all(e["seconds"] < timeouts.match_timeout / 2 for e in later), [e["seconds"] for e in later]
 
 
-@pytest.mark.parametrize("attack", ["nan", pytest.param("shape", marks=pytest.mark.slow)])
+# `-m slow`: the default suite's chaos timeline (tests/test_chaos.py) has a member whose chunks are NaN, refused
+# by reason (counted in /metrics), the round committed without it.
+@pytest.mark.slow
+@pytest.mark.parametrize("attack", ["nan", "shape"])
 def test_an_insiders_bad_data_is_refused_counted_and_the_round_commits_without_it(
     swarm: Swarm, monkeypatch: pytest.MonkeyPatch, attack: str
 ) -> None:

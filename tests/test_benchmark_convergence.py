@@ -252,6 +252,7 @@ def test_cosine_schedule_drives_every_config_and_runs_of_two_schedules_do_not_me
     assert "one lr schedule" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the merge of runs; the smoke and cosine tests run the benchmark itself by default
 def test_runs_at_two_inner_lrs_merge_labelled_against_the_stronger_ddp(
     bench: ModuleType, tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -300,7 +300,8 @@ def test_demo_swarm_takes_sign_steps_from_dct_topk_momentum(tmp_path: Path) -> N
 @pytest.mark.multiprocess
 @pytest.mark.dht
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("update", ["delayed", "eager"])
+# delayed under `-m slow`: eager runs the same overlapped loop and previews its own update on top.
+@pytest.mark.parametrize("update", [pytest.param("delayed", marks=pytest.mark.slow), "eager"])
 def test_overlapped_outer_update_trains_one_round_behind_and_agrees(tmp_path: Path, update: str) -> None:
     """run.outer_update delayed/eager with diloco int8: the ranks start each sequence at once from theta_outer as
     it stood one commit before (so round k's contribution was trained from the theta of round k-2, what the
