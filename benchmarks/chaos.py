@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = failed or bool(problems)
         lines += row(name, outcome, problems, healthy)
         results.append({**outcome.to_json(), "problems": problems, "seconds": time.monotonic() - started})
-        print(
-            f"{name}: {problems if problems else 'held'} ({time.monotonic() - started:.0f} s)", flush=True
-        )
+        print(f"{name}: {problems if problems else 'held'} ({time.monotonic() - started:.0f} s)", flush=True)
     (args.out / "chaos.json").write_text(json.dumps(results, indent=1))
     table = "\n".join(lines)
     (args.out / "chaos.md").write_text(table + "\n")

@@ -203,6 +203,7 @@ class _Conn:
                     pass
 
     def close(self) -> None:
+        _OPEN.discard(self)
         with contextlib.suppress(OSError):
             self.sock.close()
 

@@ -999,13 +999,14 @@ def test_connections_dropped_mid_exchange_are_retried_with_every_member(
         nodes, group = await start_nodes(3, "tcp")
         try:
             inputs = [make_input(i, numel) for i in range(3)]
+            before = set(tcpstream._OPEN)  # connections of earlier tests not yet collected are not ours
             averaging = asyncio.gather(
                 *(
                     node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=60)
                     for i, node in enumerate(nodes)
                 )
             )
-            while not tcpstream._OPEN:
+            while not set(tcpstream._OPEN) - before:
                 await asyncio.sleep(0.001)
             assert tcpstream.drop_all() >= 1
             results = await averaging

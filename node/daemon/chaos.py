@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -53,10 +54,21 @@ class ChaosAgent(SnapshotAgent):
                 os.killpg(os.getpid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "hang":
-            target = f"-{os.getpid()}" if group else str(os.getpid())
-            # The SIGCONT comes from a process outside the frozen group (its own session).
+            # The SIGCONT comes from a process outside the frozen group (its own session). Python, not sh: dash's
+            # kill takes neither `--` nor a process group reliably.
+            resume = (
+                "import os, signal, sys, time; time.sleep(float(sys.argv[1])); "
+                "pid = int(sys.argv[2]); (os.killpg if sys.argv[3] == 'group' else os.kill)(pid, signal.SIGCONT)"
+            )
             subprocess.Popen(
-                ["sh", "-c", 'sleep "$0"; kill -CONT -- "$1"', str(float(fault.value or 0.0)), target],
+                [
+                    sys.executable,
+                    "-c",
+                    resume,
+                    str(float(fault.value or 0.0)),
+                    str(os.getpid()),
+                    "group" if group else "process",
+                ],
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

@@ -415,14 +415,15 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "frozen-exchange",
-            "3 nodes; node 2 frozen (SIGSTOP) 50 ms into round 3's exchange for 15 s",
+            "3 nodes; node 2 frozen (SIGSTOP) as round 3's exchange starts, for 15 s",
             (
                 Fault(
                     "member frozen mid-exchange",
                     2,
                     3,
-                    plan="hang=15@exchange+0.05:3",
-                    expected="the others drop it from the exchange and commit without it; back, it resyncs",
+                    plan="hang=15@exchange:3",
+                    expected="the others wait for its data until the exchange's data deadline (60% of "
+                    "timeouts.exchange_timeout), then commit without it; back, it resyncs",
                     checks=("left_out", "back"),
                 ),
             ),
