@@ -50,7 +50,6 @@ import grpc
 import torch
 
 from farloco.protocol.rpc import (
-    DATA_ADDRESS_METHOD,
     CallContext,
     Frame,
     Reject,
@@ -390,7 +389,6 @@ class Exchange:
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
         self.corrupt_rounds: set[int] = set()  # chaos only: see `_outgoing`
-        self._suspects: set[str] = set()  # members the caller found gone during the running exchange
         self._attempts: dict[str, _Attempt] = {}
         self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
         server.add_stream(PUSH_METHOD, self._on_push)
@@ -446,7 +444,6 @@ class Exchange:
             if any(_overlaps(buffer, other) for other in others):
                 raise ValueError(f"{name}: expected memory apart from the input and from out, got an overlap")
         group.index_of(self.peer_id)  # ValueError naming the members if we are not one
-        self._suspects = set()
         loop = asyncio.get_running_loop()
         started_at = loop.time()
         deadline = started_at + timeout
@@ -648,32 +645,6 @@ class Exchange:
         if len(attempt.members) == 1:
             self._finish_sparse(attempt)
 
-    def suspect(self, peer_id: str, why: str) -> bool:
-        """The caller found member `peer_id` gone while an exchange runs (a frozen or dead machine: see the
-        agent's `_watch_heartbeats`): every running attempt that has it fails now (nobody's fault) and no vote
-        waits for it, so the others go on without it at once instead of at the data phase's deadline. Forgotten
-        when the next exchange starts. Each member decides alone; one that has not suspected it waits for its
-        vote until the vote deadline and, from a frozen member, gets none either: the same members remain.
-        Returns whether it was news."""
-        if peer_id == self.peer_id or peer_id in self._suspects:
-            return False
-        self._suspects.add(peer_id)
-        for attempt in list(self._attempts.values()):
-            if attempt.started.is_set() and peer_id in attempt.member_ids and not attempt.finished.is_set():
-                attempt.fail(f"{peer_id} is gone: {why}", evidence=False)
-        return True
-
-    async def alive(self, address: str, round_id: int, timeout: float) -> bool:
-        """Whether the node at `address` answers a call within `timeout` seconds (any answer, a refusal too):
-        a frozen process answers nothing, a dead one refuses the connection."""
-        try:
-            await self.client.unary(
-                address, DATA_ADDRESS_METHOD, Frame({}), round_id=round_id, timeout=timeout
-            )
-        except RpcError as exc:
-            return exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        return True
-
     def _outgoing(self, attempt: _Attempt, data: bytes | memoryview) -> bytes | memoryview:
         """A chunk's payload as it goes out; all 0xFF bytes (NaN floats, out-of-range indices) in the rounds
         `corrupt_rounds` names (chaos: FARLOCO_FAULTS corrupt@exchange, what the receivers must refuse)."""
@@ -847,32 +818,20 @@ class Exchange:
         self._remember(attempt.key, mine)
 
         async def ask(member: GroupMember) -> dict[str, Any] | None:
-            call = asyncio.ensure_future(
-                self.client.unary(
+            try:
+                answer = await self.client.unary(
                     member.address,
                     VOTE_METHOD,
                     Frame({"g": attempt.key, "a": attempt.attempt_no, "v": mine}),
                     round_id=attempt.round_id,
                     timeout=max(0.001, deadline - loop.time()),
                 )
-            )
-            try:
-                # A member the caller found gone (`suspect`) is not waited for: no vote, as from a dead member.
-                while not call.done() and member.peer_id not in self._suspects:
-                    await asyncio.wait({call}, timeout=0.1)
-                if not call.done():
-                    log.info("no vote from %s for %s: suspected gone", member.peer_id, attempt.key[:12])
-                    return None
-                answer = call.result()
             except RpcError as exc:
                 if exc.reason == "GROUP_MISMATCH":
                     # Alive but in another group: going on without it would split the round.
                     mismatched.append(member.peer_id)
                 log.info("no vote from %s for %s: %s", member.peer_id, attempt.key[:12], exc)
                 return None
-            finally:
-                if not call.done():
-                    await cancel_and_wait(call)
             return _parse_vote(answer.header.get("v"), member.peer_id)
 
         mismatched: list[str] = []

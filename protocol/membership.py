@@ -558,7 +558,6 @@ def _unwrap_entries(result: Any, where: str) -> dict[bytes, MemberRecord | Depar
 class DHTMembership:
     """Our membership in a run, on a running `hivemind.DHT` (the agent owns the DHT and its validators)."""
 
-    last_read: float = -math.inf  # clock time of the last member-table read that answered (`refresh`)
     REMOVE_MARGIN: ClassVar[float] = 1e-3  # a tombstone must expire strictly after our last record
 
     def __init__(
@@ -674,7 +673,6 @@ class DHTMembership:
             )
         else:
             self.core.observe_all(_unwrap_entries(result, self.key))
-            self.last_read = self.clock.now()
         self.core.prune(self.clock.now())
 
     async def members(self) -> list[MemberRecord]:

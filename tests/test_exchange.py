@@ -1025,37 +1025,3 @@ def test_connections_dropped_mid_exchange_end_the_attempt_at_once_alike_everywhe
                 await node.stop()
 
     run(body())
-
-
-def test_a_member_suspected_gone_is_not_waited_for() -> None:
-    """peer-2 is in the group but frozen (here: it never starts its side, and its server stops answering):
-    without more, the others would wait for its data until the data phase's deadline (60% of 60 s). Once the
-    caller suspects it (the agent does when its record expired and it answers nothing over its link), the
-    attempt fails at once, no vote waits for it, and the two others average without it."""
-
-    async def body() -> None:
-        nodes, group = await start_nodes(3, "tcp")
-        try:
-            inputs = [make_input(i, 50_000) for i in range(2)]
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            averaging = asyncio.gather(
-                *(nodes[i].exchange.average(group, inputs[i], RawFp32Codec(), timeout=60) for i in range(2))
-            )
-            await asyncio.sleep(1.0)
-            address = group.members[2].address
-            assert await nodes[0].exchange.alive(address, group.round_id, 2.0)  # still serving: alive
-            await nodes[2].stop()
-            assert not await nodes[0].exchange.alive(address, group.round_id, 2.0)
-            assert [node.exchange.suspect("peer-2", "gone") for node in nodes[:2]] == [True, True]
-            assert nodes[0].exchange.suspect("peer-2", "again") is False
-            results = await averaging
-            assert loop.time() - started < 20, loop.time() - started
-            assert all(r.contributors == ("peer-0", "peer-1") for r in results)
-            assert torch.equal(results[0].averaged, results[1].averaged)
-            assert torch.allclose(results[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
-        finally:
-            for node in nodes[:2]:
-                await node.stop()
-
-    run(body())

@@ -375,20 +375,16 @@ class RoundAgent(SwarmAgent):
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
                 mean_out, sent_out = self.outer.exchange_buffers(contribution.numel())
                 exchange_started = time.monotonic()
-                watcher = asyncio.create_task(self._watch_heartbeats(group), name="farloco-heartbeats")
-                try:
-                    result = await self.exchange.average(
-                        group,
-                        contribution,
-                        self.codec,
-                        timeout=self.config.timeouts.exchange_timeout,
-                        out=mean_out,
-                        transmitted_out=sent_out,
-                        rule=self.aggregator,
-                        weight=weight,
-                    )
-                finally:
-                    await cancel_and_wait(watcher)
+                result = await self.exchange.average(
+                    group,
+                    contribution,
+                    self.codec,
+                    timeout=self.config.timeouts.exchange_timeout,
+                    out=mean_out,
+                    transmitted_out=sent_out,
+                    rule=self.aggregator,
+                    weight=weight,
+                )
                 self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
                 averaged = Averaged(
                     result.transmitted,
@@ -406,31 +402,6 @@ class RoundAgent(SwarmAgent):
         # dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
         self._count_bytes(averaged.sent, averaged.received, averaged.fp32_bytes)
         return averaged, replace(facts, exchange="done", contributors=len(averaged.contributors))
-
-    async def _watch_heartbeats(self, group: Any) -> None:
-        """While the exchange runs, find a member that froze or died in it: one that was live in our member
-        table during the exchange, is no longer (no heartbeat for member_ttl) on a fresh table (a read answered
-        within two heartbeats), and does not answer a call over its link either. The table alone is not enough:
-        a frozen node's DHT process freezes with it, and records it held may vanish from our reads while their
-        owners live (tried: a survivor then suspected both others and committed alone). Such a member is
-        suspected (`Exchange.suspect`): the others go on without it at once, not at the data phase's deadline."""
-        timeouts = self.config.timeouts
-        interval = timeouts.heartbeat_interval
-        members = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
-        seen: set[str] = set()
-        while True:
-            now = self.membership.clock.now()
-            live = {r.peer_id for r in self.membership.core.live(now)}
-            seen |= members.keys() & live
-            if now - self.membership.last_read <= 2 * interval + 1.0:
-                for peer_id in sorted(seen - live):
-                    if await self.exchange.alive(members[peer_id], self.round_id, max(1.0, 2 * interval)):
-                        continue
-                    why = f"no heartbeat for {timeouts.member_ttl:g} s and no answer over its link"
-                    if self.exchange.suspect(peer_id, why):
-                        log.warning("exchange: %s is gone (%s); going on without it", peer_id, why)
-                        self.events.write("suspected", round_id=self.round_id, peer=peer_id)
-            await asyncio.sleep(interval / 2)
 
     async def _commit(self, group: Any, prepared: Prepared, averaged: Averaged, started: float) -> None:
         """The round committed: the outer step, round r+1, a checkpoint when due, the round event, the record."""
