@@ -15,6 +15,7 @@ import concurrent.futures
 import math
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,9 +190,7 @@ def _rounds(text: str, entry: str) -> tuple[int, int | None]:
     raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected rounds N, N-M (N <= M) or N+, got {text!r}")
 
 
-def _phase_fault(entry: str) -> PhaseFault:
-    from farloco.optim import ATTACKS
-
+def _phase_fault(entry: str, attacks: Collection[str] | None) -> PhaseFault:
     head, _, where = entry.partition("@")
     action, has_value, raw = head.partition("=")
     if action not in PHASE_ACTIONS:
@@ -203,9 +202,9 @@ def _phase_fault(entry: str) -> PhaseFault:
         raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected {wanted}")
     value: float | str | None = None
     if action == "wrong":
-        if raw not in ATTACKS:
+        if attacks is not None and raw not in attacks:
             raise ValueError(
-                f"FARLOCO_FAULTS entry {entry!r}: expected an attack of {list(ATTACKS)}, got {raw!r}"
+                f"FARLOCO_FAULTS entry {entry!r}: expected an attack of {list(attacks)}, got {raw!r}"
             )
         value = raw
     elif has_value:
@@ -218,9 +217,10 @@ def _phase_fault(entry: str) -> PhaseFault:
     return PhaseFault(action, phase, value, _seconds(offset, entry) if plus else 0.0, first, last, spec=entry)
 
 
-def parse_faults(spec: str) -> FaultPlan:
+def parse_faults(spec: str, attacks: Collection[str] | None = None) -> FaultPlan:
     """The FaultPlan of a FARLOCO_FAULTS value (comma-separated entries); ValueError naming the entry and what
-    was expected for anything it does not know."""
+    was expected for anything it does not know. `attacks`: the names `wrong=` may take (farloco.optim.ATTACKS,
+    given by the node: protocol does not import optim); None checks no name."""
     plan = FaultPlan()
     plan.dht = parse_dht_faults(spec)
     for entry in filter(None, (part.strip() for part in spec.split(","))):
@@ -230,7 +230,7 @@ def parse_faults(spec: str) -> FaultPlan:
         if name == "slow-steps":
             plan.slow_steps = _seconds(rest, entry)
         elif name == "byzantine":
-            plan.phase.append(_phase_fault(f"wrong={rest}@exchange"))
+            plan.phase.append(_phase_fault(f"wrong={rest}@exchange", attacks))
         elif entry.startswith(("die-serving-state@", "corrupt-theta@")):
             kind, _, at = entry.partition("@")
             if not at.isdigit():
@@ -240,5 +240,5 @@ def parse_faults(spec: str) -> FaultPlan:
             else:
                 plan.corrupt_theta.add(int(at))
         else:
-            plan.phase.append(_phase_fault(entry))
+            plan.phase.append(_phase_fault(entry, attacks))
     return plan

@@ -68,8 +68,10 @@ def test_the_older_entries_keep_their_meaning() -> None:
     ],
 )
 def test_a_plan_it_cannot_read_is_refused_naming_the_entry(spec: str, message: str) -> None:
+    from farloco.optim import ATTACKS
+
     with pytest.raises(ValueError, match=message) as info:
-        parse_faults(f"delay=1@match,{spec}")
+        parse_faults(f"delay=1@match,{spec}", ATTACKS)
     assert "FARLOCO_FAULTS entry" in str(info.value)
 
 

@@ -275,10 +275,11 @@ class AgentCore:
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
         self._phases: dict[str, float] = {}  # the current round's phase times (rounds.py `_round`)
         self._byzantine_stale: torch.Tensor | None = None  # FARLOCO_FAULTS byzantine: the last honest update
+        from farloco.optim import ATTACKS
         from farloco.protocol.faults import parse_faults
 
         try:  # chaos on purpose (node/daemon/chaos.py): a plan it cannot read stops the node before it starts
-            self.faults = parse_faults(os.environ.get("FARLOCO_FAULTS", ""))
+            self.faults = parse_faults(os.environ.get("FARLOCO_FAULTS", ""), ATTACKS)
         except ValueError as exc:
             raise AgentError(str(exc)) from None
         self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights

@@ -129,10 +129,11 @@ def join(
     _setup_logging(verbose, log_format, run_dir)
     if faults:  # the ranks read the plan from the environment too (slow-steps)
         os.environ["FARLOCO_FAULTS"] = ",".join(filter(None, [os.environ.get("FARLOCO_FAULTS", ""), *faults]))
+    from farloco.optim import ATTACKS
     from farloco.protocol.faults import parse_faults
 
     try:
-        parse_faults(os.environ.get("FARLOCO_FAULTS", ""))
+        parse_faults(os.environ.get("FARLOCO_FAULTS", ""), ATTACKS)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
