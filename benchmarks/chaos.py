@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from farloco.node.tools.chaos import SCENARIOS, Outcome, run, verdict
+from farloco.node.tools.chaos import SCENARIOS, FaultFigures, Outcome, run, verdict
 
 
 def _seconds(value: float | None) -> str:
@@ -55,14 +55,34 @@ HEADER = [
 ]
 
 
+def render(out: Path) -> int:
+    """chaos.md from an earlier run's chaos.json (the scenarios' texts as the code has them now)."""
+    lines = list(HEADER)
+    outcomes: dict[str, Outcome] = {}
+    for data in json.loads((out / "chaos.json").read_text()):
+        fields = {k: v for k, v in data.items() if k not in ("faults", "problems", "seconds")}
+        outcome = Outcome(**fields)
+        outcome.faults = [FaultFigures(**f) for f in data["faults"]]
+        outcomes[outcome.scenario] = outcome
+        lines += row(outcome.scenario, outcome, data["problems"], outcomes.get("healthy"))
+    (out / "chaos.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=Path("chaos-results"))
+    parser.add_argument(
+        "--render", action="store_true", help="only write chaos.md again from <out>/chaos.json (no run)"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        return render(args.out)
     work = Path(tempfile.mkdtemp(prefix="farloco-chaos-"))
     outcomes: dict[str, Outcome] = {}
     results: list[dict[str, Any]] = []

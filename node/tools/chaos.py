@@ -507,7 +507,8 @@ SCENARIOS: dict[str, Scenario] = {
                     2,
                     3,
                     plan="drop@exchange+0.02:3",
-                    expected="the exchange retries or goes on without it; nothing forks",
+                    expected="every member's attempt ends at once (no wait for a deadline) and, with nobody to "
+                    "drop, the round aborts alike everywhere; nothing forks, the next round has all",
                     checks=("fired",),
                 ),
             ),
