@@ -700,15 +700,18 @@ class DHTMatchmaker:
         """The members of our group of round r-1, expected in round r: they were in step with us a round ago,
         whatever our member table says (under load its DHT reads lag by seconds; a leader that trusted only the
         table froze a group of 2 while the lowest peer id froze the group of all 8). Not those whose record says
-        they leave or that they are already past r."""
+        they leave or that they are already past r, nor those that left (their departure tombstone: without
+        this, the round after a `farloco leave` waited the whole straggler wait for the member that left)."""
         last_round, members = self._last_group
         if last_round != round_id - 1:
             return frozenset()
         records = {r.peer_id: r for r in live}
+        departed = self.membership.core.departed(now)
         return frozenset(
             p
             for p in members
             if p != me
+            and p not in departed
             and not (
                 p in records and (records[p].state == "leaving" or self.round_of(records[p], now) > round_id)
             )

@@ -152,6 +152,7 @@ def stop_dht(dht: Any) -> None:
     lives, at once when the daemon is or goes away (a graceful shutdown without p2pd only waits out hivemind's
     grace period: a SIGTERM to the whole node reaches p2pd as it reaches us), and for sure (hivemind's own
     fallback is a SIGTERM, which the child ignores: see make_dht)."""
+    graceful = None
     if daemon_alive(dht):
         graceful = threading.Thread(target=dht.shutdown, name="farloco-dht-shutdown", daemon=True)
         graceful.start()
@@ -159,7 +160,12 @@ def stop_dht(dht: Any) -> None:
             graceful.join(0.1)
     if dht.is_alive():
         dht.kill()
-        dht.join(5)
+    if graceful is not None:
+        # Its own join of the child returns once the child is gone: wait for it, so no two threads reap the same
+        # child at once (the one whose waitpid comes second gets ECHILD, and multiprocessing then reports a dead
+        # child as alive: tests/test_dhtnode.py saw `is_alive()` true right after this returned).
+        graceful.join(10)
+    dht.join(5)
 
 
 REACH_TIMEOUT = 4.0  # per dial + ping, and for the routing-table lookup after

@@ -447,7 +447,7 @@ SCENARIOS: dict[str, Scenario] = {
                     3,
                     signal="leave",
                     expected="it finishes its round and exits 0; the others never wait for it",
-                    checks=("left_out", "exit_0", "no_abort"),
+                    checks=("left_out", "exit_0", "no_abort", "not_waited"),
                 ),
             ),
         ),
@@ -562,6 +562,7 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+NOT_WAITED_SECONDS = 10.0  # "the others never wait for it": no round after the fault took this long
 LOSS_TOLERANCE = 0.15  # "as in the healthy run": the final held-out loss within this of the healthy one's
 
 
@@ -591,6 +592,10 @@ def _check(
     if check == "exit_0":
         codes = outcome.exit_codes.get(name, [])
         return None if codes and codes[0] == 0 else f"exit codes {codes}, expected 0"
+    if check == "not_waited":
+        # no round after it waited anything like the straggler wait (the demo's match_timeout is 20 s)
+        slow = figures.degraded_round_s
+        return None if slow is not None and slow < NOT_WAITED_SECONDS else f"the longest round took {slow} s"
     if check == "no_abort":
         return None if figures.rounds_aborted == 0 else f"{figures.rounds_aborted} rounds aborted"
     if check == "synced":
