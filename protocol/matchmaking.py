@@ -711,7 +711,8 @@ class DHTMatchmaker:
             p
             for p in members
             if p != me
-            and p not in departed
+            # left (a tombstone) and not back (a restarted node keeps its peer id: a newer record means back)
+            and (p in records or p not in departed)
             and not (
                 p in records and (records[p].state == "leaving" or self.round_of(records[p], now) > round_id)
             )
