@@ -159,12 +159,12 @@ class RanksAgent(AgentCore):
 
         `partial`: `seq` carries this round's contribution and may be cut short when the round's other members
         all wait for us (node.partial_contributions, `_cut_short`)."""
-        cut = not (partial and self.config.node.partial_contributions)
+        asked = not (partial and self.config.node.partial_contributions)  # True: no cut to ask for (any more)
         next_check = 0.0
         while not self.handoff.all_done(seq):
-            if not cut and time.monotonic() >= next_check:
+            if not asked and time.monotonic() >= next_check:
                 next_check = time.monotonic() + 0.05
-                cut = self._cut_short(seq)
+                asked = self._cut_short(seq)
             failure = self._trainer_failure()
             if failure:
                 raise AgentError(f"{failure}; leaving the swarm")
