@@ -688,19 +688,26 @@ class DHTMembership:
         """From the last read: live records of another run_hash with the [run] keys that differ."""
         return self.core.mismatched(self.clock.now())
 
-    async def claim_slot(self, peer_id: str, num_slots: int) -> int:
+    async def claim_slot(self, peer_id: str, num_slots: int, *, patience: int = 4) -> int:
         """Claim a data slot (rule in `Membership`), publish it, and return it once no lower peer id holds it.
 
-        Needs a published record (the claim travels in it). Each attempt waits `claim_settle` real seconds so
-        a simultaneous joiner's claim becomes visible; n simultaneous joiners settle in at most n attempts. A
-        refused store of the claim is retried like any publish (MembershipError only after `retry_seconds`).
+        Needs a published record (the claim travels in it); the slot that record already names (a resumed node's
+        slot) is kept while no other live member holds it. Each attempt waits `claim_settle` real seconds so a
+        simultaneous joiner's claim becomes visible; n simultaneous joiners settle in at most n attempts.
+
+        A higher peer id that still shares our slot after `patience` reads has settled without seeing our claim
+        (its last read came before our claim reached it, as on a loaded DHT) and will not look again; waiting for
+        it to move would wait forever, so we claim again ourselves among the slots nobody else holds. A refused
+        store of the claim is retried like any publish (MembershipError only after `retry_seconds`).
         """
         if self._record is None or self._record.peer_id != peer_id:
             raise MembershipError(
                 f"claim_slot({peer_id!r}) needs a published record of that peer first, "
                 f"have {self._record.peer_id if self._record else None!r}"
             )
-        for _ in range(4 * num_slots + 4):
+        attempts = (patience + 2) * (num_slots + 1)
+        shared = 0  # consecutive reads with a higher peer id on our slot
+        for _ in range(attempts):
             await self.refresh()
             now = self.clock.now()
             current = self._record.slot
@@ -709,15 +716,33 @@ class DHTMembership:
                 and current < num_slots
                 and self.core.slot_conflict(peer_id, current, now) is None
             ):
-                if not any(r.slot == current and r.peer_id != peer_id for r in self.core.live(now)):
+                higher = [
+                    r.peer_id for r in self.core.live(now) if r.slot == current and r.peer_id != peer_id
+                ]
+                if not higher:
                     return current
-                # Only higher peer ids share our slot: they move, we keep it. Look again after they did.
-                await asyncio.sleep(self.claim_settle)  # real time: the DHT's own propagation
-                continue
+                shared += 1
+                if shared <= patience:
+                    # Only higher peer ids share our slot: they move, we keep it. Look again after they did.
+                    logger.info("slot %d: waiting for %s (a higher peer id) to move", current, higher[0][:16])
+                    await asyncio.sleep(self.claim_settle)  # real time: the DHT's own propagation
+                    continue
+                logger.info(
+                    "slot %d: %s (a higher peer id) kept it for %d reads: it settled without seeing our claim; "
+                    "claiming another",
+                    current,
+                    higher[0][:16],
+                    shared - 1,
+                )
+            shared = 0
             slot = self.core.free_slot(peer_id, num_slots, now)
             await self.publish(dataclasses.replace(self._record, slot=slot))
             await asyncio.sleep(self.claim_settle)  # real time: the DHT's own propagation
-        raise MembershipError(f"slot claims of {peer_id} did not settle after {4 * num_slots + 4} attempts")
+        held = {r.peer_id[:16]: r.slot for r in self.core.live(self.clock.now())}
+        raise MembershipError(
+            f"slot claims of {peer_id} did not settle after {attempts} attempts "
+            f"({self.claim_settle:g} s apart); last view of the slots: {held}"
+        )
 
     async def remove(self, *, retry_seconds: float | None = None) -> None:
         """Graceful leave: stop heartbeats and store a tombstone over our record, hiding it at once.

@@ -168,7 +168,7 @@ class DhtPeer:
 
 # One set of DHT nodes per test module, with validators for every run name the tests use; each test takes
 # its own run name, so its records live under their own members key (starting a DHT node costs ~1.5 s).
-RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "beat", "foreign", "hang", "flaky", "lost")
+RUN_NAMES = ("mm", "members", "schema", "ttl", "slots", "settled", "beat", "foreign", "hang", "flaky", "lost")
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +288,27 @@ def test_simultaneous_joiners_claim_distinct_slots(dht_swarm: Any) -> None:
         await late.refresh()
         with pytest.raises(SlotsExhaustedError):
             late.core.free_slot("zz", 3, get_dht_time())
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_a_claim_keeps_its_asked_slot_and_never_waits_for_a_settled_higher_peer(dht_swarm: Any) -> None:
+    # The race a loaded Slurm job showed: the higher peer id read before the lower one's claim reached it, kept
+    # the slot and never looked again; the lower one waited for it to move until its claim gave up (36 attempts).
+    low, high = sorted(dht_swarm(2, run_name="settled", claim_settle=0.1), key=lambda p: p.me.peer_id)
+
+    async def main() -> None:
+        await high.membership.publish(high.record(0, slot=0))  # settled on slot 0: it claims nothing more
+        await low.membership.publish(low.record(0, slot=2))  # a resumed node asks for its checkpoint's slot
+        assert await low.membership.claim_slot(low.me.peer_id, 3) == 2  # free: kept
+        await low.membership.publish(low.record(0, slot=0))
+        started = time.monotonic()
+        slot = await low.membership.claim_slot(low.me.peer_id, 3, patience=3)
+        assert slot == 1, "the lower peer id moves off a slot a settled higher peer keeps"
+        assert time.monotonic() - started < 5.0
+        seen = {r.peer_id: r.slot for r in await high.membership.members()}
+        assert seen == {low.me.peer_id: 1, high.me.peer_id: 0}
 
     asyncio.run(main())
 

@@ -163,6 +163,20 @@ class SnapshotAgent(RanksAgent):
             inner=inner,
         )
 
+    def _saved_slot(self) -> int:
+        """The data slot our newest checkpoint of this run trained (the slot our first claim asks for: a resumed
+        node keeps its data while nobody else holds it), or -1 (NO_SLOT) when there is none."""
+        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, read_metadata
+
+        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        if path is None:
+            return -1
+        meta = read_metadata(path)
+        saved = meta.get("data_slot", "")
+        if meta.get("run_hash") != self.run_hash or not saved.isdigit():
+            return -1
+        return int(saved) if int(saved) < self.config.run.data_slots else -1
+
     def _checkpoint_holding(self, round_id: int, hashes: set[str]) -> Path | None:
         """Our newest loadable checkpoint if it holds round `round_id` with one of `hashes` (the outer hashes the
         swarm's members of that round publish): the swarm's very state, so a restarted node resumes it from disk
@@ -203,11 +217,15 @@ class SnapshotAgent(RanksAgent):
             )
         self._install_state({"round_id": meta["round_id"], "run_hash": meta["run_hash"]}, tensors)
         self.last_checkpoint = str(path)
-        # Our first member record claims the slot we trained on; the claim keeps it unless a live peer of lower
-        # id holds it now (then the node moves on to a free slot, from the same step: no window is read twice).
+        # The slot was claimed before this (the claim started from the checkpoint's slot, `_saved_slot`) and the
+        # ranks already read it: it stays. A node that had to move goes on in its new slot from the same step.
         saved_slot = meta.get("data_slot", "")
-        if saved_slot.lstrip("-").isdigit() and 0 <= int(saved_slot) < self.config.run.data_slots:
-            self.slot = int(saved_slot)
+        if saved_slot != str(self.slot):
+            log.info(
+                "resuming in data slot %d (the checkpoint trained slot %s, held by another member now)",
+                self.slot,
+                saved_slot or "?",
+            )
         try:
             self._inner_resume = verify_inner(path)
         except CheckpointError as exc:

@@ -123,6 +123,11 @@ class SwarmAgent(ChaosAgent):
         try:
             # Our first record must get out (the slot claim and every later lookup need it): a refused store is
             # retried for timeouts.dht_retry, and only then does the node give up, saying what to check.
+            # A restarted node asks for the slot its checkpoint trained: the claim keeps it while no other member
+            # holds it. (It used to claim any slot and switch to the checkpoint's when resuming, after the claim
+            # had settled and the ranks had started: two nodes could end up on one slot, and a lower peer id
+            # waited for a higher one that never looked again.)
+            self.slot = await asyncio.to_thread(self._saved_slot)
             async with self._publish_lock:
                 await self.membership.publish(self._record())
                 self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
