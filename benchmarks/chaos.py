@@ -23,6 +23,9 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
+SUMMARY_OVER = 4  # a scenario with more faults than this gets one summary line
+
+
 def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | None) -> list[str]:
     scenario = SCENARIOS[name]
     rejected = ", ".join(f"{reason} {int(n)}" for reason, n in sorted(outcome.rejected.items())) or "-"
@@ -39,6 +42,23 @@ def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | Non
             f"| {name} | {scenario.setup} | - | every round commits with all | {held} | - | "
             f"{_seconds(outcome.round_period_s)} | - | 0 / 0 | {rejected} | {loss} | {outcome.memory_growth:+.0%} |"
         )
+    if len(faults) > SUMMARY_OVER:
+        # A long timeline (churn): one line of its figures over all faults.
+        def spread(values: list[float]) -> str:
+            found = sorted(v for v in values if v is not None)
+            if not found:
+                return "-"
+            return f"median {found[len(found) // 2]:.1f} s, max {found[-1]:.1f} s"
+
+        figures_ = outcome.faults
+        lines.append(
+            f"| {name} | {scenario.setup} | {len(faults)} faults | every kind handled as in its own row; the "
+            f"untouched node trains throughout | {held} | {spread([f.detection_s for f in figures_])} | "
+            f"{spread([f.degraded_round_s for f in figures_])} | {spread([f.rejoin_s for f in figures_])} | "
+            f"{sum(f.rounds_aborted for f in figures_)} / {sum(f.rounds_missed for f in figures_)} | {rejected} | "
+            f"{loss} | {outcome.memory_growth:+.0%} |"
+        )
+        return lines
     for fault, figures in zip(faults, outcome.faults, strict=True):
         lines.append(
             f"| {name} | {scenario.setup} | {fault.name} | {fault.expected} | {held} | "
@@ -79,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--render", action="store_true", help="only write chaos.md again from <out>/chaos.json (no run)"
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other scenarios of an earlier <out>/chaos.json (its healthy run is the reference)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.render:
@@ -86,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="farloco-chaos-"))
     outcomes: dict[str, Outcome] = {}
     results: list[dict[str, Any]] = []
+    earlier: list[dict[str, Any]] = []
+    if args.merge and (args.out / "chaos.json").exists():
+        earlier = [
+            d
+            for d in json.loads((args.out / "chaos.json").read_text())
+            if d["scenario"] not in args.scenarios
+        ]
+        for data in earlier:
+            if data["scenario"] == "healthy":
+                fields = {k: v for k, v in data.items() if k not in ("faults", "problems", "seconds")}
+                outcomes["healthy"] = Outcome(**fields)
     lines = list(HEADER)
     failed = False
     for name in args.scenarios:
@@ -98,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         lines += row(name, outcome, problems, healthy)
         results.append({**outcome.to_json(), "problems": problems, "seconds": time.monotonic() - started})
         print(f"{name}: {problems if problems else 'held'} ({time.monotonic() - started:.0f} s)", flush=True)
+    if earlier:
+        order = list(SCENARIOS)
+        merged = sorted(
+            [*earlier, *results], key=lambda d: order.index(d["scenario"]) if d["scenario"] in order else 99
+        )
+        (args.out / "chaos.json").write_text(json.dumps(merged, indent=1))
+        render(args.out)
+        return 1 if failed else 0
     (args.out / "chaos.json").write_text(json.dumps(results, indent=1))
     table = "\n".join(lines)
     (args.out / "chaos.md").write_text(table + "\n")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from farloco.node.config import Config, ConfigError, run_hash, run_secret, to_toml
+from farloco.node.daemon.knownpeers import KnownPeers
 from farloco.node.daemon.loggers import ExperimentLoggers
 from farloco.node.daemon.metrics import NodeMetrics
 from farloco.node.daemon.outer import OuterRound
@@ -297,6 +298,7 @@ class AgentCore:
         self.isolation = IsolationWatch()
         self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
+        self.known_peers = KnownPeers(self.run_dir, self.run_hash)  # for a restart without the bootstrap
 
     def status_dict(self) -> dict[str, Any]:
         with self._lock:

@@ -86,6 +86,7 @@ class SwarmAgent(ChaosAgent):
         was = self.isolation.verdict
         verdict = self.isolation.observe(_dht_now(), [m.peer_id for m in others], self.membership.departed())
         self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.isolation.known}
+        self.known_peers.remember({m.peer_id: m.maddrs for m in others})
         if verdict == "isolated" and was != "isolated":
             log.warning(
                 "isolated: the peers %s vanished without leaving (crashed, or the network between us is down); "

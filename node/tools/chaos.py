@@ -95,6 +95,7 @@ class Outcome:
     round_period_s: float | None = None  # median gap between commits of the first peer
     final_loss: float | None = None
     rejected: dict[str, float] = field(default_factory=dict)
+    probes: dict[str, dict[str, str]] = field(default_factory=dict)  # probe fault -> request -> what it got
     memory_growth: float = 0.0  # the largest relative RSS growth of a node over the run
     exit_codes: dict[str, list[int]] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)  # invariants that did not hold
@@ -121,6 +122,7 @@ class ChaosSwarm:
         self.metrics: dict[int, dict[tuple[str, str], float]] = {}
         self.done_at: dict[str, float] = {}  # fault name -> when an outside fault was done
         self.first_round: dict[int, int] = {}  # round events a process must have logged before its RSS counts
+        self.probes: dict[str, dict[str, str]] = {}  # probe fault -> what each probe got back
 
     def start(self, index: int, plan: str = "") -> None:
         env = {"FARLOCO_FAULTS": plan}
@@ -170,6 +172,73 @@ def _metrics(run_dir: Path) -> dict[tuple[str, str], float]:
     return {(name, reason): float(value) for name, reason, value in found}
 
 
+PROBE_FLOOD = 300  # requests of the flood probe, sent 50 at a time
+
+
+def probe(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
+    """Bad requests at a running node's gRPC server, from an outsider (no run secret) and from an insider (the
+    secret, replaying or malforming): what each got back (status code and the node's `farloco-reason`).
+
+    Outsider: no token, a token made with a wrong secret, a flood of PROBE_FLOOD such calls. Insider: a replayed
+    token, an inflated round id, a malformed frame, a frame whose header claims 1 MiB, a message over the gRPC
+    cap (9 MiB). The node must refuse each with its reason and count it, and its rounds must not notice."""
+    import asyncio
+
+    import grpc
+
+    from farloco.node.config import load_config, run_secret
+    from farloco.node.daemon.control import ControlClient
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.rpc import SERVICE, Frame, encode_frame
+
+    status = ControlClient(run_dir).status()
+    address, run_id = status["grpc_address"], f"{status['run_name']}:{status['run_hash']}"
+    # The nodes' own secret (on loopback with none given: derived from the run hash, as each node derives it).
+    secret = run_secret(load_config(run_dir / "config.toml"), status["run_hash"], environ=os.environ)
+    insider = Authenticator(run_id, secret, "chaos-insider")
+    outsider = Authenticator(run_id, b"not the run secret at all", "chaos-outsider")
+    round_id = int(status["round_id"])
+    good = encode_frame(Frame({"g": 5}))
+    method = "ExchangeVote"
+
+    async def call(channel: Any, request: bytes, metadata: Any) -> str:
+        try:
+            await channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=metadata, timeout=20)
+        except grpc.aio.AioRpcError as error:
+            reason = dict(error.trailing_metadata() or ()).get("farloco-reason", "")
+            return f"{error.code().name} {reason}".strip()
+        return "ACCEPTED"
+
+    async def main() -> dict[str, str]:
+        got: dict[str, str] = {}
+        async with grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 16 << 20)]
+        ) as channel:
+            got["no token"] = await call(channel, good, ())
+            got["wrong secret"] = await call(channel, good, outsider.metadata(method, round_id))
+            token = insider.metadata(method, round_id)
+            await call(channel, good, token)
+            got["replayed token"] = await call(channel, good, token)
+            got["inflated round id"] = await call(channel, good, insider.metadata(method, 1 << 40))
+            got["malformed frame"] = await call(channel, b"\x01", insider.metadata(method, round_id))
+            huge_header = (1 << 20).to_bytes(4, "little") + b"\x00" * 16
+            got["header claims 1 MiB"] = await call(channel, huge_header, insider.metadata(method, round_id))
+            got["9 MiB message"] = await call(
+                channel, b"\x00" * (9 << 20), insider.metadata(method, round_id)
+            )
+            started = time.monotonic()
+            answers: list[str] = []
+            for _ in range(PROBE_FLOOD // 50):
+                answers += await asyncio.gather(
+                    *(call(channel, good, outsider.metadata(method, round_id)) for _ in range(50))
+                )
+            kinds = sorted(set(answers))
+            got["flood"] = f"{len(answers)} in {time.monotonic() - started:.1f} s: {', '.join(kinds)}"
+        return got
+
+    return asyncio.run(main())
+
+
 def _do(swarm: ChaosSwarm, fault: Fault) -> None:
     """An outside fault, now."""
     peer = swarm.peers.get(fault.peer)
@@ -185,6 +254,19 @@ def _do(swarm: ChaosSwarm, fault: Fault) -> None:
         os.killpg(peer.process.pid, signal.SIGSTOP)
         time.sleep(float(value))
         os.killpg(peer.process.pid, signal.SIGCONT)
+    elif kind == "bootstrap-lost":
+        # The swarm's only initial peer is gone for good; then the node dies and must find the swarm without it.
+        swarm.bootstrap.kill()
+        swarm.bootstrap.wait(10)
+        time.sleep(1.0)
+        os.killpg(peer.process.pid, signal.SIGKILL)
+    elif kind == "probe":
+        from farloco.node.daemon.control import ControlError
+
+        try:
+            swarm.probes[fault.name] = probe(swarm, peer.run_dir)
+        except ControlError as exc:  # it stopped in between (its last round): nothing was probed
+            swarm.probes[fault.name] = {"control": f"NOT PROBED: {exc}"}
     elif kind == "leave":
         subprocess.run(
             [sys.executable, "-m", "farloco.node.tools.cli", "leave", "--run-dir", str(peer.run_dir)],
@@ -201,7 +283,10 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
     work.mkdir(parents=True, exist_ok=True)
     swarm = ChaosSwarm(scenario, work)
     pending = [f for f in scenario.faults if f.signal]
-    restarts = {f.peer: f.restart_after for f in scenario.faults if f.restart_after is not None}
+    # peer -> the restart delay of the fault that ends it next (a plan fault from the start; an outside one once
+    # done); a peer is restarted when it exits non-zero with one set, without blocking the loop meanwhile.
+    restarts = {f.peer: f.restart_after for f in scenario.faults if f.plan and f.restart_after is not None}
+    due: dict[int, float] = {}  # peer -> when to start it again
     exited_at: dict[int, float] = {}
     started = time.monotonic()
     try:
@@ -218,7 +303,11 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
                 pending.remove(fault)
                 if progress:
                     progress(f"{scenario.name}: {fault.name} at round {committed}")
+                if fault.restart_after is not None:
+                    restarts[fault.peer] = fault.restart_after
                 _do(swarm, fault)
+                if fault.signal == "join":
+                    exited_at.pop(fault.peer, None)  # a new process of that peer, watched afresh
             for index, peer in list(swarm.peers.items()):
                 code = peer.process.poll()
                 if code is None or index in exited_at:
@@ -227,10 +316,13 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
                 swarm.exits.setdefault(index, []).append(code)
                 delay = restarts.pop(index, None)
                 if delay is not None and code != 0:
-                    time.sleep(delay)
+                    due[index] = time.monotonic() + delay
+            for index, when in list(due.items()):
+                if time.monotonic() >= when:
+                    del due[index]
                     swarm.start(index)  # without its fault plan: the node comes back healthy
                     del exited_at[index]
-            if all(p.process.poll() is not None for p in swarm.peers.values()) and not pending:
+            if all(p.process.poll() is not None for p in swarm.peers.values()) and not pending and not due:
                 break
             if time.monotonic() - last_sample > 1.0:
                 swarm.sample()
@@ -249,7 +341,7 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     outcome = Outcome(scenario.name, events=events)
     outcome.exit_codes = {f"p{i}": codes for i, codes in sorted(swarm.exits.items())}
     rounds = {name: [e for e in log if e["event"] == "round"] for name, log in events.items()}
-    faulty = {f"p{f.peer}" for f in scenario.faults}
+    faulty = {f"p{f.peer}" for f in scenario.faults if f.signal != "probe"}  # a probed node must not notice
     # Invariants.
     hashes: dict[int, set[str]] = {}
     for name, log in rounds.items():
@@ -294,12 +386,14 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
         if isinstance(e.get("eval_loss"), float) and math.isfinite(e["eval_loss"])
     ]
     outcome.final_loss = losses[-1] if losses else None
+    culprits = {f"p{f.peer}" for f in scenario.faults if f.plan}  # the senders of bad data themselves
     for index, counts in swarm.metrics.items():
-        if f"p{index}" in faulty:
+        if f"p{index}" in culprits:
             continue
         for (metric, reason), value in counts.items():
             if metric == "farloco_rejected_messages_total" and value:
                 outcome.rejected[reason] = outcome.rejected.get(reason, 0) + value
+    outcome.probes = dict(swarm.probes)
     for fault in scenario.faults:
         outcome.faults.append(_fault_figures(fault, events, rounds, survivors, ids, swarm.done_at))
     return outcome
@@ -367,6 +461,31 @@ def _left_behind(work: Path) -> list[str]:
 # -- the scenarios ---------------------------------------------------------------------------------------------
 
 _BACK = "it restarts from its checkpoint, catches up with the swarm's state and contributes again"
+
+CHURN_ROUNDS = 160  # about 10 minutes at ~3.5 s a round on 2 cores
+CHURN_EVERY = 8
+
+
+def churn_faults() -> tuple[Fault, ...]:
+    """The churn scenario's timeline: a fault every CHURN_EVERY rounds, turning over nodes 1-3 and the kinds."""
+    faults: list[Fault] = []
+    kinds = ("sigkill", "hang", "leave", "sigkill-slow")
+    for n, at in enumerate(range(4, CHURN_ROUNDS - 2 * CHURN_EVERY, CHURN_EVERY)):
+        peer, kind = 1 + n % 3, kinds[n % len(kinds)]
+        name = f"churn {n + 1}: {kind} node {peer} at round {at}"
+        if kind == "sigkill":
+            faults.append(Fault(name, peer, at, signal="sigkill", restart_after=1.0, checks=("back",)))
+        elif kind == "sigkill-slow":
+            faults.append(Fault(name, peer, at, signal="sigkill", restart_after=3.0, checks=("back",)))
+        elif kind == "hang":
+            faults.append(Fault(name, peer, at, signal="hang=8", checks=("back",)))
+        else:
+            faults.append(Fault(name, peer, at, signal="leave", checks=("left_out",)))
+            faults.append(
+                Fault(f"{name}: joins again", peer, at + CHURN_EVERY // 2, signal="join", checks=("back",))
+            )
+    return tuple(faults)
+
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -558,6 +677,87 @@ SCENARIOS: dict[str, Scenario] = {
             ),
             overrides=('run.aggregator="median"',),
         ),
+        Scenario(
+            "probes",
+            "3 nodes; once round 3 committed, a client without the run secret and one with it send node 0 bad "
+            "requests: no token, a wrong secret, a flood of 300, a replayed token, an inflated round id, a "
+            "malformed frame, a header claiming 1 MiB, a 9 MiB message",
+            (
+                Fault(
+                    "bad requests and a flood",
+                    0,
+                    3,
+                    signal="probe",
+                    expected="each refused with its reason and counted; the node's rounds never notice",
+                    checks=("all_refused", "refused", "never_left_out", "no_abort", "not_waited"),
+                ),
+            ),
+        ),
+        Scenario(
+            "bootstrap-lost",
+            "3 nodes; once round 3 committed the bootstrap node (the only initial peer) is SIGKILLed for good, "
+            "then node 2, restarted 1 s after",
+            (
+                Fault(
+                    "bootstrap lost, then a node restarts",
+                    2,
+                    3,
+                    signal="bootstrap-lost",
+                    restart_after=1.0,
+                    expected="the swarm trains on; the restarted node finds it through the peers it last saw "
+                    "(known-peers.json) and contributes again",
+                    checks=("fallback", "back"),
+                ),
+            ),
+            rounds=10,
+        ),
+        Scenario(
+            "whole-swarm-restart",
+            "3 nodes, checkpoints every 2 rounds; node 2 SIGKILLed once round 3 committed and down 20 s, nodes 0 "
+            "and 1 SIGKILLed once round 6 committed and restarted 1 s and 4 s after: every node down at once, "
+            "back from checkpoints of different rounds",
+            (
+                Fault(
+                    "node 2 down first",
+                    2,
+                    3,
+                    signal="sigkill",
+                    restart_after=20.0,
+                    checks=("back",),
+                    expected="the others go on; back, it takes the swarm's newer state",
+                ),
+                Fault(
+                    "node 0 down",
+                    0,
+                    6,
+                    signal="sigkill",
+                    restart_after=1.0,
+                    checks=("back",),
+                    expected="resumes its own newest checkpoint",
+                ),
+                Fault(
+                    "node 1 down",
+                    1,
+                    6,
+                    signal="sigkill",
+                    restart_after=4.0,
+                    checks=("back",),
+                    expected="resumes its own checkpoint or the state node 0 went on from; one swarm, no fork",
+                ),
+            ),
+            rounds=14,
+            timeout=360.0,
+        ),
+        Scenario(
+            "churn",
+            f"4 nodes for about 10 minutes: every {CHURN_EVERY} rounds one of nodes 1-3 is SIGKILLed "
+            "(restarted 1-3 s after), frozen 8 s, or leaves with `farloco leave` and joins again "
+            f"{CHURN_EVERY // 2} rounds later; node 0 is never touched",
+            churn_faults(),
+            peers=4,
+            rounds=CHURN_ROUNDS,
+            timeout=1200.0,
+        ),
     )
 }
 
@@ -618,6 +818,21 @@ def _check(
             and not any(e["event"] == "failed" and "non-finite" in str(e.get("error")) for e in log)
         ]
         return None if not quiet else f"{quiet} did not stop naming the non-finite parameters"
+    if check == "all_refused":
+        got = outcome.probes.get(fault.name, {})
+        taken = [what for what, answer in got.items() if "ACCEPTED" in answer]
+        if not got or any("NOT PROBED" in answer for answer in got.values()):
+            return f"nothing probed: {got}"
+        return None if not taken else f"accepted: {taken}"
+    if check == "never_left_out":
+        return (
+            None
+            if figures.detection_s is None and figures.rounds_missed == 0
+            else f"left out of {figures.rounds_missed} rounds"
+        )
+    if check == "fallback":
+        used = [e for e in outcome.events[name] if e["event"] == "bootstrap_fallback"]
+        return None if used else "the node never tried the peers it knew"
     if check == "refused":
         return None if outcome.rejected else "no receiver refused anything"
     if check == "loss_as_healthy":
