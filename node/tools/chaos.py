@@ -18,6 +18,7 @@ Used by tests/test_chaos.py (the fast scenarios) and benchmarks/chaos.py (all of
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import math
@@ -93,6 +94,7 @@ class Outcome:
     faults: list[FaultFigures] = field(default_factory=list)
     rounds: int = 0  # rounds committed by the swarm (distinct round ids)
     round_period_s: float | None = None  # median gap between commits of the first peer
+    round_gaps_s: dict[str, float] = field(default_factory=dict)  # p50, p90, p99, max of those gaps
     final_loss: float | None = None
     rejected: dict[str, float] = field(default_factory=dict)
     probes: dict[str, dict[str, str]] = field(default_factory=dict)  # probe fault -> request -> what it got
@@ -123,6 +125,9 @@ class ChaosSwarm:
         self.done_at: dict[str, float] = {}  # fault name -> when an outside fault was done
         self.first_round: dict[int, int] = {}  # round events a process must have logged before its RSS counts
         self.probes: dict[str, dict[str, str]] = {}  # probe fault -> what each probe got back
+        # When every node was down at once: the swarm's history starts again from checkpoints there, and the
+        # rounds committed after the newest checkpoint are trained again (to other hashes where timing differs).
+        self.whole_swarm_down: list[float] = []
 
     def start(self, index: int, plan: str = "") -> None:
         env = {"FARLOCO_FAULTS": plan}
@@ -288,6 +293,7 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
     restarts = {f.peer: f.restart_after for f in scenario.faults if f.plan and f.restart_after is not None}
     due: dict[int, float] = {}  # peer -> when to start it again
     exited_at: dict[int, float] = {}
+    down = False
     started = time.monotonic()
     try:
         for index in range(scenario.peers):
@@ -317,6 +323,10 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
                 delay = restarts.pop(index, None)
                 if delay is not None and code != 0:
                     due[index] = time.monotonic() + delay
+            running = [p for p in swarm.peers.values() if p.process.poll() is None]
+            if swarm.peers and not running and not down:
+                swarm.whole_swarm_down.append(time.time())
+            down = bool(swarm.peers) and not running
             for index, when in list(due.items()):
                 if time.monotonic() >= when:
                     del due[index]
@@ -343,11 +353,13 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     rounds = {name: [e for e in log if e["event"] == "round"] for name, log in events.items()}
     faulty = {f"p{f.peer}" for f in scenario.faults if f.signal != "probe"}  # a probed node must not notice
     # Invariants.
-    hashes: dict[int, set[str]] = {}
+    # One outer hash per round id within each life of the swarm (a whole-swarm restart begins a new one).
+    hashes: dict[tuple[int, int], set[str]] = {}
     for name, log in rounds.items():
         evaluated = False
         for e in log:
-            hashes.setdefault(e["round_id"], set()).add(e["outer_hash"])
+            life = bisect.bisect(swarm.whole_swarm_down, e["time"])
+            hashes.setdefault((life, e["round_id"]), set()).add(e["outer_hash"])
             train, held_out = e.get("train_loss"), e.get("eval_loss")
             if isinstance(train, float) and not math.isfinite(train):
                 outcome.broken.append(f"{name} round {e['round_id']}: train loss {train}")
@@ -360,7 +372,7 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
                 outcome.broken.append(f"{name} round {e['round_id']}: held-out loss {held_out}")
             evaluated = evaluated or (isinstance(held_out, float) and math.isfinite(held_out))
     outcome.broken += [
-        f"round {r}: {len(h)} different outer hashes" for r, h in sorted(hashes.items()) if len(h) > 1
+        f"round {r}: {len(h)} different outer hashes" for (_, r), h in sorted(hashes.items()) if len(h) > 1
     ]
     for name, codes in outcome.exit_codes.items():
         if name not in faulty and any(code != 0 for code in codes) and not scenario.diverges:
@@ -375,11 +387,18 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     if left:
         outcome.broken.append(f"processes left behind: {left}")
     # Figures.
-    outcome.rounds = len(hashes)
+    outcome.rounds = len({r for _, r in hashes})
     survivors = [n for n in rounds if n not in faulty] or list(rounds)
     reference = rounds[survivors[0]]
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(reference[1:])]
     outcome.round_period_s = sorted(gaps)[len(gaps) // 2] if gaps else None
+    if gaps:
+        ordered = sorted(gaps)
+        outcome.round_gaps_s = {
+            f"p{round(100 * q)}": ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+            for q in (0.5, 0.9, 0.99)
+        }
+        outcome.round_gaps_s["max"] = ordered[-1]
     losses = [
         e["eval_loss"]
         for e in reference
@@ -462,6 +481,7 @@ def _left_behind(work: Path) -> list[str]:
 
 _BACK = "it restarts from its checkpoint, catches up with the swarm's state and contributes again"
 
+LONG_RUN_ROUNDS = 500
 CHURN_ROUNDS = 160  # about 10 minutes at ~3.5 s a round on 2 cores
 CHURN_EVERY = 8
 
@@ -747,6 +767,15 @@ SCENARIOS: dict[str, Scenario] = {
             ),
             rounds=14,
             timeout=360.0,
+        ),
+        Scenario(
+            "long-run",
+            f"4 nodes, {LONG_RUN_ROUNDS} rounds of H = 2 inner steps on a real DHT, nothing goes wrong: no round "
+            "may deadlock or lose a node (round-time distribution)",
+            peers=4,
+            rounds=LONG_RUN_ROUNDS,
+            overrides=("run.inner_steps=2", "node.eval_batches=1", "checkpoint.every_rounds=50"),
+            timeout=2400.0,
         ),
         Scenario(
             "churn",
