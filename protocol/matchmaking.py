@@ -45,6 +45,7 @@ re-read of the member table first, so a member whose record we have not seen yet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import Counter
@@ -58,7 +59,7 @@ from farloco.protocol import dhtcall
 from farloco.protocol.clock import Clock, DHTClock
 from farloco.protocol.errors import Reject
 from farloco.protocol.membership import DHTMembership, members_key
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.types import Group, GroupMember
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ def _check_fields(data: object, expected: set[str], where: str) -> Mapping[str, 
 
 
 MAX_WAIT = 86400.0  # the largest straggler wait a ready record may propose (seconds)
+KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
+KNOCK_TIMEOUT = 2.0  # a knock that has no answer by then says nothing
 
 
 @dataclass(frozen=True)
@@ -554,6 +557,9 @@ class DHTMatchmaker:
         self.last_wait = 0.0  # the straggler wait we proposed in our last ready record
         self.last_leader = ""  # who froze the group form_group last returned
         self._last_group: tuple[int, dict[str, str]] = (-1, {})  # (round, peer id -> address) of that group
+        # Members of the last group whose record vanished: peer id -> (when we last knocked at its address,
+        # whether the connection was refused there). A refusal means no process listens there any more.
+        self._knocked: dict[str, tuple[float, bool]] = {}
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
         self.counters: Counter[str] = Counter()
         if server is not None:
@@ -713,10 +719,56 @@ class DHTMatchmaker:
             if p != me
             # left (a tombstone) and not back (a restarted node keeps its peer id: a newer record means back)
             and (p in records or p not in departed)
+            # crashed: its record expired and its address refuses connections (`_knock_vanished`)
+            and (p in records or not self._knocked.get(p, (0.0, False))[1])
             and not (
                 p in records and (records[p].state == "leaving" or self.round_of(records[p], now) > round_id)
             )
         )
+
+    def _knock_vanished(self, round_id: int, live: Sequence[Any], now: float, me: str) -> None:
+        """Knock (a TCP connect, nothing sent) at the address of each member of our last group whose record
+        vanished, every KNOCK_EVERY seconds while it stays so. A refused connection means its process is gone
+        (crashed, killed; a restarted one listens again): the round stops waiting for it instead of waiting out
+        the straggler wait. A connect that times out or fails otherwise says nothing (a partition, a dead host
+        that sends no reset): the member stays expected, bounded by the round's wait, as before."""
+        last_round, members = self._last_group
+        records = {r.peer_id for r in live}
+        for peer_id in list(self._knocked):
+            if peer_id in records or peer_id not in members:
+                del self._knocked[peer_id]  # back (or no longer of our last group): forget the knock
+        if last_round != round_id - 1 or self.client is None:
+            return
+        for peer_id, address in members.items():
+            if peer_id == me or peer_id in records:
+                continue
+            knocked_at, _ = self._knocked.get(peer_id, (-math.inf, False))
+            if now - knocked_at >= KNOCK_EVERY:
+                self._knocked[peer_id] = (now, self._knocked.get(peer_id, (0.0, False))[1])
+                self._spawn(self._knock(peer_id, address))
+
+    async def _knock(self, peer_id: str, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        refused = False
+        try:
+            _, writer = await wait_for(asyncio.open_connection(host.strip("[]"), int(port)), KNOCK_TIMEOUT)
+        except ConnectionRefusedError:
+            refused = True
+        except (OSError, TimeoutError, ValueError):
+            pass
+        else:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        if peer_id in self._knocked:
+            was = self._knocked[peer_id][1]
+            self._knocked[peer_id] = (self._knocked[peer_id][0], refused)
+            if refused and not was:
+                logger.info(
+                    "%s (of our last group) vanished and its address %s refuses connections: not waited for",
+                    peer_id[:16],
+                    address,
+                )
 
     def _catching_up(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:
         """Live members whose record says they fetch the swarm's state (`syncing`) and are not past round r:
@@ -963,6 +1015,7 @@ class DHTMatchmaker:
                 groups = list(dht.groups)
                 groups += [g for g in self._groups_in.get(round_id, {}).values() if g.leader in ready]
                 catching_up = self._catching_up(round_id, live, now, me.peer_id)
+                self._knock_vanished(round_id, live, now, me.peer_id)
                 view = RoundView(
                     now=now,
                     ready=ready,

@@ -646,3 +646,53 @@ def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -
         assert membership.core.ignored["BAD_MEMBER_PROOF"] == 1, membership.core.ignored
         # its ready record (and, for whoever read it, its group record) came from a key that owns no member
         assert membership.core.ignored["NOT_A_MEMBER"] >= 1, membership.core.ignored
+
+
+def test_a_vanished_member_whose_address_refuses_connections_is_not_waited_for() -> None:
+    """A member of the last group whose record expired is still expected (DHT reads lag under load) unless its
+    address refuses connections (no process there: it crashed). A knock that gets no answer says nothing (a
+    partition looks like that) and keeps it expected; a member whose record is back is expected again."""
+    import socket
+
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.clock import FakeClock
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.membership import DHTMembership
+    from farloco.protocol.rpc import RpcClient, RpcServer
+
+    async def main() -> None:
+        clock = FakeClock(1000.0)
+        auth = Authenticator("mm:h", b"0123456789abcdef0123", "p0")
+        membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
+        maker = DHTMatchmaker(
+            None, "mm", membership, clock=clock, server=RpcServer(auth), client=RpcClient(auth)
+        )
+        listening = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        alive = listening.sockets[0].getsockname()[1]
+        with socket.socket() as closed:  # a port nothing listens on (bound, then released)
+            closed.bind(("127.0.0.1", 0))
+            dead = closed.getsockname()[1]
+        members = {
+            "p0": "127.0.0.1:1",
+            "p1": f"127.0.0.1:{alive}",
+            "p2": f"127.0.0.1:{dead}",
+        }  # p1 alive, p2 dead
+        members["p3"] = "192.0.2.1:7000"  # p3: TEST-NET-1: no answer at all (or unreachable): says nothing
+        maker._last_group = (4, members)
+        now = clock.now()
+        assert maker._from_last_group(5, [], now, "p0") == {"p1", "p2", "p3"}
+        maker._knock_vanished(5, [], now, "p0")
+        while maker._background:
+            await asyncio.sleep(0.05)
+        assert maker._from_last_group(5, [], now, "p0") == {"p1", "p3"}
+        back = record_of("p2", 5, now)
+        assert maker._from_last_group(5, [back], now, "p0") == {"p1", "p2", "p3"}
+        maker._knock_vanished(5, [back], now, "p0")
+        assert "p2" not in maker._knocked, (
+            "a member whose record is back is knocked afresh if it vanishes again"
+        )
+        listening.close()
+        await listening.wait_closed()
+        await maker.close()
+
+    asyncio.run(main())
