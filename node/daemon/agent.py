@@ -113,34 +113,23 @@ class Agent(RoundAgent):
         net = self.config.network
         identity = self.run_dir / "identity.key"
 
-        def start_dht(initial_peers: list[str]) -> Any:
-            return make_dht(
-                host_maddrs=[f"/ip4/{net.host}/tcp/{net.dht_port}"],
-                announce_maddrs=[f"/ip4/{net.announce_host}/tcp/{net.dht_port}"] if net.announce_host else None,
-                initial_peers=initial_peers,
-                record_validators=make_record_validators(self.config.run.name),
-                identity_path=str(identity),
-                start=True,
-            )
-
-        try:
-            self.dht = start_dht(list(net.initial_peers))
-        except DHTStartError as exc:
-            # The bootstrap may be gone while the swarm trains on: try the members we last saw live.
-            known = [m for m in self.known_peers.load() if m not in net.initial_peers]
-            if not net.initial_peers or not known:
-                raise
-            log.warning(
-                "%s; trying the %d addresses of the peers this node last saw live (%s)",
-                exc,
-                len(known),
-                self.known_peers.path,
-            )
-            try:
-                self.dht = start_dht(known)
-            except DHTStartError as again:
-                raise DHTStartError(f"{exc}; the peers last seen live did not answer either: {again}") from None
-            self.events.write("bootstrap_fallback", initial_peers=list(net.initial_peers), tried=known)
+        # The members this node last saw live (known-peers.json) are dialled beside the initial peers: if the
+        # bootstrap is gone (the swarm trains on without it), a restarted node still gets in through them. One
+        # start with both lists, not a second start after the first failed: a DHT node forked again in this
+        # process after a failed one hung until its start-up timeout in the chaos runner.
+        known = (
+            [m for m in self.known_peers.load() if m not in net.initial_peers] if net.initial_peers else []
+        )
+        self.dht = make_dht(
+            host_maddrs=[f"/ip4/{net.host}/tcp/{net.dht_port}"],
+            announce_maddrs=[f"/ip4/{net.announce_host}/tcp/{net.dht_port}"] if net.announce_host else None,
+            initial_peers=[*net.initial_peers, *known],
+            record_validators=make_record_validators(self.config.run.name),
+            identity_path=str(identity),
+            start=True,
+        )
+        if known:
+            self.events.write("known_peers", initial_peers=list(net.initial_peers), known=known)
         faults = self.faults.dht
         if faults:  # test and chaos hook: a real DHT that refuses or stops answering some calls
             log.warning("fault injected: the DHT misbehaves on purpose (%s)", faults)

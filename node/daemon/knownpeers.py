@@ -3,8 +3,8 @@
 A swarm's initial peers (`network.initial_peers`, usually one bootstrap node) are only needed to enter the DHT;
 once in, every member's record carries its multiaddrs. If the bootstrap is gone (its host lost, its process
 stopped) the running swarm does not notice, but a node that restarts could not get back in through it. So the agent
-writes the multiaddrs of the members it sees (`known-peers.json`, atomically, only when they change) and, when none
-of the initial peers answers at start, tries those instead (node/daemon/agent.py). The file holds addresses only:
+writes the multiaddrs of the members it sees (`known-peers.json`, atomically, only when they change) and dials
+them beside the initial peers at start (node/daemon/agent.py): the DHT starts if any of them answers. The file holds addresses only:
 what it names is dialled and then checked like any peer (run hash, run secret), so a stale or edited file can
 cost a failed dial, never trust.
 """
