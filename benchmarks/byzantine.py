@@ -50,7 +50,6 @@ sys.path.insert(
 )  # benchmarks/ (convergence.py), when imported by a test
 
 from convergence import (
-    BATCH_SIZE,
     EVAL_BATCH_SIZE,
     SEQ_LEN,
     Learner,
@@ -58,9 +57,10 @@ from convergence import (
     evaluate,
     flat_parameters,
     load_flat,
+    slot_samplers,
 )
 
-from farloco.node.training.data import BatchSampler, builtin_dataset, eval_batches, open_dataset
+from farloco.node.training.data import builtin_dataset, eval_batches, open_dataset
 from farloco.node.training.model import build_model, model_config, num_parameters
 from farloco.optim import AGGREGATORS, ATTACKS, aggregate, byzantine_update, get_codec, make_strategy
 
@@ -101,20 +101,7 @@ class Swarm:
     def __init__(self, setup: Setup, workers: int, codec: str, sync_every: int, cache_dir: Path) -> None:
         self.setup, self.workers, self.codec_name, self.sync_every = setup, workers, codec, sync_every
         dataset = open_dataset(builtin_dataset(cache_dir))
-        self.samplers = [
-            BatchSampler(
-                dataset,
-                "train",
-                SEQ_LEN,
-                BATCH_SIZE,
-                slot=w,
-                num_slots=workers,
-                rank=0,
-                world_size=1,
-                seed=setup.seed,
-            )
-            for w in range(workers)
-        ]
+        self.samplers = slot_samplers(dataset, setup.seed, workers)
         self.held_out = eval_batches(dataset, SEQ_LEN, EVAL_BATCH_SIZE, setup.num_eval_batches)
         self.initial = build_model(model_config("tiny", max_seq_len=SEQ_LEN), seed=setup.seed)
         self.num_params = num_parameters(self.initial)

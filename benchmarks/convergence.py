@@ -427,26 +427,23 @@ def ddp_curve_steps(steps: int) -> list[int]:
     return sorted(grid)
 
 
+def slot_samplers(dataset: TokenDataset, seed: int, workers: int) -> list[BatchSampler]:
+    """One sampler per simulated worker, each on its own disjoint data slot (as each node has its own)."""
+    return [
+        BatchSampler(
+            dataset, "train", SEQ_LEN, BATCH_SIZE, slot=w, num_slots=workers, rank=0, world_size=1, seed=seed
+        )
+        for w in range(workers)
+    ]
+
+
 class Bench:
     """The shared pieces of one run: dataset, samplers, eval batches, the initial model."""
 
     def __init__(self, setup: Setup, dataset: TokenDataset, log: Callable[[str], None]) -> None:
         self.setup = setup
         self.log = log
-        self.samplers = [
-            BatchSampler(
-                dataset,
-                "train",
-                SEQ_LEN,
-                BATCH_SIZE,
-                slot=w,
-                num_slots=NUM_WORKERS,
-                rank=0,
-                world_size=1,
-                seed=setup.seed,
-            )
-            for w in range(NUM_WORKERS)
-        ]
+        self.samplers = slot_samplers(dataset, setup.seed, NUM_WORKERS)
         self.held_out = eval_batches(dataset, SEQ_LEN, EVAL_BATCH_SIZE, setup.num_eval_batches)
         self.initial = build_model(model_config("tiny", max_seq_len=SEQ_LEN), seed=setup.seed)
         self.num_params = num_parameters(self.initial)
