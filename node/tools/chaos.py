@@ -98,6 +98,7 @@ class Outcome:
     final_loss: float | None = None
     rejected: dict[str, float] = field(default_factory=dict)
     probes: dict[str, dict[str, str]] = field(default_factory=dict)  # probe fault -> request -> what it got
+    not_done: dict[str, str] = field(default_factory=dict)  # outside fault -> why it could not be done
     memory_growth: float = 0.0  # the largest relative RSS growth of a node over the run
     exit_codes: dict[str, list[int]] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)  # invariants that did not hold
@@ -125,6 +126,7 @@ class ChaosSwarm:
         self.done_at: dict[str, float] = {}  # fault name -> when an outside fault was done
         self.first_round: dict[int, int] = {}  # round events a process must have logged before its RSS counts
         self.probes: dict[str, dict[str, str]] = {}  # probe fault -> what each probe got back
+        self.not_done: dict[str, str] = {}  # outside fault -> why it could not be done
         # When every node was down at once: the swarm's history starts again from checkpoints there, and the
         # rounds committed after the newest checkpoint are trained again (to other hashes where timing differs).
         self.whole_swarm_down: list[float] = []
@@ -139,9 +141,25 @@ class ChaosSwarm:
         return [e for e in read_events(self.work / f"p{index}") if e["event"] == "round"]
 
     def committed(self) -> int:
-        """The newest round every running peer committed."""
+        """The newest round every running peer has reached: committed, or taken over from the swarm (a restarted
+        node that fetched the state of round r is at r without having committed the rounds before it; counting
+        its commits only held a timeline's next fault back until the swarm had finished)."""
         running = [i for i, p in self.peers.items() if p.process.poll() is None]
-        return min((max((e["round_id"] for e in self.rounds_of(i)), default=0) for i in running), default=0)
+        reached = ("round", "synced", "resumed", "joined")
+        return min(
+            (
+                max(
+                    (
+                        int(e["round_id"])
+                        for e in read_events(self.work / f"p{i}")
+                        if e["event"] in reached and isinstance(e.get("round_id"), int)
+                    ),
+                    default=0,
+                )
+                for i in running
+            ),
+            default=0,
+        )
 
     def sample(self) -> None:
         import psutil
@@ -273,12 +291,18 @@ def _do(swarm: ChaosSwarm, fault: Fault) -> None:
         except ControlError as exc:  # it stopped in between (its last round): nothing was probed
             swarm.probes[fault.name] = {"control": f"NOT PROBED: {exc}"}
     elif kind == "leave":
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "farloco.node.tools.cli", "leave", "--run-dir", str(peer.run_dir)],
             capture_output=True,
+            text=True,
             timeout=120,
             check=False,
         )
+        if done.returncode != 0:  # not done: say so instead of measuring a fault that never happened
+            del swarm.done_at[fault.name]
+            swarm.not_done[fault.name] = (
+                f"`farloco leave` exited {done.returncode}: {done.stderr.strip()[-300:]}"
+            )
     else:
         raise ValueError(f"chaos: unknown outside fault {fault.signal!r}")
 
@@ -413,6 +437,7 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
             if metric == "farloco_rejected_messages_total" and value:
                 outcome.rejected[reason] = outcome.rejected.get(reason, 0) + value
     outcome.probes = dict(swarm.probes)
+    outcome.not_done = dict(swarm.not_done)
     for fault in scenario.faults:
         outcome.faults.append(_fault_figures(fault, events, rounds, survivors, ids, swarm.done_at))
     return outcome
@@ -811,7 +836,8 @@ def _check(
     check: str, fault: Fault, figures: FaultFigures, outcome: Outcome, healthy: Outcome | None, name: str
 ) -> str | None:
     if figures.at is None:
-        return "the fault never happened (no fault event, or the swarm never reached its round)"
+        why = outcome.not_done.get(fault.name, "no fault event, or the swarm never reached its round")
+        return f"the fault never happened ({why})"
     if check == "fired":
         return None
     if check == "left_out":
