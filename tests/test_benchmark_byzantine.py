@@ -5,31 +5,20 @@ the JSON renders the same table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from test_benchmark_convergence import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "byzantine.py"
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("farloco_bench_byzantine", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_one_byzantine_member_of_four_wrecks_the_mean_and_not_the_median(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = load_script()
+    bench = load_script(SCRIPT, "farloco_bench_byzantine")
     out = tmp_path / "byzantine.json"
     argv = ["--workers", "4", "--steps", "4", "--sync-every", "2", "--attacks", "none", "sign_flip_x1000"]
     argv += ["--aggregators", "mean", "median", "--out", str(out)]

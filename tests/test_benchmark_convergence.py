@@ -31,8 +31,9 @@ SMOKE_CONFIGS = [
 ]
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("farloco_bench_convergence", SCRIPT)
+def load_script(script: Path = SCRIPT, name: str = "farloco_bench_convergence") -> ModuleType:
+    """A benchmark script of benchmarks/ as a module (they are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
