@@ -219,6 +219,13 @@ def verify_inner(path: Path) -> Path:
     return inner
 
 
+def newest_committed(root: Path) -> Path | None:
+    """The newest committed checkpoint directory, theta not read or verified (for a hint such as its data slot;
+    what is loaded goes through `latest_checkpoint`)."""
+    found = _committed(Path(root))
+    return found[0][1] if found else None
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest checkpoint that loads (committed, hash verified), or None. Broken ones are skipped."""
     for _, path in _committed(Path(root)):

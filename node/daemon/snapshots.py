@@ -165,13 +165,18 @@ class SnapshotAgent(RanksAgent):
 
     def _saved_slot(self) -> int:
         """The data slot our newest checkpoint of this run trained (the slot our first claim asks for: a resumed
-        node keeps its data while nobody else holds it), or -1 (NO_SLOT) when there is none."""
-        from farloco.node.checkpoint import checkpoints_dir, latest_checkpoint, read_metadata
+        node keeps its data while nobody else holds it), or -1 (NO_SLOT) when there is none. Its metadata only:
+        theta is read and verified once, when the node resumes (a broken newest checkpoint then falls back to an
+        older one, whose node keeps the slot it claimed and goes on from that checkpoint's step)."""
+        from farloco.node.checkpoint import CheckpointError, checkpoints_dir, newest_committed, read_metadata
 
-        path = latest_checkpoint(checkpoints_dir(self.run_dir))
+        path = newest_committed(checkpoints_dir(self.run_dir))
         if path is None:
             return -1
-        meta = read_metadata(path)
+        try:
+            meta = read_metadata(path)
+        except CheckpointError:
+            return -1
         saved = meta.get("data_slot", "")
         if meta.get("run_hash") != self.run_hash or not saved.isdigit():
             return -1
