@@ -17,6 +17,16 @@ instead of one, lane l carrying the chunks k of the part with k % L == l (and th
 part travel side by side over L connections, each with its own window (PCCL does the same). Each sender picks
 its own L (said in every hello); a part of n chunks uses max(1, min(L, n)) lanes, computed alike on both sides.
 
+Spans (islands). A member may contribute to a contiguous range of the tensor only (`average(span=(g0, g1))`, in
+*slices*: the tensor is cut into `slices` equal ranges, the exchange's `slices`, and a span covers slices g0 to
+g1 - 1). Chunks are then also cut at every slice boundary, so a chunk lies wholly inside or outside a span, and
+for a chunk outside its span a member sends an *absent* frame (its header says `x`, no payload) instead of data.
+The owner reduces each chunk over the members present on it (weights of the present members only, in member
+order) and answers an absent member with an absent frame instead of the mean. Every stream still carries one
+frame per chunk each way, so the completion rules are unchanged. A member's result is defined on its span only.
+This is how the nodes of an island (node/daemon/island.py) each carry their slice of the island's mean across
+the slow network: the matching slices of the other islands meet at the same owners.
+
 Sparse codecs (`dense=False`) use an all-gather: each member streams its whole payload to every other member;
 each member decodes every payload and sums in sorted peer-id order.
 
@@ -85,6 +95,8 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 EVIDENCE_GRACE_SECONDS = 1.0
 # Most streams one member opens to one owner for one part (network.streams_per_peer).
 MAX_LANES = 16
+# Most slices a tensor may be cut into for spans (see Spans).
+MAX_SLICES = 4096
 
 
 def attempt_key(group: Group, attempt_no: int, member_ids: list[str]) -> str:
@@ -199,6 +211,7 @@ class _Plan:
     numel: int
     num_parts: int
     chunk_elems: int
+    slices: int = 0  # also cut at the boundaries of this many equal slices (see Spans); 0: no such cuts
     _chunks: dict[int, list[tuple[int, int]]] = field(default_factory=dict, compare=False, repr=False)
 
     def part(self, index: int) -> tuple[int, int]:
@@ -211,9 +224,23 @@ class _Plan:
         cached = self._chunks.get(index)
         if cached is None:
             start, end = self.part(index)
-            cached = [(a, min(a + self.chunk_elems, end)) for a in range(start, end, self.chunk_elems)]
+            cuts = sorted(
+                {*range(start, end, self.chunk_elems)}
+                | {b for g in range(1, self.slices) if start < (b := self.slice_start(g)) < end}
+            )
+            cached = [(a, b) for a, b in zip(cuts, [*cuts[1:], end], strict=True)]
             self._chunks[index] = cached
         return cached
+
+    def slice_start(self, g: int) -> int:
+        """Where slice g (0 <= g <= slices) starts: slice_start(slices) is numel."""
+        return g * self.numel // self.slices
+
+
+def slice_bounds(numel: int, slices: int, span: tuple[int, int]) -> tuple[int, int]:
+    """The element range [lo, hi) that slices span[0] .. span[1] - 1 of a `numel` tensor cover (see Spans)."""
+    g0, g1 = span
+    return g0 * numel // slices, g1 * numel // slices
 
 
 def _max_chunk_payload(num_elems: int) -> int:
@@ -243,6 +270,8 @@ class _Attempt:
     lossless: bool = False
     raw: bool = False  # raw float32 chunks, no codec calls (see TensorCodec.raw_float32)
     weight: float = 1.0
+    lo: int = 0  # our span: the element range we contribute to and take the mean of (see Spans)
+    hi: int = 0
     flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     plan: _Plan = field(default_factory=lambda: _Plan(0, 1, 1))
     result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -258,7 +287,7 @@ class _Attempt:
     streams_from: set[tuple[int, int]] = field(default_factory=set)  # (member index, lane) streams seen
     lanes_of: dict[int, int] = field(default_factory=dict)  # member index -> lanes of its streams to us
     weights: dict[int, float] = field(default_factory=dict)
-    pending: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    pending: dict[int, dict[int, torch.Tensor | None]] = field(default_factory=dict)
     chunks_reduced: int = 0
     payload: bytes = b""  # sparse: our encoded payload, sent to every member
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse: member index -> decoded payload
@@ -275,6 +304,10 @@ class _Attempt:
     @property
     def member_ids(self) -> list[str]:
         return [m.peer_id for m in self.members]
+
+    def covers(self, a: int, b: int) -> bool:
+        """Whether chunk [a, b) is inside our span (chunks never straddle a span's boundary)."""
+        return self.lo <= a and b <= self.hi
 
     def fail(self, reason: str, bad_peer: str | None = None, *, evidence: bool = True) -> None:
         """Mark the attempt failed (first reason wins) and tell every peer streaming to us. With `evidence`,
@@ -361,6 +394,8 @@ class Exchange:
 
     One `average()` per group at a time. `chunk_bytes` is the fp32 size of one chunk (all members must use the
     same value); `max_payload_bytes` caps the fp32 size of a tensor and the size of any incoming payload.
+    `slices` (all members alike, 0 or at least 2): chunks are also cut at the boundaries of that many equal
+    slices, so `average(span=)` can take a range of them (see Spans in the module docstring).
     """
 
     def __init__(
@@ -372,7 +407,10 @@ class Exchange:
         chunk_bytes: int = 1 << 20,
         max_payload_bytes: int = 4 << 30,
         streams_per_peer: int = 1,
+        slices: int = 0,
     ) -> None:
+        if slices == 1 or not 0 <= slices <= MAX_SLICES:
+            raise ValueError(f"slices must be 0 or in 2..{MAX_SLICES}, got {slices}")
         if chunk_bytes < 1024 or chunk_bytes * 2 + 8192 > min(
             server.max_message_bytes, client.max_message_bytes
         ):
@@ -386,6 +424,7 @@ class Exchange:
         self.client = client
         self.peer_id = peer_id
         self.lanes = streams_per_peer
+        self.slices = slices
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
         self.corrupt_rounds: set[int] = set()  # chaos only: see `_outgoing`
@@ -407,6 +446,7 @@ class Exchange:
         out: torch.Tensor | None = None,
         transmitted_out: torch.Tensor | None = None,
         rule: RobustRule | None = None,
+        span: tuple[int, int] | None = None,
     ) -> AverageResult:
         """Weighted mean of `tensor` over the group (see the module docstring). Raises ExchangeAborted if no
         consistent mean can be produced before `timeout` seconds, ValueError on bad arguments.
@@ -415,7 +455,10 @@ class Exchange:
         that exchanges every round reuses it instead of paying fresh pages for a new result each time (zeroing
         and faulting in 64 MiB costs about as much as summing it). Its content is undefined if this raises.
         `transmitted_out`, likewise, receives `transmitted` for lossy codecs (lossless ones share the input).
-        `rule`: a robust aggregation rule instead of the weighted mean (see RobustRule); the group must agree."""
+        `rule`: a robust aggregation rule instead of the weighted mean (see RobustRule); the group must agree.
+        `span` = (g0, g1): contribute to slices g0 .. g1 - 1 only (see Spans; dense codecs, an Exchange made with
+        `slices`); the mean (and `transmitted`) is then defined on that range only, and `contributors` names
+        every member of the final attempt, whatever its span."""
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise ValueError(f"expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}")
         if tensor.numel() * 4 > self.max_payload_bytes:
@@ -426,6 +469,17 @@ class Exchange:
             raise ValueError(f"weight must be finite and > 0, got {weight}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if span is not None:
+            if not self.slices:
+                raise ValueError("span: this Exchange was made without slices")
+            if not codec.dense:
+                raise ValueError(
+                    f"span: expected a dense codec, got {codec.name!r} (sparse payloads are whole)"
+                )
+            g0, g1 = span
+            if not 0 <= g0 < g1 <= self.slices:
+                raise ValueError(f"span: expected 0 <= g0 < g1 <= {self.slices}, got {span}")
+        bounds = (0, tensor.numel()) if span is None else slice_bounds(tensor.numel(), self.slices, span)
         for name, buffer in (("out", out), ("transmitted_out", transmitted_out)):
             if buffer is None:
                 continue
@@ -462,7 +516,17 @@ class Exchange:
             # The same group may average again (e.g. several tensors in one round): a new exchange.
             self._decided.pop(key, None)
             self._start(
-                attempt, group.round_id, attempt_no, members, flat, codec, weight, out, transmitted_out, rule
+                attempt,
+                group.round_id,
+                attempt_no,
+                members,
+                flat,
+                codec,
+                weight,
+                out,
+                transmitted_out,
+                rule,
+                bounds,
             )
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
@@ -528,6 +592,7 @@ class Exchange:
         out: torch.Tensor | None = None,
         transmitted_out: torch.Tensor | None = None,
         rule: RobustRule | None = None,
+        bounds: tuple[int, int] | None = None,
     ) -> None:
         attempt.round_id = round_id
         attempt.rule = rule
@@ -542,8 +607,11 @@ class Exchange:
         attempt.lossless = attempt.raw or getattr(codec, "lossless", False) is True
         attempt.fast = getattr(codec, "optional_checksum", False) is True
         attempt.weight = weight
+        attempt.lo, attempt.hi = (0, flat.numel()) if bounds is None else bounds
         attempt.flat = flat
-        attempt.plan = _Plan(flat.numel(), len(members), self.chunk_elems)
+        attempt.plan = _Plan(
+            flat.numel(), len(members), self.chunk_elems, self.slices if attempt.dense else 0
+        )
         attempt.result = torch.empty(flat.numel(), dtype=torch.float32) if out is None else out.view(-1)
         # Lossless: what goes on the wire is our tensor itself. Not a copy (a 64 MiB clone per round cost ~10%
         # of an exchange): `transmitted` then shares the caller's input memory, which AverageResult says.
@@ -627,6 +695,8 @@ class Exchange:
         # like every owner's mean.
         codec = attempt.codec
         for a, b in attempt.plan.chunks(0):
+            if not attempt.covers(a, b):
+                continue
             own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
             _encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
         attempt.part_done()
@@ -662,6 +732,7 @@ class Exchange:
                 "a": attempt.attempt_no,
                 "n": attempt.plan.numel,
                 "ce": attempt.plan.chunk_elems,
+                "sl": attempt.plan.slices,
                 "c": codec.name,
                 "d": attempt.dense,
                 "w": attempt.weight,
@@ -679,6 +750,11 @@ class Exchange:
             attempt.bytes_sent += _wire_size(hello)
             yield hello
             for k, (a, b) in zip(ks, chunks, strict=True):
+                if not attempt.covers(a, b):
+                    frame = Frame({"k": k, "x": True})
+                    attempt.bytes_sent += _wire_size(frame)
+                    yield frame
+                    continue
                 if attempt.raw:
                     # Our own NaN/Inf is refused chunk by chunk as it goes out: summing a chunk just before it
                     # is sent also brings it into cache for the send (one pass over 64 MiB up front cost more).
@@ -735,7 +811,7 @@ class Exchange:
             if k not in remaining:
                 return None
             a, b = part[k]
-            return _raw_bytes(attempt.result[a:b]) if size == 4 * (b - a) else None
+            return _raw_bytes(attempt.result[a:b]) if size == 4 * (b - a) and attempt.covers(a, b) else None
 
         try:
             frames = dense_frames() if attempt.dense else sparse_frames()
@@ -763,6 +839,19 @@ class Exchange:
                     )
                 remaining.discard(k)
                 a, b = part[k]
+                absent = frame.header.get("x", False) is True
+                if absent or not attempt.covers(a, b):
+                    # Outside our span the owner answers with an absent frame, and only there.
+                    if not (absent and not attempt.covers(a, b) and not frame.payload):
+                        raise _invalid(
+                            "SPAN_MISMATCH",
+                            f"part {j} chunk {k}: expected "
+                            f"{'the mean' if attempt.covers(a, b) else 'an absent frame'} (our span "
+                            f"{attempt.lo}..{attempt.hi}), got {'an absent frame' if absent else 'a mean'}",
+                        )
+                    attempt.bytes_received += _wire_size(frame)
+                    received += 1
+                    continue
                 if len(frame.payload) > _max_chunk_payload(b - a):
                     raise _invalid(
                         "SIZE_MISMATCH", f"mean chunk of {len(frame.payload)} bytes for {b - a} elements"
@@ -936,10 +1025,11 @@ class Exchange:
                 "CODEC_MISMATCH",
                 f"{where}: expected codec {attempt.codec.name!r}, got {header.get('c')!r:.40}",
             )
-        if header.get("ce") != attempt.plan.chunk_elems:
+        if header.get("ce") != attempt.plan.chunk_elems or header.get("sl", 0) != attempt.plan.slices:
             raise _invalid(
                 "CHUNK_MISMATCH",
-                f"{where}: expected {attempt.plan.chunk_elems} elements, got {header.get('ce')!r}",
+                f"{where}: expected chunks of {attempt.plan.chunk_elems} elements cut at {attempt.plan.slices} "
+                f"slices, got {header.get('ce')!r:.20} at {header.get('sl', 0)!r:.20}",
             )
         ours = attempt.rule.name if attempt.rule is not None else "mean"
         if header.get("ag", "mean") != ours:
@@ -1024,7 +1114,7 @@ class Exchange:
                         item = _specific_rejection(outbox) or item
                     raise item
                 attempt.bytes_sent += _wire_size(item)
-                if attempt.dense:
+                if attempt.dense and not item.header.get("x"):
                     a, b = attempt.plan.chunks(attempt.me)[item.header["k"]]
                     attempt.fp32_sent += 4 * (b - a)
                 yield item
@@ -1055,6 +1145,22 @@ class Exchange:
                     raise _invalid(
                         "CHUNK_ORDER", f"{peer}: expected chunk {k}, got {frame.header.get('k')!r}"
                     )
+                contribution: torch.Tensor | None
+                if frame.header.get("x", False) is True:
+                    # Outside the sender's span (see Spans): it takes no part in this chunk.
+                    if frame.payload:
+                        raise _invalid(
+                            "BAD_HEADER",
+                            f"{peer}: chunk {k} is marked absent but carries {len(frame.payload)} bytes",
+                        )
+                    attempt.bytes_received += _wire_size(frame)
+                    if attempt.checking:
+                        continue
+                    slot = attempt.pending.setdefault(k, {})
+                    slot[sender] = None
+                    if len(slot) == len(attempt.members) - 1:
+                        self._reduce_chunk(attempt, k)
+                    continue
                 if len(frame.payload) > _max_chunk_payload(b - a):
                     raise _invalid(
                         "SIZE_MISMATCH",
@@ -1096,72 +1202,85 @@ class Exchange:
         codec = attempt.codec
         a, b = attempt.plan.chunks(attempt.me)[k]
         contributions = attempt.pending.pop(k)
-        if attempt.lossless:
+        if not attempt.covers(a, b):
+            contributions[attempt.me] = None
+        elif attempt.lossless:
             contributions[attempt.me] = attempt.flat[a:b]
         else:
             own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
             contributions[attempt.me] = own
-        # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order.
+        # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order; the
+        # members whose span leaves this chunk out take no part in it (see Spans).
+        present = [i for i in range(len(attempt.members)) if contributions[i] is not None]
+        if not present:
+            self._send_mean(attempt, Frame({"k": k, "x": True}), present)
+            return
+        inputs = [c for i in present if (c := contributions[i]) is not None]
         # Lossless codecs: the mean is the result itself, so it is summed straight into place.
         total = attempt.result[a:b] if attempt.lossless else torch.empty(b - a, dtype=torch.float32)
         if attempt.rule is not None:
             # A robust rule instead of the mean (contributions in member order, unweighted). A NaN need not reach
             # its result (a median skips it), so every raw contribution is checked here first.
-            ordered = [contributions[i] for i in range(len(attempt.members))]
-            if attempt.raw and not all(_all_finite(c) for c in ordered):
-                error = _own_chunk_error(codec, contributions[attempt.me], a)
-                if error is not None:
-                    self._local_failure(attempt, error)
+            if attempt.raw and not all(_all_finite(c) for c in inputs):
+                if self._own_chunk_failed(attempt, contributions[attempt.me], a):
                     return
                 self._blame_nonfinite(attempt, contributions)
-            total.copy_(attempt.rule(ordered))
+            total.copy_(attempt.rule(inputs))
         else:
-            terms = [
-                contributions[i] if attempt.weights[i] == 1.0 else contributions[i] * attempt.weights[i]
-                for i in range(len(attempt.members))
-            ]
-            if len(terms) == 2 and attempt.weights[0] == attempt.weights[1]:
+            weights = [attempt.weights[i] for i in present]
+            terms = [c if w == 1.0 else c * w for c, w in zip(inputs, weights, strict=True)]
+            if len(terms) == 1:
+                total.copy_(inputs[0])  # the weighted mean of one contribution is itself
+            elif len(terms) == 2 and weights[0] == weights[1]:
                 # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
                 # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
                 torch.lerp(terms[0], terms[1], 0.5, out=total)
             else:
-                torch.add(terms[0], terms[1], out=total)  # a dense reduce has >= 2 members
+                torch.add(terms[0], terms[1], out=total)
                 for term in terms[2:]:
                     total.add_(term)
-                total.mul_(1.0 / math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
+                total.mul_(1.0 / math.fsum(weights))
         if attempt.raw:
             # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
             if not _all_finite(total):
-                error = _own_chunk_error(codec, contributions[attempt.me], a)
-                if error is not None:
-                    # Our own input is bad: fail locally, exclude ourselves, tell the caller (as an encode would).
-                    self._local_failure(attempt, error)
+                if self._own_chunk_failed(attempt, contributions[attempt.me], a):
                     return
                 self._blame_nonfinite(attempt, contributions)
-            frame = Frame({"k": k}, _raw_bytes(total))
-            self._send_mean(attempt, frame)
+            self._send_mean(attempt, Frame({"k": k}, _raw_bytes(total)), present)
             return
         if attempt.lossless:
             mean = _encode(codec, total, attempt.fast)
         else:
             mean = _encode_decoded(codec, total, attempt.fast, attempt.result[a:b])[0]
-        self._send_mean(attempt, Frame({"k": k}, mean))
+        self._send_mean(attempt, Frame({"k": k}, mean), present)
 
-    def _send_mean(self, attempt: _Attempt, frame: Frame) -> None:
+    def _own_chunk_failed(self, attempt: _Attempt, own: torch.Tensor | None, offset: int) -> bool:
+        """Our own input to a chunk is bad: fail locally, exclude ourselves, tell the caller (as an encode
+        would). Returns whether it was."""
+        error = None if own is None else _own_chunk_error(attempt.codec, own, offset)
+        if error is None:
+            return False
+        self._local_failure(attempt, error)
+        return True
+
+    def _send_mean(self, attempt: _Attempt, frame: Frame, present: list[int]) -> None:
         # Counted as sent when the member's stream takes it (_on_push), not when queued. Every member's lane
-        # that carries chunk k is open: its contribution to k came on it.
+        # that carries chunk k is open: its contribution to k came on it. A member absent on the chunk gets an
+        # absent frame.
         k = frame.header["k"]
+        absent = Frame({"k": k, "x": True})
         for j in range(len(attempt.members)):
             if j != attempt.me:
-                attempt.outboxes[(j, attempt.lane_of(j, k))].put_nowait(frame)
+                attempt.outboxes[(j, attempt.lane_of(j, k))].put_nowait(frame if j in present else absent)
         attempt.chunks_reduced += 1
         if attempt.chunks_reduced == len(attempt.plan.chunks(attempt.me)):
             attempt.part_done()
 
-    def _blame_nonfinite(self, attempt: _Attempt, contributions: dict[int, torch.Tensor]) -> None:
+    def _blame_nonfinite(self, attempt: _Attempt, contributions: dict[int, torch.Tensor | None]) -> None:
         """A reduced raw chunk is not finite: reject the first member whose contribution carries NaN/Inf."""
         for index in sorted(contributions):
-            if not _all_finite(contributions[index]):
+            contribution = contributions[index]
+            if contribution is not None and not _all_finite(contribution):
                 culprit = attempt.member_ids[index]
                 raise _Blamed(culprit, "BAD_PAYLOAD", f"contribution of {culprit}: expected finite float32")
         # Every input finite but the weighted sum overflowed float32: nobody lied.

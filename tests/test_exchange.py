@@ -174,13 +174,15 @@ class Node:
     """One exchange member. `plane`: "tcp" streams on the TCP data plane (the daemon's default), "grpc" keeps
     them on gRPC; subprocess workers take it from EXCHANGE_TEST_PLANE."""
 
-    def __init__(self, peer_id: str, plane: str | None = None, lanes: int = 1) -> None:
+    def __init__(self, peer_id: str, plane: str | None = None, lanes: int = 1, slices: int = 0) -> None:
         auth = Authenticator(RUN, SECRET, peer_id)
         self.peer_id = peer_id
         plane = plane or os.environ.get("EXCHANGE_TEST_PLANE", "tcp")
         self.server = RpcServer(auth, data_port=0 if plane == "tcp" else None)
         self.client = RpcClient(auth)
-        self.exchange = Exchange(self.server, self.client, peer_id, chunk_bytes=CHUNK, streams_per_peer=lanes)
+        self.exchange = Exchange(
+            self.server, self.client, peer_id, chunk_bytes=CHUNK, streams_per_peer=lanes, slices=slices
+        )
         self.address = ""
 
     async def start(self) -> GroupMember:
