@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -27,6 +28,7 @@ class ConfigError(ValueError):
 
 
 OUTER_UPDATES = ("sync", "delayed", "eager")
+SPARSE_CODECS = ("topk", "dct-topk")
 INNER_OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "fp32", "bf16")
 LOGGERS = ("tensorboard", "wandb")
@@ -98,11 +100,20 @@ class RunConfig:
     chunk by its owner (farloco.optim.aggregate); the norm-based two need a dense codec. Every member must agree."""
     min_peers: int = 1
     """Commit rule: a round commits only if at least this many peers contributed, else it is aborted."""
+    island_slices: int = 0
+    """Islands (node.island): the outer update is cut into this many equal slices, and the k nodes of an island
+    each carry k-th of them across the slow network (2..4096, at least the largest island; 8 or 16 suit most
+    layouts). 0: this run has no islands, and a node that names one is refused. Every node agrees (the
+    exchange cuts its chunks at the slice boundaries)."""
     max_rounds: int = 0
     """Stop after this many outer rounds (0: train until told to leave)."""
 
     def __post_init__(self) -> None:
         _positive(self, "inner_steps", "batch_size", "seq_len", "data_slots", "min_peers")
+        if self.island_slices == 1 or not 0 <= self.island_slices <= 4096:
+            raise ConfigError(
+                f"run.island_slices: expected 0 (no islands) or 2..4096, got {self.island_slices!r}"
+            )
         _non_negative(
             self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
         )
@@ -172,6 +183,17 @@ class NodeConfig:
     partial_min_fraction: float = 0.25
     """The smallest share of the round's inner steps a partial contribution carries: a node further behind
     keeps training, and the others wait for it (up to timeouts.match_timeout) or leave it out of the round."""
+    island: str = ""
+    """The island this node belongs to: nodes that share a fast fabric (a Slurm allocation, a rack, a placement
+    group) and name the same island reduce their updates among themselves over torch.distributed (gloo) first,
+    then each carries its slice of the island's mean across the slow network (node/daemon/island.py). Empty: no
+    island (an island of one is exactly that). Needs run.island_slices and island_endpoint."""
+    island_endpoint: str = ""
+    """host:port of the island's rendezvous (torch's c10d elastic rendezvous: the node whose address this is
+    hosts its store; under Slurm the first node of the island's allocation, under Kubernetes pod 0 of the
+    island's StatefulSet). Every node of the island names the same one."""
+    island_size: int = 0
+    """The most nodes the island holds (its rendezvous completes at once when all are in). 0: run.island_slices."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "threads_per_rank", "tp", "micro_batches")
@@ -179,7 +201,16 @@ class NodeConfig:
             raise ConfigError(
                 f"node.partial_min_fraction: expected a number in (0, 1], got {self.partial_min_fraction!r}"
             )
-        _non_negative(self, "max_restarts", "eval_batches")
+        _non_negative(self, "max_restarts", "eval_batches", "island_size")
+        if self.island and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.island):
+            raise ConfigError(
+                f"node.island: expected 1-64 letters, digits, '_', '.' or '-', got {self.island!r}"
+            )
+        if self.island and not re.fullmatch(r"\[?[A-Za-z0-9_.:-]+\]?:[0-9]{1,5}", self.island_endpoint):
+            raise ConfigError(
+                f"node.island_endpoint: expected host:port of the island's rendezvous (node.island="
+                f"{self.island!r}), got {self.island_endpoint!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"node.device: expected one of 'auto', 'cpu', 'cuda', got {self.device!r}")
         unknown = [name for name in self.loggers if name not in LOGGERS]
@@ -470,6 +501,22 @@ class Config:
                 f"node.micro_batches={node.micro_batches}: expected a divisor of the per-rank batch "
                 f"run.batch_size / (num_ranks / tp) = {run.batch_size} / {dp} = {per_rank}"
             )
+        if node.island:
+            if not run.island_slices:
+                raise ConfigError(
+                    f"node.island={node.island!r}: this run has no islands (run.island_slices = 0); set "
+                    "run.island_slices (e.g. 16) on every node of the run"
+                )
+            if run.codec in SPARSE_CODECS:
+                raise ConfigError(
+                    f"node.island={node.island!r}: expected a dense codec (fp32, fp16, bf16, int8, int4), got "
+                    f"run.codec={run.codec!r} (sparse payloads travel whole, not in slices)"
+                )
+            if node.island_size > run.island_slices:
+                raise ConfigError(
+                    f"node.island_size={node.island_size}: expected at most run.island_slices="
+                    f"{run.island_slices} (each node of an island carries at least one slice)"
+                )
         if run.seq_len % node.tp:
             raise ConfigError(
                 f"node.tp={node.tp}: expected a divisor of run.seq_len={run.seq_len} (sequence parallelism "

@@ -14,7 +14,13 @@ from farloco.protocol.types import Group
 
 SLICES = 8
 # Two islands of two (each node one half of the slices, weighted by its island's size) and a lone node.
-LAYOUT = [("a0", (0, 4), 2.0), ("a1", (4, 8), 2.0), ("b0", (0, 4), 2.0), ("b1", (4, 8), 2.0), ("lone", None, 1.0)]
+LAYOUT = [
+    ("a0", (0, 4), 2.0),
+    ("a1", (4, 8), 2.0),
+    ("b0", (0, 4), 2.0),
+    ("b1", (4, 8), 2.0),
+    ("lone", None, 1.0),
+]
 
 
 async def start(layout: list[tuple[str, tuple[int, int] | None, float]], slices: int = SLICES) -> tuple:

@@ -163,8 +163,14 @@ class Agent(RoundAgent):
         )
         self.client = RpcClient(auth, tls=tls, socket_buffer_bytes=buffers)
         self.exchange = Exchange(
-            self.server, self.client, self.peer_id, streams_per_peer=net.streams_per_peer
+            self.server,
+            self.client,
+            self.peer_id,
+            streams_per_peer=net.streams_per_peer,
+            slices=run.island_slices,
         )
+        if self.config.node.island:
+            self.island = self._make_island()
         self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()
@@ -215,6 +221,33 @@ class Agent(RoundAgent):
             self.status = Status.STOPPED
         finally:
             await self._shut_down()
+
+    def _make_island(self) -> Any:
+        """The node's side of its island (node/daemon/island.py), its thread started: it joins the island's
+        rendezvous in the background while the node joins the swarm."""
+        from farloco.node.daemon.island import Island
+
+        node, run, timeouts, net = (
+            self.config.node,
+            self.config.run,
+            self.config.timeouts,
+            self.config.network,
+        )
+        island = Island(
+            name=node.island,
+            endpoint=node.island_endpoint,
+            run_id=f"{run.name}-{self.run_hash[:16]}",
+            # gloo binds to this address: the node's own, unless it listens on every interface.
+            host=net.host if net.host not in ("0.0.0.0", "::") else net.announce_host,
+            max_nodes=node.island_size or run.island_slices,
+            slices=run.island_slices,
+            wait=timeouts.leader_timeout,
+            # A node's gather waits for the island's slowest exchange.
+            collective_timeout=timeouts.exchange_timeout + 30.0,
+        )
+        island.start()
+        self.events.write("island", name=node.island, endpoint=node.island_endpoint)
+        return island
 
     async def _work(self) -> None:
         """What the node does until it leaves: join, start the ranks, run rounds."""
@@ -291,6 +324,8 @@ class Agent(RoundAgent):
         # The ranks (told STOP when the leave was asked for) get all that is left but what the servers' stop
         # needs: a rank's exit (torch's teardown) takes seconds on a loaded machine.
         self._stop_trainers(timeout=left() - 1.5)
+        if self.island is not None:
+            await asyncio.to_thread(self.island.close)
         await self.matchmaker.close()
         await self.client.close()
         await self.server.stop(grace=min(1.0, left()))

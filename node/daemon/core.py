@@ -197,6 +197,7 @@ class AgentCore:
     server: Any
     client: Any
     exchange: Any
+    island: Any = None  # node/daemon/island.py Island when node.island names one
     state_server: Any
     membership: Any
     matchmaker: Any
@@ -357,6 +358,7 @@ class AgentCore:
                 "last_round_seconds": self.counters.last_round_seconds,
                 # The straggler wait we proposed last round (adaptive, protocol/matchmaking.py StragglerWait).
                 "match_wait_seconds": getattr(getattr(self, "matchmaker", None), "last_wait", None) or None,
+                "island": self.island.view() if self.island is not None else None,
                 "error": self.error,
                 "last_checkpoint": self.last_checkpoint,
                 "metrics_url": (self.control.url + "/metrics") if getattr(self, "control", None) else None,

@@ -25,7 +25,7 @@ from farloco.node.daemon.rules import Action, Decision, RoundFacts, decide
 from farloco.node.daemon.swarm import SwarmAgent
 from farloco.protocol import shares
 from farloco.protocol.shares import left_out_reason
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.protocol.tasks import cancel_and_wait, wait_for
 
 
 @dataclass(frozen=True)
@@ -269,13 +269,13 @@ class RoundAgent(SwarmAgent):
         group, facts = await self._match(facts)
         self._phases = {"match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
-            return await self._close(decision)
+            return await self._close(decision, island_out=True)
         phase_started = time.monotonic()
         await self._phase_faults("heal")
         facts = await self._heal(group, facts)
         self._phases["heal"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.GO_ON:
-            return await self._close(decision)
+            return await self._close(decision, island_out=True)
         if decision.redo_contribution:
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             prepared.contribution = self._contribution(prepared.theta_local)
@@ -364,11 +364,16 @@ class RoundAgent(SwarmAgent):
         self, group: Any, contribution: torch.Tensor, facts: RoundFacts, weight: float = 1.0
     ) -> tuple[Averaged | None, RoundFacts]:
         """The group's mean of contributions (protocol/exchange.py; a group of one encodes nothing), counting
-        every byte that crossed the wire, aborted attempts included."""
+        every byte that crossed the wire, aborted attempts included. With an island (node/daemon/island.py) that
+        goes through the round together: the island's reduce-scatter first, our slice of the island's mean
+        across the swarm, then the island's all-gather of every slice's result."""
+        from farloco.node.daemon.island import IslandError
         from farloco.protocol.exchange import ExchangeAborted
 
+        island_round = await self._island_reduce(group, contribution, weight)
+        result = None
         try:
-            if len(group.members) == 1:
+            if len(group.members) == 1 and island_round is None:
                 transmitted, mean = self.outer.alone(contribution)
                 averaged = Averaged(transmitted, mean, (self.peer_id,), 0, 0, 0)
             else:
@@ -377,17 +382,24 @@ class RoundAgent(SwarmAgent):
                 exchange_started = time.monotonic()
                 result = await self.exchange.average(
                     group,
-                    contribution,
+                    contribution if island_round is None else island_round.mean,
                     self.codec,
                     timeout=self.config.timeouts.exchange_timeout,
                     out=mean_out,
                     transmitted_out=sent_out,
                     rule=self.aggregator,
-                    weight=weight,
+                    weight=weight if island_round is None else island_round.weight,
+                    span=None if island_round is None else island_round.span,
                 )
                 self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
+                transmitted = result.transmitted
+                if island_round is not None:
+                    await asyncio.wrap_future(
+                        self.island.submit_gather(True, result.averaged, transmitted, mean_out, sent_out)
+                    )
+                    transmitted = sent_out
                 averaged = Averaged(
-                    result.transmitted,
+                    transmitted,
                     result.averaged,
                     tuple(result.contributors),
                     result.bytes_sent,
@@ -397,11 +409,53 @@ class RoundAgent(SwarmAgent):
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
             self._count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
+            if island_round is not None:
+                self._island_withdraw()
             return None, replace(facts, exchange="aborted", exchange_error=str(exc))
+        except IslandError as exc:
+            assert result is not None
+            self._count_bytes(result.bytes_sent, result.bytes_received, result.fp32_bytes)
+            return None, replace(
+                facts, exchange="aborted", exchange_error=f"island {self.island.name}: {exc}"
+            )
+        except BaseException:
+            if island_round is not None and result is None:
+                self._island_withdraw()  # cancelled mid-exchange (leave --now): release the island's gather
+            raise
         # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every attempt: a
         # dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
         self._count_bytes(averaged.sent, averaged.received, averaged.fp32_bytes)
         return averaged, replace(facts, exchange="done", contributors=len(averaged.contributors))
+
+    async def _island_reduce(self, group: Any, contribution: torch.Tensor, weight: float) -> Any:
+        """Our island's weighted mean on our span (an IslandRound), or None: we exchange alone this round (no
+        island, an island of one, a node of it missing, the island re-forming)."""
+        if self.island is None:
+            return None
+        future = self.island.submit_reduce(self.round_id, group.group_id, contribution, weight)
+        try:
+            island_round = await wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), timeout=self.island.wait + 1.0
+            )
+        except TimeoutError:
+            # Not taken up in time (the island's thread is re-forming the group): alone, unless it just began.
+            island_round = None if future.cancel() else await asyncio.wrap_future(future)
+        except BaseException:
+            future.add_done_callback(self._island_release)
+            raise
+        return island_round
+
+    def _island_release(self, future: Any) -> None:
+        """A reduce whose round was cancelled meanwhile: if the island went ahead, release its gather."""
+        if not future.cancelled() and future.exception() is None and future.result() is not None:
+            self._island_withdraw()
+
+    def _island_withdraw(self) -> None:
+        """Our exchange of an island round gave no mean: tell the island's gather (every node of it then sits
+        the round out). Not awaited: the gather's outcome is known already."""
+        empty = torch.empty(0)
+        future = self.island.submit_gather(False, empty, empty, empty, empty)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its IslandError is expected
 
     async def _commit(self, group: Any, prepared: Prepared, averaged: Averaged, started: float) -> None:
         """The round committed: the outer step, round r+1, a checkpoint when due, the round event, the record."""
@@ -478,8 +532,11 @@ class RoundAgent(SwarmAgent):
             self.events.write("left_out", round_id=self.round_id, peer=peer_id, reason=reason, by="leader")
             log.info("round %d: %s left out (%s)", self.round_id, peer_id, reason)
 
-    async def _close(self, decision: Decision) -> bool:
-        """Enact a round's decision other than committing (node/daemon/rules.py); returns `_round`'s value."""
+    async def _close(self, decision: Decision, island_out: bool = False) -> bool:
+        """Enact a round's decision other than committing (node/daemon/rules.py); returns `_round`'s value.
+        `island_out`: the round closes before its exchange, which the nodes of our island learn at once."""
+        if island_out and self.island is not None:
+            self.island.post_out(self.round_id)
         if decision.left_out is not None:
             self._left_out(decision.left_out)
         if decision.action is Action.ABORT:
