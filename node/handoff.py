@@ -22,13 +22,18 @@ sequence number, and never writes a region the other side may be reading.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("farloco.handoff")
 
 HEADER_BYTES = 4096
 MAGIC = 0x464C4F434F484F46  # "FLOCOHOF"
@@ -122,6 +127,42 @@ class RankReport:
     seq_steps: int = 0
 
 
+STALE_NAME = re.compile(r"farloco-handoff-(\d+)-[0-9a-f]{8}\.bin(\.inner)?")
+
+
+def sweep_stale(directory: Path) -> list[Path]:
+    """Remove the hand-off files (and their sidecars) of agents that died without unlinking them: a SIGKILLed or
+    OOM-killed agent leaves 8 bytes per parameter in /dev/shm (8 GB at 1B parameters), and a node restarted
+    by systemd or Slurm after each crash would fill the host's memory. A file is stale when it is ours (same
+    uid) and the pid in its name is not a live process. (This assumes the directory is not shared with agents in
+    another pid namespace, which is what a container's own /dev/shm gives.) Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        match = STALE_NAME.fullmatch(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            if pid == os.getpid() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue  # alive under another user, or the file went away meanwhile
+    if removed:
+        log.warning(
+            "removed %d hand-off files of agents that died: %s", len(removed), [p.name for p in removed]
+        )
+    return removed
+
+
 class Handoff:
     """A mapped hand-off file. The agent `create`s it; ranks `attach` to it by path."""
 
@@ -141,6 +182,7 @@ class Handoff:
         if not 1 <= world_size <= MAX_RANKS:
             raise ValueError(f"hand-off: expected 1..{MAX_RANKS} ranks, got {world_size}")
         directory = directory or default_handoff_dir()
+        sweep_stale(directory)
         path = directory / f"farloco-handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         with open(path, "wb") as handle:
             handle.truncate(HEADER_BYTES + 8 * num_params)

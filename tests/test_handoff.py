@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,31 @@ def test_attach_refuses_foreign_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"expected float32\[4\]"):
         handoff.publish(torch.zeros(5), round_id=0, step_base=0, inner_steps=1)
     handoff.close()
+
+
+def test_hand_off_files_of_dead_agents_are_swept_at_the_next_create(tmp_path: Path) -> None:
+    """A SIGKILLed agent cannot unlink its hand-off (8 bytes per parameter in /dev/shm): the next agent's create
+    removes it, and leaves alone the files of live agents and anything not named like a hand-off."""
+    import subprocess
+    import sys
+
+    from farloco.node.handoff import Handoff
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    stale = [
+        tmp_path / f"farloco-handoff-{dead_pid}-0123abcd.bin",
+        tmp_path / f"farloco-handoff-{dead_pid}-0123abcd.bin.inner",
+    ]
+    live = tmp_path / f"farloco-handoff-{os.getppid()}-89abcdef.bin"  # our parent is alive
+    other = tmp_path / "farloco-handoff-notes.txt"
+    for path in (*stale, live, other):
+        path.write_bytes(b"x")
+    handoff = Handoff.create(16, 1, tmp_path)
+    try:
+        assert not any(path.exists() for path in stale)
+        assert live.exists() and other.exists() and handoff.path.exists()
+    finally:
+        handoff.close()
