@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 NUMEL = 10_007
@@ -61,11 +60,12 @@ def node_main(spec: dict[str, Any]) -> None:
             result = island.submit_reduce(round_id, f"group-{round_id}", mine, weight).result(timeout=60)
             line: dict[str, Any] = {"round": round_id, "alone": result is None}
             if result is not None:
-                lo, hi = result.bounds
                 line.update(rank=result.rank, size=result.size, span=result.span, weight=result.weight)
                 mean_out = torch.full((NUMEL,), float("nan"))
                 sent_out = torch.full((NUMEL,), float("nan"))
-                exchanged = result.mean.clone()  # the identity exchange: our span's mean comes back as it went
+                exchanged = (
+                    result.mean.clone()
+                )  # the identity exchange: our span's mean comes back as it went
                 try:
                     island.submit_gather(True, exchanged, exchanged, mean_out, sent_out).result(timeout=60)
                 except IslandError as exc:
@@ -107,14 +107,24 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[lis
 
 
 def read_mean(out: Path, node: int, round_id: int) -> torch.Tensor:
-    return torch.frombuffer(bytearray((out / f"mean-{node}-{round_id}.f32").read_bytes()), dtype=torch.float32)
+    return torch.frombuffer(
+        bytearray((out / f"mean-{node}-{round_id}.f32").read_bytes()), dtype=torch.float32
+    )
 
 
 def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     weights = [1.0, 0.5, 2.0]
     specs = [
-        {"node": i, "endpoint": endpoint, "max_nodes": 3, "want": 3, "rounds": 3, "out": str(tmp_path), "weight": w}
+        {
+            "node": i,
+            "endpoint": endpoint,
+            "max_nodes": 3,
+            "want": 3,
+            "rounds": 3,
+            "out": str(tmp_path),
+            "weight": w,
+        }
         for i, w in enumerate(weights)
     ]
     lines = finish(start_nodes(specs))
@@ -132,7 +142,15 @@ def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: 
 def test_a_node_that_dies_costs_the_island_one_round_then_it_re_forms_without_it(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     specs = [
-        {"node": i, "endpoint": endpoint, "max_nodes": 3, "want": 3, "rounds": 12, "out": str(tmp_path), "wait": 2.0}
+        {
+            "node": i,
+            "endpoint": endpoint,
+            "max_nodes": 3,
+            "want": 3,
+            "rounds": 12,
+            "out": str(tmp_path),
+            "wait": 2.0,
+        }
         for i in range(3)
     ]
     specs[2]["die_at"] = 2  # SIGKILLed before its round 2: the other two never get its post
@@ -155,7 +173,15 @@ def test_a_node_whose_exchange_failed_makes_the_whole_island_sit_out(tmp_path: P
     """Every node of the island gets IslandError from the gather when one says its exchange gave no mean."""
     endpoint = f"127.0.0.1:{free_port()}"
     specs = [
-        {"node": i, "endpoint": endpoint, "max_nodes": 2, "want": 2, "rounds": 2, "out": str(tmp_path), "fail": i == 1}
+        {
+            "node": i,
+            "endpoint": endpoint,
+            "max_nodes": 2,
+            "want": 2,
+            "rounds": 2,
+            "out": str(tmp_path),
+            "fail": i == 1,
+        }
         for i in range(2)
     ]
     for spec in specs:

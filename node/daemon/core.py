@@ -198,6 +198,7 @@ class AgentCore:
     client: Any
     exchange: Any
     island: Any = None  # node/daemon/island.py Island when node.island names one
+    _island_round: Any = None  # the IslandRound of the round in progress, None when we exchange alone
     state_server: Any
     membership: Any
     matchmaker: Any

@@ -371,6 +371,7 @@ class RoundAgent(SwarmAgent):
         from farloco.protocol.exchange import ExchangeAborted
 
         island_round = await self._island_reduce(group, contribution, weight)
+        self._island_round = island_round
         result = None
         try:
             if len(group.members) == 1 and island_round is None:
@@ -505,6 +506,19 @@ class RoundAgent(SwarmAgent):
             trained_from=prepared.trained_from,
             inner_step=prepared.inner_step,
             weight=prepared.weight,
+            # With an island: whether it went through this round together (our rank, its size, our slices).
+            island=(
+                None
+                if self.island is None
+                else {"name": self.island.name, "alone": True}
+                if self._island_round is None
+                else {
+                    "name": self.island.name,
+                    "rank": self._island_round.rank,
+                    "size": self._island_round.size,
+                    "span": list(self._island_round.span),
+                }
+            ),
         )
         # Our record moves to the next round in the background: the round's path holds no DHT store (the next
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).

@@ -76,6 +76,20 @@ def _host_overrides(
     help="TCP data-plane port for the exchange (overrides network.data_port; 0 = any).",
 )
 @click.option(
+    "--island",
+    default=None,
+    metavar="NAME",
+    help="The island this node belongs to: nodes on one fast fabric reduce among themselves first (overrides "
+    "node.island; needs run.island_slices).",
+)
+@click.option(
+    "--island-endpoint",
+    default=None,
+    metavar="HOST:PORT",
+    help="The island's rendezvous (torch c10d), the same on every node of the island (overrides "
+    "node.island_endpoint).",
+)
+@click.option(
     "--set",
     "overrides",
     multiple=True,
@@ -107,6 +121,8 @@ def join(
     port: int | None,
     dht_port: int | None,
     data_port: int | None,
+    island: str | None,
+    island_endpoint: str | None,
     overrides: tuple[str, ...],
     verbose: bool,
     log_format: str | None,
@@ -137,7 +153,12 @@ def join(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
-        config = load_config(config_path, [*overrides, *_host_overrides(host, port, dht_port, data_port)])
+        islands = [f"node.island={json.dumps(island)}"] if island is not None else []
+        if island_endpoint is not None:
+            islands.append(f"node.island_endpoint={json.dumps(island_endpoint)}")
+        config = load_config(
+            config_path, [*overrides, *_host_overrides(host, port, dht_port, data_port), *islands]
+        )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     if initial_peers:

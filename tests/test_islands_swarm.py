@@ -1,0 +1,82 @@
+"""Islands end to end (issue 17): two islands of two `farloco join` nodes each and a lone node, through the CLI,
+on 127.0.0.1 with a real DHT, gRPC and each island's own c10d rendezvous and gloo group."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from test_swarm import Swarm, rounds_of, wait_for
+
+from farloco.node.tools.demo import read_events
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(600)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_islands_of_two_and_a_lone_node_train_as_one_swarm(tmp_path: Path) -> None:
+    rounds = 6
+    made = Swarm(tmp_path, [f"run.max_rounds={rounds}", "run.inner_steps=4", "run.island_slices=8"])
+    try:
+        peers = []
+        for island, size in (("a", "2"), ("b", "0")):  # island b leaves its size to run.island_slices
+            endpoint = f"127.0.0.1:{free_port()}"
+            for index in range(2):
+                peers.append(
+                    made.add(
+                        f"{island}{index}",
+                        extra=(
+                            "--island",
+                            island,
+                            "--island-endpoint",
+                            endpoint,
+                            "--set",
+                            f"node.island_size={size}",
+                        ),
+                    )
+                )
+        peers.append(made.add("lone"))
+        wait_for(
+            lambda: all(p.process.poll() == 0 for p in peers),
+            500,
+            f"5 nodes to train {rounds} rounds and stop",
+            peers,
+        )
+        by_peer = {p.name: {e["round_id"]: e for e in rounds_of(p)} for p in peers}
+        num_params = next(e["num_params"] for e in read_events(peers[-1].run_dir) if e["event"] == "started")
+        # Every committed hash agrees, round by round, islands or not.
+        for round_id in range(1, rounds + 1):
+            hashes = {name: r[round_id]["outer_hash"] for name, r in by_peer.items() if round_id in r}
+            assert len(set(hashes.values())) == 1, f"round {round_id}: {hashes}"
+        # Once formed, each island goes through its rounds together: rank 0 and rank 1, each with half the
+        # slices, and the five nodes are in the same rounds.
+        together = [
+            r
+            for r in range(1, rounds + 1)
+            if all(r in by_peer[n] for n in by_peer)
+            and all((by_peer[n][r]["island"] or {}).get("size") == 2 for n in ("a0", "a1", "b0", "b1"))
+        ]
+        assert together, {n: [e["island"] for e in r.values()] for n, r in by_peer.items()}
+        for r in together:
+            events = {n: by_peer[n][r] for n in by_peer}
+            assert len(events["lone"]["contributors"]) == 5
+            for island in "ab":
+                spans = sorted(tuple(events[f"{island}{i}"]["island"]["span"]) for i in range(2))
+                assert spans == [(0, 4), (4, 8)]
+            # The lone node's share of the exchange is what it would be among three members (island a, island b
+            # and itself): it pushes every value outside its part and returns its part's mean to one node of each
+            # island, 4 (N + P) bytes of fp32 for a part of P values, where a flat exchange of five would have it
+            # return its part to four members: 4 (N + 3P).
+            part = num_params // 5
+            assert 4 * (num_params + part) <= events["lone"]["fp32_bytes"] <= 4 * (num_params + part + 1), (
+                events
+            )
+        assert by_peer["lone"][rounds]["island"] is None
+    finally:
+        made.close()
