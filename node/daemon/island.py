@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import queue
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -63,6 +64,22 @@ KEEP_ROUNDS = 4
 
 class IslandError(Exception):
     """The island's collective failed this round (a node died, a flag was not set): the round sits out."""
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` is an address of this machine (or network namespace): one we can bind to."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def span_of(rank: int, size: int, slices: int) -> tuple[int, int]:
@@ -246,26 +263,7 @@ class Island:
         self._fail_pending()
         try:
             if self._handler is None:
-                params: dict[str, Any] = {
-                    "join_timeout": JOIN_TIMEOUT,
-                    "last_call_timeout": LAST_CALL,
-                    "keep_alive_interval": KEEP_ALIVE_INTERVAL,
-                    "keep_alive_max_attempt": KEEP_ALIVE_ATTEMPTS,
-                    "read_timeout": STORE_TIMEOUT,
-                }
-                if self.is_host is not None:
-                    params["is_host"] = self.is_host
-                self._handler = get_rendezvous_handler(
-                    RendezvousParameters(
-                        backend="c10d",
-                        endpoint=self.endpoint,
-                        run_id=self.run_id,
-                        min_nodes=1,
-                        max_nodes=self.max_nodes,
-                        local_addr=self.host,
-                        **params,
-                    )
-                )
+                self._handler = self._make_handler(get_rendezvous_handler, RendezvousParameters)
             info = self._handler.next_rendezvous()
             store = PrefixStore("farloco-island", info.store)
             options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -291,6 +289,39 @@ class Island:
             self._failed(f"rendezvous at {self.endpoint}: {type(exc).__name__}: {exc}")
             self._handler = None
             self._closed.wait(min(30.0, 2.0 * min(self.rendezvous_errors, 5)))
+
+    def _make_handler(self, get_rendezvous_handler: Any, parameters: Any) -> Any:
+        """torch's c10d rendezvous handler for the island. The node whose address the endpoint is hosts the
+        store: torch guesses that from the host name, which inside a container or a network namespace names
+        another address, so we try to host it whenever the endpoint is one of our addresses, and fall back to
+        joining as a client when another node of this host got there first (the port is taken)."""
+        host = self.endpoint.rsplit(":", 1)[0].strip("[]")
+        candidates = (
+            [self.is_host] if self.is_host is not None else ([True, False] if _is_local(host) else [False])
+        )
+        error: Exception | None = None
+        for is_host in candidates:
+            try:
+                return get_rendezvous_handler(
+                    parameters(
+                        backend="c10d",
+                        endpoint=self.endpoint,
+                        run_id=self.run_id,
+                        min_nodes=1,
+                        max_nodes=self.max_nodes,
+                        local_addr=self.host or None,
+                        join_timeout=JOIN_TIMEOUT,
+                        last_call_timeout=LAST_CALL,
+                        keep_alive_interval=KEEP_ALIVE_INTERVAL,
+                        keep_alive_max_attempt=KEEP_ALIVE_ATTEMPTS,
+                        read_timeout=STORE_TIMEOUT,
+                        is_host=is_host,
+                    )
+                )
+            except Exception as exc:
+                error = exc
+        assert error is not None
+        raise error
 
     def _failed(self, what: str) -> None:
         self.rendezvous_errors += 1
