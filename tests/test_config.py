@@ -135,3 +135,40 @@ def test_config_get_prints_one_resolved_value_for_scripts(tmp_path: Path) -> Non
     )
     wrong = runner.invoke(main, ["config", "get", str(path), "nope"])
     assert wrong.exit_code != 0 and "SECTION.KEY" in wrong.output
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["run.island_slices=1"], "run.island_slices: expected 0 (no islands) or 2..4096, got 1"),
+        (['node.island="a"'], "node.island_endpoint: expected host:port of the island's rendezvous"),
+        (['node.island="a b"', 'node.island_endpoint="h:1"'], "node.island: expected 1-64 letters"),
+        (
+            ['node.island="a"', 'node.island_endpoint="h:1"'],
+            "node.island='a': this run has no islands (run.island_slices = 0)",
+        ),
+        (
+            ['node.island="a"', 'node.island_endpoint="h:1"', "run.island_slices=4", 'run.codec="topk"'],
+            "expected a dense codec",
+        ),
+        (
+            ['node.island="a"', 'node.island_endpoint="h:1"', "run.island_slices=4", "node.island_size=5"],
+            "node.island_size=5: expected at most run.island_slices=4",
+        ),
+    ],
+)
+def test_island_settings_are_checked(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_an_island_node_config_loads() -> None:
+    config = load_config(
+        None, ['node.island="rack-7"', 'node.island_endpoint="10.0.0.1:31339"', "run.island_slices=16"]
+    )
+    assert (config.node.island, config.node.island_endpoint, config.run.island_slices) == (
+        "rack-7",
+        "10.0.0.1:31339",
+        16,
+    )

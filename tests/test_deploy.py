@@ -439,7 +439,11 @@ def test_kustomize_builds(tmp_path: Path) -> None:
 def test_k8s_manifests_pass_the_kubernetes_schema() -> None:
     """Every resource file against the Kubernetes OpenAPI schemas (kubernetes-validate ships them: no download),
     strictly: a misspelt field is an error, not a silently ignored key."""
-    resources = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+    resources = sorted(
+        p
+        for p in [*(DEPLOY / "k8s").glob("*.yaml"), *(DEPLOY / "k8s" / "islands").glob("*.yaml")]
+        if p.name != "kustomization.yaml"
+    )
     result = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", *map(str, resources)],
         capture_output=True,
@@ -590,3 +594,34 @@ def test_init_secrets_peer_id_is_the_bootstraps(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             bootstrap.kill()
             bootstrap.wait()
+
+
+def test_k8s_island_is_a_statefulset_whose_pod_0_hosts_the_rendezvous() -> None:
+    """deploy/k8s/islands: one StatefulSet per island; its pods name the island and pod 0's stable DNS name as the
+    rendezvous endpoint, which their config accepts, with the base ConfigMap's [run] (island_slices set)."""
+    documents = [
+        d for d in yaml.safe_load_all((DEPLOY / "k8s" / "islands" / "island-a.yaml").read_text()) if d
+    ]
+    (statefulset,) = [d for d in documents if d["kind"] == "StatefulSet"]
+    (service,) = [d for d in documents if d["kind"] == "Service"]
+    spec = statefulset["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    args = container["args"]
+    island, endpoint = _option_value(args, "--island"), _option_value(args, "--island-endpoint")
+    host, port = endpoint.rsplit(":", 1)
+    name = statefulset["metadata"]["name"]
+    assert host == f"{name}-0.{spec['serviceName']}" and service["metadata"]["name"] == spec["serviceName"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert {"name": "island", "containerPort": int(port)} in container["ports"]
+    # The island's pods are not the base StatefulSet's: their labels do not match its selector.
+    base = _k8s("StatefulSet", "farloco")["spec"]["selector"]["matchLabels"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert not all(labels.get(k) == v for k, v in base.items())
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    config = build_config(
+        tomllib.loads(_k8s("ConfigMap", "farloco-node")["data"]["node.toml"]),
+        [f"node.island={island!r}", f"node.island_endpoint={endpoint!r}", "node.island_size=2"],
+    )
+    assert config.run.island_slices >= spec["replicas"]
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "islands" / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../", "island-a.yaml"]
