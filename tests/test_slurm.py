@@ -192,3 +192,41 @@ def test_a_node_that_cannot_reach_the_bootstrap_says_where_it_looked(tmp_path: P
         -2000:
     ]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_sbatch_makes_one_island_of_its_nodes(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """FARLOCO_ISLAND: the job's two nodes form one island (its rendezvous on the first node's NodeAddr) and go
+    through their rounds together: rank 0 and 1, each with half of the slices; hashes agree; the leave is clean."""
+    run_root = tmp_path / "run"
+    config = run_config(tmp_path / "tiny.toml")
+    config.write_text(config.read_text().replace("[run]\n", "[run]\nisland_slices = 8\n"))
+    base = free_block(8)
+    env = {
+        "FARLOCO_CONFIG": str(config),
+        "FARLOCO_RUN_ROOT": str(run_root),
+        "FARLOCO_BOOTSTRAP_PORT": str(base),
+        "FARLOCO_PORT_BASE": str(base + 1),
+        "FARLOCO_ISLAND": "slurm",
+        "FARLOCO_ISLAND_PORT": str(base + 7),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    fit = ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out"]
+    run_dirs = [run_root / "n1", run_root / "n2"]
+    job = cluster.sbatch(*fit, "--time=10", str(SBATCH), env=env, cwd=ROOT)
+
+    def island_rounds() -> list[int]:
+        by_node = [{e["round_id"]: e for e in committed(d)} for d in run_dirs]
+        return [
+            r
+            for r in together(run_dirs, -1)
+            if sorted(tuple((by_node[i][r]["island"] or {}).get("span", ())) for i in range(2))
+            == [(0, 4), (4, 8)]
+        ]
+
+    wait_for("3 rounds of the island together", lambda: len(island_rounds()) >= 3, cluster, job, timeout=180)
+    cluster.run("scancel", "--signal=TERM", job)
+    fields = cluster.wait_job(job, 60)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, out)
+    assert f"island slurm: rendezvous at 127.0.0.1:{base + 7}" in out, out
+    assert_left_cleanly(run_dirs, out)

@@ -164,7 +164,7 @@ class Island:
         re-form without us once it expires."""
         self._closed.set()
         self._requests.put(_Request("close", ()))
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=1.0)
         self._drop()
 
     @property
