@@ -80,3 +80,64 @@ def test_two_islands_of_two_and_a_lone_node_train_as_one_swarm(tmp_path: Path) -
         assert by_peer["lone"][rounds]["island"] is None
     finally:
         made.close()
+
+
+@pytest.mark.slow
+def test_an_island_node_sigkilled_mid_run_costs_its_island_a_round_and_nothing_forks(tmp_path: Path) -> None:
+    """Issue 17, faults: a node of an island dies (SIGKILL) while the swarm trains. Its island partner goes on
+    alone (then as an island of one), the other island and the lone node never stop, and every committed hash
+    agrees round by round: nobody averaged a slice the dead node never delivered."""
+    import os
+    import signal
+
+    made = Swarm(tmp_path, ["run.max_rounds=0", "run.inner_steps=4", "run.island_slices=8"])
+    try:
+        peers = {}
+        for island in "ab":
+            endpoint = f"127.0.0.1:{free_port()}"
+            for index in range(2):
+                name = f"{island}{index}"
+                peers[name] = made.add(
+                    name,
+                    extra=("--island", island, "--island-endpoint", endpoint, "--set", "node.island_size=2"),
+                )
+        peers["lone"] = made.add("lone")
+        everyone = list(peers.values())
+
+        def together_rounds() -> list[int]:
+            by = {n: {e["round_id"]: e for e in rounds_of(p)} for n, p in peers.items()}
+            return [
+                r
+                for r in by["lone"]
+                if all(
+                    r in by[n] and (by[n][r]["island"] or {}).get("size") == 2
+                    for n in ("a0", "a1", "b0", "b1")
+                )
+            ]
+
+        wait_for(lambda: len(together_rounds()) >= 2, 300, "2 rounds with both islands together", everyone)
+        killed_at = max(e["round_id"] for e in rounds_of(peers["a1"]))
+        os.killpg(peers["a1"].process.pid, signal.SIGKILL)
+        peers["a1"].process.wait()
+        survivors = [p for n, p in peers.items() if n != "a1"]
+        target = killed_at + 6
+        wait_for(
+            lambda: all(any(e["round_id"] >= target for e in rounds_of(p)) for p in survivors),
+            300,
+            f"the four survivors to reach round {target}",
+            survivors,
+        )
+        by = {p.name: {e["round_id"]: e for e in rounds_of(p)} for p in survivors}
+        for round_id in range(1, target + 1):
+            hashes = {n: r[round_id]["outer_hash"] for n, r in by.items() if round_id in r}
+            assert len(set(hashes.values())) == 1, f"round {round_id}: {hashes}"
+        # The lone node and island b never missed a round after the kill.
+        for name in ("lone", "b0", "b1"):
+            assert all(r in by[name] for r in range(killed_at + 1, target + 1)), (name, sorted(by[name]))
+        # a0 trains on: its later rounds are committed alone or as an island of one, never with a dead partner.
+        later = [by["a0"][r] for r in range(killed_at + 2, target + 1) if r in by["a0"]]
+        assert later and all(
+            (e["island"] or {}).get("size", 1) == 1 or e["island"].get("alone") for e in later
+        ), later
+    finally:
+        made.close()
