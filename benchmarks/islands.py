@@ -25,26 +25,15 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from wan import tx_bytes  # benchmarks/wan.py: an uplink's tx counter (this script's folder is on sys.path)
+
 ISLANDS = 2
 PER_ISLAND = 2
-
-
-def tx_bytes(wan: Any, i: int) -> int:
-    """Bytes island i sent on its uplink (its namespace's /proc/net/dev)."""
-    text = subprocess.run(
-        [*wan.prefix_command(i), "cat", "/proc/net/dev"], capture_output=True, text=True, timeout=30
-    ).stdout
-    for line in text.splitlines():
-        name, _, fields = line.partition(":")
-        if name.strip() == f"{wan.prefix}v{i}":
-            return int(fields.split()[8])
-    raise RuntimeError(f"no uplink of island {i} in /proc/net/dev")
 
 
 def free_port() -> int:

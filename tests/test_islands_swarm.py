@@ -3,21 +3,15 @@ on 127.0.0.1 with a real DHT, gRPC and each island's own c10d rendezvous and glo
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+from test_island import free_port
 from test_swarm import Swarm, rounds_of, wait_for
 
 from farloco.node.tools.demo import read_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(600)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_two_islands_of_two_and_a_lone_node_train_as_one_swarm(tmp_path: Path) -> None:

@@ -70,6 +70,17 @@ def run_config(path: Path) -> Path:
     return path
 
 
+def job_env(config: Path, run_root: Path, base: int) -> dict[str, str]:
+    """The sbatch's environment: the config, the run root, ports from `base` up, and this venv's farloco."""
+    return {
+        "FARLOCO_CONFIG": str(config),
+        "FARLOCO_RUN_ROOT": str(run_root),
+        "FARLOCO_BOOTSTRAP_PORT": str(base),
+        "FARLOCO_PORT_BASE": str(base + 1),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+
+
 def committed(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if e["event"] == "round"]
 
@@ -115,14 +126,7 @@ def test_the_sbatch_runs_leaves_and_resumes_on_a_real_slurm_cluster(
 ) -> None:
     run_root = tmp_path / "run"
     config = run_config(tmp_path / "tiny.toml")
-    base = free_block(7)
-    env = {
-        "FARLOCO_CONFIG": str(config),
-        "FARLOCO_RUN_ROOT": str(run_root),
-        "FARLOCO_BOOTSTRAP_PORT": str(base),
-        "FARLOCO_PORT_BASE": str(base + 1),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    env = job_env(config, run_root, free_block(7))
     # The script's GPU and CPU requests are for a GPU cluster: this one has 2 CPUs per node and no GPUs.
     fit = ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out"]
     run_dirs = [run_root / "n1", run_root / "n2"]
@@ -201,15 +205,7 @@ def test_the_sbatch_makes_one_island_of_its_nodes(cluster: SlurmCluster, tmp_pat
     config = run_config(tmp_path / "tiny.toml")
     config.write_text(config.read_text().replace("[run]\n", "[run]\nisland_slices = 8\n"))
     base = free_block(8)
-    env = {
-        "FARLOCO_CONFIG": str(config),
-        "FARLOCO_RUN_ROOT": str(run_root),
-        "FARLOCO_BOOTSTRAP_PORT": str(base),
-        "FARLOCO_PORT_BASE": str(base + 1),
-        "FARLOCO_ISLAND": "slurm",
-        "FARLOCO_ISLAND_PORT": str(base + 7),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    env = {**job_env(config, run_root, base), "FARLOCO_ISLAND": "slurm", "FARLOCO_ISLAND_PORT": str(base + 7)}
     fit = ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out"]
     run_dirs = [run_root / "n1", run_root / "n2"]
     job = cluster.sbatch(*fit, "--time=10", str(SBATCH), env=env, cwd=ROOT)
