@@ -194,6 +194,9 @@ class NodeConfig:
     island's StatefulSet). Every node of the island names the same one."""
     island_size: int = 0
     """The most nodes the island holds (its rendezvous completes at once when all are in). 0: run.island_slices."""
+    island_backend: str = "gloo"
+    """The island's collectives: 'gloo' (host memory, any node) or 'nccl' (GPU nodes: the island's reduce-scatter
+    and all-gathers go through 64 MiB staging buffers on the node's first GPU; not yet measured on GPUs)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "threads_per_rank", "tp", "micro_batches")
@@ -202,6 +205,10 @@ class NodeConfig:
                 f"node.partial_min_fraction: expected a number in (0, 1], got {self.partial_min_fraction!r}"
             )
         _non_negative(self, "max_restarts", "eval_batches", "island_size")
+        if self.island_backend not in ("gloo", "nccl"):
+            raise ConfigError(f"node.island_backend: expected 'gloo' or 'nccl', got {self.island_backend!r}")
+        if self.island_backend == "nccl" and self.device == "cpu":
+            raise ConfigError("node.island_backend='nccl': expected a GPU node, got node.device='cpu'")
         if self.island and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.island):
             raise ConfigError(
                 f"node.island: expected 1-64 letters, digits, '_', '.' or '-', got {self.island!r}"

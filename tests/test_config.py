@@ -155,6 +155,8 @@ def test_config_get_prints_one_resolved_value_for_scripts(tmp_path: Path) -> Non
             ['node.island="a"', 'node.island_endpoint="h:1"', "run.island_slices=4", "node.island_size=5"],
             "node.island_size=5: expected at most run.island_slices=4",
         ),
+        (['node.island_backend="mpi"'], "node.island_backend: expected 'gloo' or 'nccl', got 'mpi'"),
+        (['node.island_backend="nccl"', 'node.device="cpu"'], "expected a GPU node, got node.device='cpu'"),
     ],
 )
 def test_island_settings_are_checked(overrides: list[str], message: str) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 NUMEL = 10_007
@@ -43,6 +44,9 @@ def node_main(spec: dict[str, Any]) -> None:
         slices=SLICES,
         wait=spec.get("wait", 5.0),
         collective_timeout=10.0,
+        backend=spec.get("backend", "gloo"),
+        device=spec.get("device", "cpu"),
+        stage_elems=spec.get("stage", 0),
     )
     island.start()
     out = Path(spec["out"])
@@ -112,7 +116,10 @@ def read_mean(out: Path, node: int, round_id: int) -> torch.Tensor:
     )
 
 
-def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [0, 997])
+def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: Path, stage: int) -> None:
+    """stage: the collectives in place on the host buffers (gloo), or piece by piece through staging buffers of
+    997 values per node (NCCL's path, here on the CPU with gloo)."""
     endpoint = f"127.0.0.1:{free_port()}"
     weights = [1.0, 0.5, 2.0]
     specs = [
@@ -124,6 +131,7 @@ def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: 
             "rounds": 3,
             "out": str(tmp_path),
             "weight": w,
+            "stage": stage,
         }
         for i, w in enumerate(weights)
     ]
@@ -190,6 +198,35 @@ def test_a_node_whose_exchange_failed_makes_the_whole_island_sit_out(tmp_path: P
     lines = finish(procs)
     for node in lines:
         assert all("gather_error" in line and "no mean" in line["gather_error"] for line in node), node
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices: an NCCL island of two nodes (NCCL refuses two ranks on one GPU)",
+)
+def test_an_nccl_island_of_two_gives_the_gloo_result(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    specs = [
+        {
+            "node": i,
+            "endpoint": endpoint,
+            "max_nodes": 2,
+            "want": 2,
+            "rounds": 2,
+            "out": str(tmp_path),
+            "backend": "nccl",
+            "device": f"cuda:{i}",
+            "stage": 1009,
+        }
+        for i in range(2)
+    ]
+    finish(start_nodes(specs))
+    for round_id in range(2):
+        expected = (contribution(0, round_id) + contribution(1, round_id)) / 2
+        means = [read_mean(tmp_path, i, round_id) for i in range(2)]
+        assert torch.equal(means[0], means[1])
+        assert float((means[0] - expected).abs().max()) < 1e-5
 
 
 if __name__ == "__main__":

@@ -233,6 +233,13 @@ class Agent(RoundAgent):
             self.config.timeouts,
             self.config.network,
         )
+        if node.island_backend == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise AgentError(
+                    "node.island_backend='nccl': expected a CUDA device on this node, found none"
+                )
         island = Island(
             name=node.island,
             endpoint=node.island_endpoint,
@@ -244,6 +251,8 @@ class Agent(RoundAgent):
             wait=timeouts.leader_timeout,
             # A node's gather waits for the island's slowest exchange.
             collective_timeout=timeouts.exchange_timeout + 30.0,
+            backend=node.island_backend,
+            device="cuda:0" if node.island_backend == "nccl" else "cpu",
         )
         island.start()
         self.events.write("island", name=node.island, endpoint=node.island_endpoint)

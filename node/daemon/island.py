@@ -60,6 +60,9 @@ KEEP_ALIVE_ATTEMPTS = 3
 STORE_TIMEOUT = 10
 # Rounds of posts kept in the store behind the current one.
 KEEP_ROUNDS = 4
+BACKENDS = ("gloo", "nccl")
+# NCCL's staging buffers: 16M values (64 MiB) per node of the island, and as much again for the result.
+STAGE_ELEMS = 16 << 20
 
 
 class IslandError(Exception):
@@ -130,7 +133,12 @@ class Island:
         wait: float,
         collective_timeout: float,
         is_host: bool | None = None,
+        backend: str = "gloo",
+        device: str = "cpu",
+        stage_elems: int = 0,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"island backend: expected one of {BACKENDS}, got {backend!r}")
         self.name = name
         self.endpoint = endpoint
         self.run_id = f"farloco-{run_id}-{name}"
@@ -140,6 +148,12 @@ class Island:
         self.wait = wait
         self.collective_timeout = collective_timeout
         self.is_host = is_host
+        self.backend = backend
+        self.device = torch.device(device)
+        # NCCL reduces device memory: the host buffers go through a staging buffer of this many values per node
+        # (k + 1 of them on the device), piece by piece. gloo works on the host buffers in place (0), except in
+        # tests, which stage on the CPU to exercise the same path.
+        self.stage_elems = stage_elems or (STAGE_ELEMS if backend == "nccl" else 0)
         self.rank = 0
         self.size = 1
         self.generation = 0  # rendezvous rounds joined
@@ -255,7 +269,7 @@ class Island:
     def _rendezvous(self) -> None:
         """Join the next round of the island's rendezvous and build the gloo group over it. On failure, wait a
         little and try again later: rounds meanwhile exchange alone."""
-        from torch.distributed import PrefixStore, ProcessGroupGloo  # type: ignore[attr-defined]
+        from torch.distributed import PrefixStore  # type: ignore[attr-defined]
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
@@ -266,14 +280,7 @@ class Island:
                 self._handler = self._make_handler(get_rendezvous_handler, RendezvousParameters)
             info = self._handler.next_rendezvous()
             store = PrefixStore("farloco-island", info.store)
-            options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            options._timeout = timedelta(seconds=self.collective_timeout)
-            options._devices = [
-                ProcessGroupGloo.create_device(hostname=self.host)
-                if self.host
-                else ProcessGroupGloo.create_default_device()
-            ]
-            self._pg = ProcessGroupGloo(store, info.rank, info.world_size, options)
+            self._pg = self._make_group(store, info.rank, info.world_size)
             self._store = store
             self.rank, self.size = info.rank, info.world_size
             self.generation += 1
@@ -289,6 +296,68 @@ class Island:
             self._failed(f"rendezvous at {self.endpoint}: {type(exc).__name__}: {exc}")
             self._handler = None
             self._closed.wait(min(30.0, 2.0 * min(self.rendezvous_errors, 5)))
+
+    def _make_group(self, store: Any, rank: int, size: int) -> Any:
+        """The island's process group over the rendezvous store: gloo bound to our address, or NCCL on our
+        device (node.island_backend)."""
+        timeout = timedelta(seconds=self.collective_timeout)
+        if self.backend == "nccl":
+            from torch.distributed import ProcessGroupNCCL
+
+            torch.cuda.set_device(self.device)
+            nccl_options = ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            return ProcessGroupNCCL(store, rank, size, nccl_options)
+        from torch.distributed import ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        options._devices = [
+            ProcessGroupGloo.create_device(hostname=self.host)
+            if self.host
+            else ProcessGroupGloo.create_default_device()
+        ]
+        return ProcessGroupGloo(store, rank, size, options)
+
+    def _device_buffer(self, name: str, numel: int) -> torch.Tensor:
+        key = f"device-{name}"
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self._buffers[key] = buffer
+        return buffer[:numel]
+
+    def _reduce_scatter(self, out: torch.Tensor, padded: torch.Tensor, block: int) -> None:
+        """`out` (block values) = the island's sum of row `rank` of every node's `padded` (size x block)."""
+        if not self.stage_elems:
+            self._pg._reduce_scatter_base(out, padded).wait()
+            return
+        rows = padded.view(self.size, block)
+        step = self.stage_elems
+        staged_in, staged_out = self._device_buffer("in", self.size * step), self._device_buffer("out", step)
+        for start in range(0, block, step):
+            n = min(step, block - start)
+            staged = staged_in[: self.size * n].view(self.size, n)
+            staged.copy_(rows[:, start : start + n])
+            self._pg._reduce_scatter_base(staged_out[:n], staged_in[: self.size * n]).wait()
+            out[start : start + n].copy_(staged_out[:n])
+
+    def _all_gather(self, gathered: torch.Tensor, mine: torch.Tensor, block: int) -> None:
+        """Row r of `gathered` (size x block) = node r's `mine` (block values)."""
+        if not self.stage_elems:
+            self._pg._allgather_base(gathered, mine).wait()
+            return
+        rows = gathered.view(self.size, block)
+        step = self.stage_elems
+        staged_all, staged_mine = (
+            self._device_buffer("in", self.size * step),
+            self._device_buffer("out", step),
+        )
+        for start in range(0, block, step):
+            n = min(step, block - start)
+            staged_mine[:n].copy_(mine[start : start + n])
+            self._pg._allgather_base(staged_all[: self.size * n], staged_mine[:n]).wait()
+            rows[:, start : start + n].copy_(staged_all[: self.size * n].view(self.size, n))
 
     def _make_handler(self, get_rendezvous_handler: Any, parameters: Any) -> Any:
         """torch's c10d rendezvous handler for the island. The node whose address the endpoint is hosts the
@@ -437,7 +506,7 @@ class Island:
             round_id, self.rank, self.size, spans[self.rank], (lo, hi), total, self._buffer("mean", numel)
         )
         try:
-            self._pg._reduce_scatter_base(summed, padded).wait()
+            self._reduce_scatter(summed, padded, block)
         except Exception as exc:  # a node died mid-collective: everyone alone, then re-form
             self._open = None
             self._failed(f"reduce-scatter of round {round_id}: {exc}")
@@ -456,10 +525,9 @@ class Island:
         current, self._open = self._open, None
         if current is None:
             raise IslandError("no island round is open")
-        pg = self._pg
         try:
             flags = torch.zeros(self.size, dtype=torch.float32)
-            pg._allgather_base(flags, torch.tensor([1.0 if ok else 0.0])).wait()
+            self._all_gather(flags, torch.tensor([1.0 if ok else 0.0]), 1)
             if not bool((flags == 1.0).all()):
                 missing = [rank for rank in range(self.size) if flags[rank] != 1.0]
                 raise IslandError(
@@ -476,7 +544,7 @@ class Island:
             mine = self._buffer("summed", block)
             for source, target in ((mean, mean_out), (transmitted, sent_out)):
                 mine[: hi - lo].copy_(source[lo:hi])
-                pg._allgather_base(padded, mine).wait()
+                self._all_gather(padded, mine, block)
                 for rank, (a, b) in enumerate(ranges):
                     target[a:b].copy_(padded[rank * block : rank * block + b - a])
         except IslandError:
