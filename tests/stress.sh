@@ -30,7 +30,11 @@ else
   "$python" -c 'while True: pass' &
 fi
 hog=$!
-trap 'kill $hog 2> /dev/null' EXIT
+suite=
+# Stopping the script (SIGTERM, Ctrl+C) stops the suite too: pytest runs in a session of its own, killed whole
+# (its nodes, ranks and DHT daemons with it), so nothing of a stopped stress run trains on unseen.
+trap 'kill $hog 2> /dev/null; [ -z "$suite" ] || kill -KILL -- -"$suite" 2> /dev/null' EXIT
+trap 'exit 130' INT TERM
 
 say() { echo "$*" | tee -a "$summary"; }
 say "stress: $runs run(s) of the default suite, a CPU hog (pid $hog) on one core, per-test limit ${limit}s"
@@ -40,8 +44,11 @@ failed=0
 for i in $(seq 1 "$runs"); do
   log="$out/run-$i.log"
   start=$(date +%s)
-  "$python" -m pytest -q --durations=10 --durations-min=1 "$@" > "$log" 2>&1
+  setsid "$python" -m pytest -q --durations=10 --durations-min=1 "$@" > "$log" 2>&1 &
+  suite=$!
+  wait "$suite"
   code=$?
+  suite=
   seconds=$(( $(date +%s) - start ))
   result=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$log" | tail -n 1)
   say ""
