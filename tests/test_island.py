@@ -35,6 +35,8 @@ def free_port() -> int:
 def node_main(spec: dict[str, Any]) -> None:
     from farloco.node.daemon.island import Island, IslandError
 
+    time.sleep(spec.get("start_after", 0.0))
+    started = time.monotonic()
     island = Island(
         name="test",
         endpoint=spec["endpoint"],
@@ -56,6 +58,7 @@ def node_main(spec: dict[str, Any]) -> None:
             while round_id == 0 and not (island.ready and island.size >= spec["want"]):
                 assert time.monotonic() < deadline, "the island never formed"
                 time.sleep(0.05)
+            formed_after = time.monotonic() - started
             time.sleep(spec.get("pace", 0.3))  # a round's work between two exchanges
             if spec.get("die_at") == round_id:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -63,6 +66,8 @@ def node_main(spec: dict[str, Any]) -> None:
             weight = spec.get("weight", 1.0)
             result = island.submit_reduce(round_id, f"group-{round_id}", mine, weight).result(timeout=60)
             line: dict[str, Any] = {"round": round_id, "alone": result is None}
+            if round_id == 0:
+                line["formed_after"] = formed_after
             if result is not None:
                 line.update(rank=result.rank, size=result.size, span=result.span, weight=result.weight)
                 mean_out = torch.full((NUMEL,), float("nan"))
@@ -145,6 +150,24 @@ def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: 
     spans = sorted(tuple(lines[i][0]["span"]) for i in range(3))
     assert spans == [(0, 2), (2, 5), (5, 8)]  # the slices shared out, rank by rank
     assert all(line["weight"] == sum(weights) and line["size"] == 3 for node in lines for line in node)
+
+
+def test_a_node_that_comes_later_is_in_the_island_within_seconds(tmp_path: Path) -> None:
+    """Node 0 forms an island of one, node 1 starts 4 s later: torch's wait list brings node 0 back to the
+    rendezvous and the two form one island at once (it took 95 s when a re-joining rank 0 left the newcomer
+    waiting for torch's MASTER_ADDR, which only the first rendezvous of a handler writes)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    specs = [
+        {"node": i, "endpoint": endpoint, "max_nodes": 2, "want": 2, "rounds": 2, "out": str(tmp_path)}
+        for i in range(2)
+    ]
+    specs[0]["want"] = 1
+    specs[0]["rounds"] = 8
+    specs[0]["pace"] = 2.0  # node 0 goes through rounds (alone at first) while node 1 starts and joins
+    specs[1]["start_after"] = 4.0
+    lines = finish(start_nodes(specs))
+    formed = next(line["formed_after"] for line in lines[1] if "formed_after" in line)
+    assert formed < 20.0, f"node 1 was in an island of two only {formed:.1f} s after its start"
 
 
 def test_a_node_that_dies_costs_the_island_one_round_then_it_re_forms_without_it(tmp_path: Path) -> None:

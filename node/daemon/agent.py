@@ -249,8 +249,10 @@ class Agent(RoundAgent):
             max_nodes=node.island_size or run.island_slices,
             slices=run.island_slices,
             wait=timeouts.leader_timeout,
-            # A node's gather waits for the island's slowest exchange.
-            collective_timeout=timeouts.exchange_timeout + 30.0,
+            # Also how long building the group may wait for a node of the rendezvous. A collective starts only once
+            # every node agreed to the round (or, for the gather, finished the same exchange), so it waits for the
+            # fabric, not for a straggler: a node that dies meanwhile is known at once (its connections reset).
+            collective_timeout=min(60.0, timeouts.exchange_timeout),
             backend=node.island_backend,
             device="cuda:0" if node.island_backend == "nccl" else "cpu",
         )

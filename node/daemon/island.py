@@ -69,6 +69,23 @@ class IslandError(Exception):
     """The island's collective failed this round (a node died, a flag was not set): the round sits out."""
 
 
+def _skip_bootstrap_store(handler: Any, host: str) -> None:
+    """Tell torch's handler that its bootstrap store is set up, so `next_rendezvous` skips it.
+
+    That step is for the workers torchrun launches (rank 0 publishes MASTER_ADDR and a TCPStore of its own); we
+    build our group over the rendezvous store itself. torch (2.11-2.13) also does it only on a handler's first
+    rendezvous: a node that was rank 0 of an earlier round and is rank 0 again never writes MASTER_ADDR under the
+    new round, and a node joining for the first time waited for it until its store timed out, failed its
+    rendezvous, and left the first one building a group it never joined: an island of two nodes started a few
+    seconds apart formed 95 s late (found by tests/stress.sh). Private attributes, hence the hasattr."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    if hasattr(handler, "_bootstrap_store_info") and hasattr(handler, "_shared_tcp_store_server"):
+        handler._bootstrap_store_info = RendezvousStoreInfo(host or "127.0.0.1", 0)
+        if handler._shared_tcp_store_server is None:
+            handler._shared_tcp_store_server = getattr(handler, "_store", None) or object()
+
+
 def _is_local(host: str) -> bool:
     """Whether `host` is an address of this machine (or network namespace): one we can bind to."""
     try:
@@ -166,7 +183,6 @@ class Island:
         self._reform = True
         self._closed = threading.Event()
         self._requests: queue.Queue[_Request] = queue.Queue()
-        self._lock = threading.Lock()
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread = threading.Thread(target=self._run, name="farloco-island", daemon=True)
 
@@ -278,6 +294,7 @@ class Island:
         try:
             if self._handler is None:
                 self._handler = self._make_handler(get_rendezvous_handler, RendezvousParameters)
+            _skip_bootstrap_store(self._handler, self.host)
             info = self._handler.next_rendezvous()
             store = PrefixStore("farloco-island", info.store)
             self._pg = self._make_group(store, info.rank, info.world_size)
