@@ -87,6 +87,13 @@ def node_main(spec: dict[str, Any]) -> None:
         island.close()
 
 
+def island_specs(tmp_path: Path, count: int, **common: Any) -> list[dict[str, Any]]:
+    """One spec per node of an island of `count` on a fresh endpoint: every node waits for all of them."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    base = {"endpoint": endpoint, "max_nodes": count, "want": count, "out": str(tmp_path), **common}
+    return [{**base, "node": i} for i in range(count)]
+
+
 def start_nodes(specs: list[dict[str, Any]]) -> list[subprocess.Popen[str]]:
     return [
         subprocess.Popen(
@@ -125,21 +132,10 @@ def read_mean(out: Path, node: int, round_id: int) -> torch.Tensor:
 def test_three_nodes_reduce_scatter_then_all_gather_the_weighted_mean(tmp_path: Path, stage: int) -> None:
     """stage: the collectives in place on the host buffers (gloo), or piece by piece through staging buffers of
     997 values per node (NCCL's path, here on the CPU with gloo)."""
-    endpoint = f"127.0.0.1:{free_port()}"
     weights = [1.0, 0.5, 2.0]
-    specs = [
-        {
-            "node": i,
-            "endpoint": endpoint,
-            "max_nodes": 3,
-            "want": 3,
-            "rounds": 3,
-            "out": str(tmp_path),
-            "weight": w,
-            "stage": stage,
-        }
-        for i, w in enumerate(weights)
-    ]
+    specs = island_specs(tmp_path, 3, rounds=3, stage=stage)
+    for spec, weight in zip(specs, weights, strict=True):
+        spec["weight"] = weight
     lines = finish(start_nodes(specs))
     for round_id in range(3):
         expected = sum(contribution(i, round_id) * w for i, w in enumerate(weights)) / sum(weights)
@@ -156,11 +152,7 @@ def test_a_node_that_comes_later_is_in_the_island_within_seconds(tmp_path: Path)
     """Node 0 forms an island of one, node 1 starts 4 s later: torch's wait list brings node 0 back to the
     rendezvous and the two form one island at once (it took 95 s when a re-joining rank 0 left the newcomer
     waiting for torch's MASTER_ADDR, which only the first rendezvous of a handler writes)."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    specs = [
-        {"node": i, "endpoint": endpoint, "max_nodes": 2, "want": 2, "rounds": 2, "out": str(tmp_path)}
-        for i in range(2)
-    ]
+    specs = island_specs(tmp_path, 2, rounds=2)
     specs[0]["want"] = 1
     specs[0]["rounds"] = 8
     specs[0]["pace"] = 2.0  # node 0 goes through rounds (alone at first) while node 1 starts and joins
@@ -171,19 +163,7 @@ def test_a_node_that_comes_later_is_in_the_island_within_seconds(tmp_path: Path)
 
 
 def test_a_node_that_dies_costs_the_island_one_round_then_it_re_forms_without_it(tmp_path: Path) -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
-    specs = [
-        {
-            "node": i,
-            "endpoint": endpoint,
-            "max_nodes": 3,
-            "want": 3,
-            "rounds": 12,
-            "out": str(tmp_path),
-            "wait": 2.0,
-        }
-        for i in range(3)
-    ]
+    specs = island_specs(tmp_path, 3, rounds=12, wait=2.0)
     specs[2]["die_at"] = 2  # SIGKILLed before its round 2: the other two never get its post
     lines = finish(start_nodes(specs), timeout=180)
     survivors = lines[:2]
@@ -202,23 +182,9 @@ def test_a_node_that_dies_costs_the_island_one_round_then_it_re_forms_without_it
 
 def test_a_node_whose_exchange_failed_makes_the_whole_island_sit_out(tmp_path: Path) -> None:
     """Every node of the island gets IslandError from the gather when one says its exchange gave no mean."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    specs = [
-        {
-            "node": i,
-            "endpoint": endpoint,
-            "max_nodes": 2,
-            "want": 2,
-            "rounds": 2,
-            "out": str(tmp_path),
-            "fail": i == 1,
-        }
-        for i in range(2)
-    ]
-    for spec in specs:
-        spec["mode"] = "fail-exchange" if spec["fail"] else "ok"
-    procs = start_nodes(specs)
-    lines = finish(procs)
+    specs = island_specs(tmp_path, 2, rounds=2)
+    specs[1]["mode"] = "fail-exchange"
+    lines = finish(start_nodes(specs))
     for node in lines:
         assert all("gather_error" in line and "no mean" in line["gather_error"] for line in node), node
 
@@ -229,21 +195,9 @@ def test_a_node_whose_exchange_failed_makes_the_whole_island_sit_out(tmp_path: P
     reason="needs 2 CUDA devices: an NCCL island of two nodes (NCCL refuses two ranks on one GPU)",
 )
 def test_an_nccl_island_of_two_gives_the_gloo_result(tmp_path: Path) -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
-    specs = [
-        {
-            "node": i,
-            "endpoint": endpoint,
-            "max_nodes": 2,
-            "want": 2,
-            "rounds": 2,
-            "out": str(tmp_path),
-            "backend": "nccl",
-            "device": f"cuda:{i}",
-            "stage": 1009,
-        }
-        for i in range(2)
-    ]
+    specs = island_specs(tmp_path, 2, rounds=2, backend="nccl", stage=1009)
+    for spec in specs:
+        spec["device"] = f"cuda:{spec['node']}"
     finish(start_nodes(specs))
     for round_id in range(2):
         expected = (contribution(0, round_id) + contribution(1, round_id)) / 2
