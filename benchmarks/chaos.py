@@ -29,12 +29,24 @@ SUMMARY_OVER = 4  # a scenario with more faults than this gets one summary line
 def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | None) -> list[str]:
     scenario = SCENARIOS[name]
     rejected = ", ".join(f"{reason} {int(n)}" for reason, n in sorted(outcome.rejected.items())) or "-"
+    if outcome.ignored:  # DHT records the survivors did not believe
+        ignored = ", ".join(f"{reason} {int(n)}" for reason, n in sorted(outcome.ignored.items()))
+        rejected = f"{rejected}; DHT records ignored: {ignored}"
     loss = "-"
     if outcome.final_loss is not None:
         loss = f"{outcome.final_loss:.3f}"
         if healthy is not None and healthy.final_loss is not None and outcome is not healthy:
             loss += f" ({outcome.final_loss - healthy.final_loss:+.3f})"
     held = "yes" if not problems else "**no**: " + "; ".join(problems)
+    for split in outcome.splits:  # which way a partition went: who committed apart, who took whose state
+        sides = " | ".join(",".join(side) for side in split["sides"])
+        apart = " | ".join(str(n) for n in split["rounds_apart"])
+        met = split["met_again_after_heal_s"]
+        held += (
+            f" (sides {sides} committed {apart} rounds apart; after the heal "
+            f"{', '.join(split['synced_after_heal']) or 'nobody'} took the other side's state, one swarm again "
+            f"{'never' if met is None else f'{met:.1f} s after the heal'})"
+        )
     lines = []
     faults = scenario.faults or ()
     if not faults:

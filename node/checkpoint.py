@@ -43,6 +43,7 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,7 @@ def save_checkpoint(
     meta: dict[str, str],
     *,
     staged: Path | None = None,
+    durable: Callable[[], None] | None = None,
 ) -> Path:
     """Write the outer state of `round_id` durably and atomically; returns the final checkpoint directory.
 
@@ -118,7 +120,9 @@ def save_checkpoint(
     `inner_step` and may add other string fields. `format_version`, `round_id`, `outer_hash`, `time` and
     `inner_sha256` are filled in here (a given `outer_hash` or `round_id` must match what they really are).
     `staged`: the directory `stage_checkpoint` made for this round, possibly holding `inner/`; it becomes the
-    checkpoint (or is removed if this fails).
+    checkpoint (or is removed if this fails). `durable`: called once every file and the temporary directory are
+    fsynced, before the rename (the fault injector's `save` phase: a crash there must leave the previous
+    checkpoint the newest).
     """
     root = Path(root)
     try:
@@ -156,6 +160,8 @@ def save_checkpoint(
         fsync_file(state_path)
         _write_durably(tmp / COMMITTED_FILE, outer_hash.encode() + b"\n")
         fsync_dir(tmp)
+        if durable is not None:
+            durable()
         if final.exists():
             # Same round written again (e.g. after a restart resumed from it): move the old one aside under a
             # .tmp- name. A crash between the two renames loses this round's checkpoint (older ones stay

@@ -46,13 +46,14 @@ the members that answered, so every survivor takes the same one:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,6 +94,13 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 # every member's stream was seen and read to its end and every push of ours ended. Not after a deadline, our own
 # bad input or a group mismatch. A crashed member's stream never ends, so a crash costs up to this much more.
 EVIDENCE_GRACE_SECONDS = 1.0
+# A member frozen mid-exchange (SIGSTOP, a hung machine): with a `gone` callback (its membership record expired:
+# no heartbeat for the member ttl), a member we have heard nothing from for GONE_SILENCE_SECONDS is given up
+# before the data deadline, but only while the members still heard from are a strict majority of the attempt: both
+# sides of a partition cannot be, so neither side of a 1|1 or 2|2 split goes on alone early (each waits for the
+# deadline, as without the callback). Checked every GONE_CHECK_SECONDS, in the data phase and for votes.
+GONE_SILENCE_SECONDS = 2.0
+GONE_CHECK_SECONDS = 0.5
 # Most streams one member opens to one owner for one part (network.streams_per_peer).
 MAX_LANES = 16
 # Most slices a tensor may be cut into for spans (see Spans).
@@ -296,6 +304,8 @@ class _Attempt:
     status: asyncio.Future[dict[str, Any]] | None = None
     consumers: set[asyncio.Task[None]] = field(default_factory=set)  # tasks reading the members' streams
     grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
+    heard: dict[int, float] = field(default_factory=dict)  # member index -> loop time of its last frame to us
+    gone: set[str] = field(default_factory=set)  # members given up as gone (GONE_SILENCE_SECONDS)
     data_deadline: float = math.inf
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -408,6 +418,7 @@ class Exchange:
         max_payload_bytes: int = 4 << 30,
         streams_per_peer: int = 1,
         slices: int = 0,
+        gone: Callable[[str], bool] | None = None,
     ) -> None:
         if slices == 1 or not 0 <= slices <= MAX_SLICES:
             raise ValueError(f"slices must be 0 or in 2..{MAX_SLICES}, got {slices}")
@@ -428,6 +439,8 @@ class Exchange:
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
         self.corrupt_rounds: set[int] = set()  # chaos only: see `_outgoing`
+        # Whether a peer is known gone (its membership record expired); see GONE_SILENCE_SECONDS. None: never.
+        self.gone = gone
         self._attempts: dict[str, _Attempt] = {}
         self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
         server.add_stream(PUSH_METHOD, self._on_push)
@@ -648,6 +661,10 @@ class Exchange:
     async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         attempt.data_deadline = deadline
+        for j in range(
+            len(attempt.members)
+        ):  # silence is counted from here (or from a stream that came first)
+            attempt.heard.setdefault(j, loop.time())
         try:
             if not attempt.dense:
                 self._encode_sparse(attempt)
@@ -666,7 +683,7 @@ class Exchange:
         }
         try:
             try:
-                await wait_for(attempt.finished.wait(), timeout=max(0.0, deadline - loop.time()))
+                await self._wait_for_data(attempt, deadline)
             except TimeoutError:
                 attempt.fail("DEADLINE: data phase did not complete in time", evidence=False)
             if not attempt.ok:
@@ -682,6 +699,48 @@ class Exchange:
             for task in pushes.values():
                 if not task.done():
                     await cancel_and_wait(task)
+
+    async def _wait_for_data(self, attempt: _Attempt, deadline: float) -> None:
+        """Until the attempt finished; TimeoutError at `deadline`. Meanwhile members found gone (`_lost`) fail
+        the attempt at once, so the vote and the retry without them start now instead of at the deadline."""
+        loop = asyncio.get_running_loop()
+        while not attempt.finished.is_set():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
+            step = remaining if self.gone is None else min(remaining, GONE_CHECK_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await wait_for(attempt.finished.wait(), timeout=step)
+            if attempt.finished.is_set():
+                return
+            lost = self._lost(attempt)
+            if lost:
+                attempt.gone |= lost
+                attempt.fail(
+                    f"MEMBER_GONE: {sorted(lost)} stopped heartbeating and sent nothing for "
+                    f"{GONE_SILENCE_SECONDS:g} s; the {len(attempt.members) - len(attempt.gone)} others of "
+                    f"{len(attempt.members)} members go on without them",
+                    evidence=False,
+                )
+
+    def _lost(self, attempt: _Attempt, among: Sequence[int] | None = None) -> set[str]:
+        """Members (of `among`, default all others) that are gone (`self.gone`) and silent for
+        GONE_SILENCE_SECONDS, if the members left besides them and those already given up are a strict
+        majority of the attempt; else none (see GONE_SILENCE_SECONDS: a partition's sides never are both)."""
+        if self.gone is None:
+            return set()
+        now = asyncio.get_running_loop().time()
+        others = [j for j in range(len(attempt.members)) if j != attempt.me] if among is None else among
+        silent = {
+            attempt.members[j].peer_id
+            for j in others
+            if now - attempt.heard.get(j, now) >= GONE_SILENCE_SECONDS
+            and self.gone(attempt.members[j].peer_id)
+        }
+        n = len(attempt.members)
+        if not silent or 2 * (n - len(silent | attempt.gone)) <= n:
+            return set()
+        return silent
 
     def _local_failure(self, attempt: _Attempt, exc: Exception) -> None:
         # Our own tensor cannot be encoded (e.g. NaN): exclude ourselves so the others go on without us,
@@ -825,6 +884,7 @@ class Exchange:
                 sink=mean_sink if attempt.raw else None,
             )
             async for frame in answers:
+                attempt.heard[j] = loop.time()
                 if not attempt.dense:
                     attempt.bytes_received += _wire_size(frame)
                     if frame.header.get("done") is not True:
@@ -907,20 +967,37 @@ class Exchange:
         self._remember(attempt.key, mine)
 
         async def ask(member: GroupMember) -> dict[str, Any] | None:
-            try:
-                answer = await self.client.unary(
+            if member.peer_id in attempt.gone:
+                return None  # given up in the data phase: its vote would come at the deadline, if at all
+            call = asyncio.ensure_future(
+                self.client.unary(
                     member.address,
                     VOTE_METHOD,
                     Frame({"g": attempt.key, "a": attempt.attempt_no, "v": mine}),
                     round_id=attempt.round_id,
                     timeout=max(0.001, deadline - loop.time()),
                 )
+            )
+            j = attempt.member_ids.index(member.peer_id)
+            try:
+                while self.gone is not None and not call.done():
+                    await asyncio.wait({call}, timeout=GONE_CHECK_SECONDS)
+                    if not call.done() and self._lost(attempt, [j]):
+                        attempt.gone.add(member.peer_id)
+                        log.info(
+                            "no vote from %s for %s: gone (no heartbeat)", member.peer_id, attempt.key[:12]
+                        )
+                        return None
+                answer = await call
             except RpcError as exc:
                 if exc.reason == "GROUP_MISMATCH":
                     # Alive but in another group: going on without it would split the round.
                     mismatched.append(member.peer_id)
                 log.info("no vote from %s for %s: %s", member.peer_id, attempt.key[:12], exc)
                 return None
+            finally:
+                if not call.done():
+                    await cancel_and_wait(call)
             return _parse_vote(answer.header.get("v"), member.peer_id)
 
         mismatched: list[str] = []
@@ -1091,6 +1168,7 @@ class Exchange:
             attempt.fail(f"refused stream from {ctx.sender}: {exc.reason}", _blame(exc, ctx.sender))
             raise
         attempt.streams_from.add((sender, lane))
+        attempt.heard[sender] = asyncio.get_running_loop().time()
         attempt.weights[sender] = weight
         if attempt.dense:  # a sparse hello is counted with its payload (_receive_sparse)
             attempt.bytes_received += _wire_size(hello)
@@ -1141,6 +1219,7 @@ class Exchange:
                     raise _invalid(
                         "TRUNCATED", f"{peer} sent {got} of {len(ks)} chunks on lane {lane}"
                     ) from None
+                attempt.heard[sender] = asyncio.get_running_loop().time()
                 if frame.header.get("k") != k:
                     raise _invalid(
                         "CHUNK_ORDER", f"{peer}: expected chunk {k}, got {frame.header.get('k')!r}"

@@ -104,10 +104,12 @@ def parse_dht_faults(spec: str) -> dict[str, Any]:
 
 # -- the fault plan: every FARLOCO_FAULTS entry, parsed and checked in one place ----------------------------
 
-PHASES = ("train", "match", "heal", "exchange", "commit")
+PHASES = ("train", "match", "heal", "exchange", "commit", "save")
 """Where in a round a phase fault fires: `train` once the ranks were handed the round's inner steps, `match` as
 group forming starts, `heal` as the hash check starts, `exchange` as the exchange starts, `commit` right after
-the round committed."""
+the round committed, `save` when the round's checkpoint is durable in its temporary directory (every file and
+the directory fsynced) and not yet renamed to its final name (only rounds that write a checkpoint have one; crash,
+hang and delay act there, in the checkpoint's writer thread)."""
 
 PHASE_ACTIONS = ("crash", "hang", "drop", "delay", "corrupt", "wrong")
 """crash: SIGKILL the node (its process group: agent, ranks, DHT daemon). hang=S: SIGSTOP the node for S seconds
@@ -146,12 +148,13 @@ class FaultPlan:
     slow_steps: float = 0.0  # seconds added to every inner step
     die_serving_state: int | None = None  # SIGKILL once this many bytes of state were served
     corrupt_theta: set[int] = field(default_factory=set)  # nudge theta_outer after committing these rounds
+    poison_state: bool = False  # serve joiners a wrong theta under a manifest consistent with it
 
     def at(self, phase: str, round_id: int) -> list[PhaseFault]:
         return [f for f in self.phase if f.applies(phase, round_id)]
 
     def __bool__(self) -> bool:
-        return bool(self.dht or self.phase or self.slow_steps or self.corrupt_theta) or (
+        return bool(self.dht or self.phase or self.slow_steps or self.corrupt_theta or self.poison_state) or (
             self.die_serving_state is not None
         )
 
@@ -162,7 +165,7 @@ FAULT_GRAMMAR = (
     + ", ".join(PHASES)
     + "; ROUNDS N, N-M or N+ (default: every round); "
     "or dht-refuse-stores=N, dht-refuse-stores-for=SECONDS, dht-silent-after=SECONDS, slow-steps=SECONDS, "
-    "die-serving-state@BYTES, corrupt-theta@ROUND, byzantine=ATTACK (wrong=ATTACK@exchange)"
+    "die-serving-state@BYTES, corrupt-theta@ROUND, poison-state, byzantine=ATTACK (wrong=ATTACK@exchange)"
 )
 
 
@@ -213,6 +216,10 @@ def _phase_fault(entry: str, attacks: Collection[str] | None) -> PhaseFault:
     phase, plus, offset = where.partition("+")
     if phase not in PHASES:
         raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected a phase of {list(PHASES)}, got {phase!r}")
+    if phase == "save" and action not in ("crash", "hang", "delay"):
+        raise ValueError(
+            f"FARLOCO_FAULTS entry {entry!r}: the save phase takes crash, hang or delay, got {action!r}"
+        )
     first, last = _rounds(rounds, entry) if colon else (0, None)
     return PhaseFault(action, phase, value, _seconds(offset, entry) if plus else 0.0, first, last, spec=entry)
 
@@ -227,7 +234,9 @@ def parse_faults(spec: str, attacks: Collection[str] | None = None) -> FaultPlan
         name, _, rest = entry.partition("=")
         if name.startswith("dht-"):
             continue
-        if name == "slow-steps":
+        if entry == "poison-state":
+            plan.poison_state = True
+        elif name == "slow-steps":
             plan.slow_steps = _seconds(rest, entry)
         elif name == "byzantine":
             plan.phase.append(_phase_fault(f"wrong={rest}@exchange", attacks))

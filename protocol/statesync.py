@@ -27,7 +27,7 @@ import math
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -404,6 +404,8 @@ async def fetch_state(
     timeout: float,
     on_progress: Callable[[int, int], None] | None = None,
     expect_run_hash: str | None = None,
+    vouched: Mapping[int, Collection[str]] | None = None,
+    on_refused: Callable[[str, str, str], None] | None = None,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
     segment_bytes: int = SEGMENT_BYTES,
@@ -413,14 +415,30 @@ async def fetch_state(
     meta is the donor's meta plus `sha256` (tensor name -> hex). `on_progress(done_bytes, total_bytes)` is
     called once the manifest is chosen (done_bytes=0) and after every crc-checked chunk, from the event loop
     (keep it cheap: a progress bar update); bytes a failed donor delivered are kept, so done_bytes never goes
-    back. Raises StateSyncError when no donor can serve a consistent, verified state
-    within `timeout` seconds.
+    back (but for a transfer retried donor by donor, below, which starts again from 0).
+
+    `vouched`: round id -> the theta hashes the swarm's members publish for that round (their signed records,
+    what they announced over the links). A donor whose manifest's theta is not vouched for its round is refused
+    before a byte is fetched: `WRONG_STATE` when the round's members vouch for another hash (a poisoned donor),
+    `UNVOUCHED_ROUND` when none speaks for that round yet (a donor a round ahead of what we read: asking again
+    shortly finds it vouched). When the downloaded tensors do not hash to the manifest and several donors served
+    them, each is asked alone in turn (the manifest they agreed on is the reference): a donor whose own transfer
+    fails the check is refused (`BAD_STATE_DATA`), and the first that passes gives the state, so one donor
+    serving wrong bytes under the right manifest cannot stop a join. `on_refused(donor, reason, detail)` hears
+    of every refusal. Raises StateSyncError when no donor can serve a consistent, verified state within
+    `timeout` seconds.
     """
     if not donors:
         raise StateSyncError("fetch_state needs at least one donor address, got none")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     failures: dict[str, str] = {}
+
+    def refuse(donor: str, reason: str, detail: str) -> None:
+        failures[donor] = f"{reason}: {detail}"
+        logger.warning("state donor %s refused (%s): %s", donor, reason, detail)
+        if on_refused is not None:
+            on_refused(donor, reason, detail)
 
     async def manifest_of(donor: str) -> Manifest | None:
         try:
@@ -441,10 +459,75 @@ async def fetch_state(
 
     found = await asyncio.gather(*(manifest_of(d) for d in dict.fromkeys(donors)))
     manifests = {d: m for d, m in zip(dict.fromkeys(donors), found, strict=True) if m is not None}
+    if vouched is not None:
+        for donor, candidate in list(manifests.items()):
+            theta = next((t.sha256 for t in candidate.tensors if t.name == "theta"), "")
+            hashes = set(vouched.get(candidate.round_id, ()))
+            if theta in hashes:
+                continue
+            del manifests[donor]
+            if hashes:
+                refuse(
+                    donor,
+                    "WRONG_STATE",
+                    f"serves round {candidate.round_id} with theta {theta[:16]}; the round's members vouch for "
+                    f"{sorted(h[:16] for h in hashes)}",
+                )
+            else:
+                refuse(
+                    donor,
+                    "UNVOUCHED_ROUND",
+                    f"serves round {candidate.round_id}, for which no member vouches yet",
+                )
     if not manifests:
         raise StateSyncError(f"no donor answered with a usable manifest: {failures}")
     manifest, chosen = _choose(manifests, expect_run_hash)
 
+    async def download(donors: list[str]) -> dict[str, torch.Tensor]:
+        return await _download(
+            client, manifest, donors, deadline, failures, on_progress=on_progress, segment_bytes=segment_bytes
+        )
+
+    try:
+        tensors = await download(chosen)
+    except _BadData as bad:
+        if len(chosen) == 1:
+            refuse(chosen[0], "BAD_STATE_DATA", str(bad))
+            raise StateSyncError(str(bad)) from None
+        logger.warning("%s: asking each donor alone", bad)
+        for donor in chosen:
+            try:
+                tensors = await download([donor])
+            except _BadData as alone:
+                refuse(donor, "BAD_STATE_DATA", str(alone))
+            except StateSyncError as error:
+                failures[donor] = str(error)
+            else:
+                return dict(manifest.meta), tensors
+        raise StateSyncError(
+            f"no donor of round {manifest.round_id} served data matching its manifest: {failures}"
+        ) from None
+    return dict(manifest.meta), tensors
+
+
+class _BadData(StateSyncError):
+    """The downloaded tensors do not hash to the manifest every donor of the transfer agreed on."""
+
+
+async def _download(
+    client: RpcClient,
+    manifest: Manifest,
+    chosen: list[str],
+    deadline: float,
+    failures: dict[str, str],
+    *,
+    on_progress: Callable[[int, int], None] | None,
+    segment_bytes: int,
+) -> dict[str, torch.Tensor]:
+    """The tensors of `manifest` from the donors `chosen` (a shared queue of segments), crc-checked per chunk and
+    sha256-checked at the end (`_BadData`); StateSyncError when the donors fail or time runs out."""
+    loop = asyncio.get_running_loop()
+    timeout = max(deadline - loop.time(), 0.001)
     # Sizes were checked by parse_manifest: only now allocate.
     tensors = {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in manifest.tensors}
     buffers = {name: _raw_bytes(t) for name, t in tensors.items()}  # views sharing the tensors' storage
@@ -555,7 +638,7 @@ async def fetch_state(
     )
     bad = [t.name for t in manifest.tensors if hashes[t.name] != t.sha256]
     if bad:
-        raise StateSyncError(
+        raise _BadData(
             f"sha256 of {bad} does not match the manifest of round {manifest.round_id} from {chosen}"
         )
-    return dict(manifest.meta), tensors
+    return tensors

@@ -248,6 +248,32 @@ def test_writer_killed_mid_save_leaves_previous_as_latest(tmp_path: Path, stop_a
     assert latest_checkpoint(tmp_path) == previous
 
 
+def test_the_durable_hook_runs_once_the_checkpoint_is_durable_and_before_its_rename(tmp_path: Path) -> None:
+    """The fault injector's `save` phase: when `durable` runs, the round's files are complete under the temporary
+    name and the final name does not exist yet; an exception there (a crash) leaves the previous checkpoint the
+    newest and no temporary directory behind."""
+    previous = _save(tmp_path, 1)
+    seen: list[list[str]] = []
+
+    def durable() -> None:
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        (tmp,) = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+        assert (tmp / STATE_FILE).is_file() and (tmp / COMMITTED_FILE).is_file()
+
+    state = _state(2)
+    final = save_checkpoint(tmp_path, 2, state, {"run_hash": RUN_HASH, "inner_step": "80"}, durable=durable)
+    assert len(seen) == 1 and checkpoint_name(2) not in seen[0]
+    assert latest_checkpoint(tmp_path) == final
+
+    def crash() -> None:
+        raise KeyboardInterrupt("stand-in for the SIGKILL of the chaos runner's crash@save")
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 3, _state(3), {"run_hash": RUN_HASH, "inner_step": "120"}, durable=crash)
+    assert latest_checkpoint(tmp_path) == final and previous.exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
 @pytest.mark.parametrize(("strategy", "codec"), [("diloco", "fp32"), ("sparseloco", "topk")])
 def test_a_real_outer_strategy_state_round_trips(tmp_path: Path, strategy: str, codec: str) -> None:
     """The agent's snapshot ("theta" + "strategy.<name>", incl. 0-d tensors) saves and reinstalls as is."""

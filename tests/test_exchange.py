@@ -180,8 +180,17 @@ class Node:
         plane = plane or os.environ.get("EXCHANGE_TEST_PLANE", "tcp")
         self.server = RpcServer(auth, data_port=0 if plane == "tcp" else None)
         self.client = RpcClient(auth)
+        # Subprocess workers: the peers whose membership record "expired" (EXCHANGE_TEST_GONE), as the agent's
+        # view of the DHT would say once a frozen member stopped heartbeating.
+        gone = set(filter(None, os.environ.get("EXCHANGE_TEST_GONE", "").split(",")))
         self.exchange = Exchange(
-            self.server, self.client, peer_id, chunk_bytes=CHUNK, streams_per_peer=lanes, slices=slices
+            self.server,
+            self.client,
+            peer_id,
+            chunk_bytes=CHUNK,
+            streams_per_peer=lanes,
+            slices=slices,
+            gone=(lambda peer: peer in gone) if gone else None,
         )
         self.address = ""
 
@@ -888,6 +897,68 @@ def test_hung_member_is_dropped_after_the_deadline(tmp_path: Path, monkeypatch: 
     assert torch.allclose(load_result(tmp_path, 0), exact, atol=1e-6)
 
 
+@pytest.mark.multiprocess
+def test_a_frozen_member_is_given_up_by_a_majority_before_the_data_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGSTOPped member whose membership record expired (the agent's view: no heartbeat for the member ttl)
+    and that sent nothing for GONE_SILENCE_SECONDS is given up by the two others, a strict majority of the
+    group, long before the data deadline (18 s here): they retry without it and agree bit for bit."""
+    numel = 300_000
+    monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "30")
+    monkeypatch.setenv("EXCHANGE_TEST_GONE", "peer-1")
+    procs = spawn_workers(3, numel, "fp32", {1: -1}, tmp_path)
+    try:
+        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
+        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(group + "\n")
+            proc.stdin.flush()
+        reports = []
+        for proc in (procs[0], procs[2]):
+            out, _ = proc.communicate(timeout=60)
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(r.get("ok") for r in reports), reports
+    assert reports[0]["contributors"] == reports[1]["contributors"] == ["peer-0", "peer-2"]
+    assert all(r["seconds"] < 12.0 for r in reports), reports  # the data deadline alone would be 18 s
+    assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
+
+
+@pytest.mark.multiprocess
+def test_neither_side_of_a_one_one_split_gives_up_the_other_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two members, one frozen and gone from the other's view: one member is no strict majority of two (from
+    one side a freeze and a partition look alike, and each side of a 1|1 partition would go on alone), so the
+    survivor waits for the data deadline (3.6 s of a 6 s exchange) as it would without the callback."""
+    monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "6")
+    monkeypatch.setenv("EXCHANGE_TEST_GONE", "peer-1")
+    procs = spawn_workers(2, 300_000, "fp32", {1: -1}, tmp_path)
+    try:
+        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
+        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(group + "\n")
+            proc.stdin.flush()
+        out, _ = procs[0].communicate(timeout=60)
+        report = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    elapsed = report.get("elapsed", report.get("seconds"))
+    assert elapsed is not None and elapsed >= 3.5, report
+    assert "MEMBER_GONE" not in json.dumps(report), report
+
+
 class SlowCodec(Fp32Codec):
     def encode(self, tensor: torch.Tensor) -> bytes:
         time.sleep(0.1)
@@ -908,12 +979,14 @@ async def worker(
     if die_at:
         codec = SuicidalCodec(codec, die_at)
     print("averaging", flush=True)
+    started = time.monotonic()
     try:
         timeout = float(os.environ.get("EXCHANGE_TEST_TIMEOUT", "40"))
         result = await node.exchange.average(group, make_input(index, numel), codec, timeout=timeout)
     except ExchangeAborted as exc:
         return {
             "aborted": exc.reason,
+            "elapsed": time.monotonic() - started,
             "detail": exc.detail,
             "bytes_sent": exc.bytes_sent,
             "fp32_bytes": exc.fp32_bytes,

@@ -27,12 +27,15 @@ def test_phase_faults_name_action_phase_offset_and_rounds() -> None:
     assert [f.action for f in plan.at("exchange", 2)] == ["corrupt", "wrong"]
     assert [f.action for f in plan.at("train", 4)] == ["hang"]
     assert plan.at("commit", 1) == []
+    (save,) = parse_faults("crash@save:4").phase
+    assert save.applies("save", 4) and not save.applies("commit", 4)
 
 
 def test_the_older_entries_keep_their_meaning() -> None:
     plan = parse_faults(
-        "dht-refuse-stores=3,slow-steps=0.5,die-serving-state@4096,corrupt-theta@2,byzantine=noise"
+        "dht-refuse-stores=3,slow-steps=0.5,die-serving-state@4096,corrupt-theta@2,byzantine=noise,poison-state"
     )
+    assert plan.poison_state and not parse_faults("slow-steps=1").poison_state
     assert plan.dht == {"refuse_stores": 3}
     assert plan.slow_steps == 0.5 and plan.die_serving_state == 4096 and plan.corrupt_theta == {2}
     # byzantine=KIND is a wrong update in every round's exchange
@@ -53,9 +56,10 @@ def test_the_older_entries_keep_their_meaning() -> None:
         ("explode@exchange", "unknown fault 'explode'; expected ACTION"),
         (
             "crash@lunch",
-            "expected a phase of \\['train', 'match', 'heal', 'exchange', 'commit'\\], got 'lunch'",
+            "expected a phase of \\['train', 'match', 'heal', 'exchange', 'commit', 'save'\\], got 'lunch'",
         ),
         ("hang@train", "expected hang=SECONDS"),
+        ("corrupt@save:4", "the save phase takes crash, hang or delay, got 'corrupt'"),
         ("crash=3@train", "expected crash without a value"),
         ("delay=-1@match", "expected seconds >= 0, got '-1'"),
         ("delay=nan@match", "expected seconds >= 0, got 'nan'"),

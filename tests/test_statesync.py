@@ -410,3 +410,101 @@ def test_a_transfer_across_the_donors_rounds_returns_the_state_it_began_on() -> 
         assert_same(got2, new[1])
 
     run(body)
+
+
+def with_theta(state: tuple[dict[str, Any], dict[str, torch.Tensor]], theta: torch.Tensor) -> Any:
+    meta, tensors = state
+    return meta, {**tensors, "theta": theta}
+
+
+def theta_sha(theta: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(theta.numpy().data).hexdigest()
+
+
+def test_a_donor_whose_theta_the_swarm_does_not_vouch_for_is_refused_before_a_byte_is_fetched() -> None:
+    """A poisoned donor: a wrong theta under a manifest consistent with it (crc and sha256 pass). The joiner
+    knows what the round's members vouch for and refuses it at its manifest (WRONG_STATE), fetching the state
+    from the honest donor only; a donor of a round nobody vouches for is refused as UNVOUCHED_ROUND."""
+    theta = torch.randn(4096)
+    honest = with_theta(make_state(), theta)
+    poisoned = with_theta(make_state(), theta + 0.01)
+
+    async def body() -> None:
+        (s1, bad_server, bad), (s2, good_server, good) = (
+            await donor(poisoned, "poisoned"),
+            await donor(honest, "honest"),
+        )
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        refused: list[tuple[str, str, str]] = []
+        try:
+            vouched = {5: {theta_sha(theta)}}
+            _, got = await fetch_state(
+                client,
+                [bad, good],
+                timeout=20,
+                vouched=vouched,
+                on_refused=lambda *r: refused.append(r),
+                segment_bytes=1 << 20,
+            )
+            assert_same(got, honest[1])
+            assert bad_server.bytes_served == 0 and good_server.bytes_served > 0
+            assert [(d, reason) for d, reason, _ in refused] == [(bad, "WRONG_STATE")]
+            assert theta_sha(theta)[:16] in refused[0][2]
+            refused.clear()
+            with pytest.raises(StateSyncError, match="no donor answered with a usable manifest"):
+                await fetch_state(
+                    client,
+                    [good],
+                    timeout=20,
+                    vouched={4: {theta_sha(theta)}},
+                    on_refused=lambda *r: refused.append(r),
+                )
+            assert [(d, reason) for d, reason, _ in refused] == [(good, "UNVOUCHED_ROUND")]
+        finally:
+            await client.close()
+            await s1.stop(0)
+            await s2.stop(0)
+
+    run(body)
+
+
+def test_a_donor_serving_wrong_bytes_under_the_agreed_manifest_is_found_and_the_fetch_completes() -> None:
+    """A donor that serves the honest manifest but other bytes (with their own crc32: only the final sha256
+    shows it). The mixed download fails its hash check; each donor is then asked alone, the liar is refused
+    (BAD_STATE_DATA) and the honest donor's state is returned."""
+    import zlib
+
+    state = with_theta(make_state(), torch.randn(4096))
+
+    def lie(i: int, frame: Frame) -> Frame:
+        payload = bytearray(frame.payload)
+        payload[0] ^= 0xFF
+        return Frame({**frame.header, "crc32": zlib.crc32(bytes(payload))}, bytes(payload))
+
+    async def body() -> None:
+        bad_server, bad = await faulty_donor(state, lie)
+        good_server, _, good = await donor(state, "honest")
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        refused: list[tuple[str, str, str]] = []
+        try:
+            _, got = await fetch_state(
+                client,
+                [bad, good],
+                timeout=30,
+                on_refused=lambda *r: refused.append(r),
+                segment_bytes=1 << 20,
+            )
+            assert_same(got, state[1])
+            assert [(d, reason) for d, reason, _ in refused] == [(bad, "BAD_STATE_DATA")]
+            refused.clear()
+            with pytest.raises(StateSyncError, match="sha256"):
+                await fetch_state(client, [bad], timeout=30, on_refused=lambda *r: refused.append(r))
+            assert [reason for _, reason, _ in refused] == ["BAD_STATE_DATA"]
+        finally:
+            await client.close()
+            await bad_server.stop(0)
+            await good_server.stop(0)
+
+    run(body)

@@ -168,10 +168,11 @@ class Agent(RoundAgent):
             self.peer_id,
             streams_per_peer=net.streams_per_peer,
             slices=run.island_slices,
+            gone=self._member_gone,
         )
         if self.config.node.island:
             self.island = self._make_island()
-        self.state_server = StateServer(self._state_snapshot, on_served=self._state_fault())
+        self.state_server = StateServer(self._served_state, on_served=self._state_fault())
         self.state_server.register(self.server)
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ class ChaosAgent(SnapshotAgent):
     """The node's side of the fault plan (`self.faults`)."""
 
     _drop_task: asyncio.Future[None] | None = None
+    _poisoned_round: int | None = None
 
     async def _phase_faults(self, phase: str, round_id: int | None = None) -> None:
         """Act on every phase fault of `phase` in `round_id` (default: the current round): at once, or `+offset`
@@ -84,6 +86,41 @@ class ChaosAgent(SnapshotAgent):
             dropped = drop_all()
             self._drop_task = asyncio.ensure_future(self.client.close())  # every gRPC channel: calls fail
             log.warning("fault injected: dropped %d data-plane connections and every gRPC channel", dropped)
+
+    def _served_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """FARLOCO_FAULTS 'poison-state': a donor that serves joiners a wrong theta (its own, nudged) under a
+        manifest and meta consistent with it, while its own rounds, records and checkpoints stay honest: what the joiner's
+        check against the hashes the swarm vouches for must refuse."""
+        meta, tensors = self._state_snapshot()
+        if not self.faults.poison_state:
+            return meta, tensors
+        theta = tensors["theta"].clone()
+        theta += 1e-2
+        if self._poisoned_round != meta["round_id"]:
+            self._poisoned_round = meta["round_id"]
+            self.events.write("fault", round_id=meta["round_id"], phase="serve", fault="poison-state")
+            log.warning("fault injected: serving a poisoned state of round %d", meta["round_id"])
+        return {**meta, "outer_hash": theta_hash(theta)}, {**tensors, "theta": theta}
+
+    def _save_fault(self, round_id: int) -> Any:
+        """The `save` phase faults of `round_id` (crash, hang, delay), as the callback `save_checkpoint` calls once
+        the checkpoint is durable under its temporary name and not yet renamed; None when there are none. It runs
+        in the checkpoint's writer thread: a delay stalls the save, not the rounds."""
+        faults = self.faults.at("save", round_id)
+        if not faults:
+            return None
+
+        def fire() -> None:
+            for fault in faults:
+                if fault.action == "delay":
+                    self.events.write("fault", round_id=round_id, phase="save", fault=fault.spec)
+                    log.warning("fault injected: %s (round %d)", fault.spec, round_id)
+                    time.sleep(fault.offset + float(fault.value or 0.0))
+                elif fault.action in ("crash", "hang"):
+                    time.sleep(fault.offset)
+                    self._fire(fault, round_id)
+
+        return fire
 
     def _state_fault(self) -> Any:
         """FARLOCO_FAULTS 'die-serving-state@N': SIGKILL this node once it has served N bytes of state, i.e. a

@@ -23,6 +23,10 @@ from typing import Any
 CONTROL_FILE = "control.json"
 TOKEN_FILE = "control.token"
 MAX_BODY = 64 * 1024
+MAX_CLIENTS = 256  # connections served at once (a thread each); more are closed unanswered
+CLIENT_TIMEOUT = (
+    10.0  # seconds a connection may take to send its request (a client that sends nothing is cut)
+)
 
 
 class ControlError(RuntimeError):
@@ -51,8 +55,7 @@ class ControlServer:
         with os.fdopen(fd, "w") as handle:
             handle.write(self.token)
         handler = _make_handler(self.token, status, peers, leave, metrics, ready)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedServer((host, port), handler)
         bound_host, bound_port = self.httpd.server_address[:2]
         self.url = f"http://{bound_host!s}:{bound_port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="farloco-control", daemon=True)
@@ -69,6 +72,40 @@ class ControlServer:
         (self.run_dir / CONTROL_FILE).unlink(missing_ok=True)
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CLIENTS at once: beyond that a new connection is closed unanswered
+    (counted in `turned_away`), so a flood of connections cannot grow the node's threads without bound; a
+    connection that sends nothing is cut after CLIENT_TIMEOUT, freeing its slot."""
+
+    daemon_threads = True
+    block_on_close = False  # stopping the node never waits for a client that is still sending
+    request_queue_size = (
+        128  # the listen backlog (socketserver's 5 made a burst of connections wait on SYN retries)
+    )
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)  # read at construction (tests lower it)
+        self.turned_away = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def _make_handler(
     token: str,
     status: Callable[[], dict[str, Any]],
@@ -79,6 +116,7 @@ def _make_handler(
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "farloco-control"
+        timeout = CLIENT_TIMEOUT  # on the connection's socket: a request that never comes ends the thread
 
         def log_message(self, format: str, *args: Any) -> None:
             return
@@ -119,7 +157,14 @@ def _make_handler(
             path = self.path.split("?", 1)[0]
             if not self._authorized():
                 return
-            length = int(self.headers.get("Content-Length", "0") or 0)
+            raw_length = self.headers.get("Content-Length", "0") or "0"
+            if not raw_length.strip().isdigit():
+                self._send(
+                    400,
+                    json.dumps({"error": f"Content-Length: expected a whole number, got {raw_length!r:.40}"}),
+                )
+                return
+            length = int(raw_length)
             if length > MAX_BODY:
                 self._send(413, json.dumps({"error": f"body of {length} bytes exceeds {MAX_BODY}"}))
                 return

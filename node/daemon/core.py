@@ -292,6 +292,7 @@ class AgentCore:
             config.node.max_restarts, on_failure=self._on_trainer_failure
         )
         self.sync_progress: SyncProgress | None = None  # while a state sync runs
+        self.refused_states: dict[str, int] = {}  # donors' states refused by reason (statesync.fetch_state)
         self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
         self._inner_load_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -420,6 +421,8 @@ class AgentCore:
         values["trainer_last_exit_code"] = self.launcher_failures.last_exit_code
         server = getattr(self, "server", None)
         values["rejected"] = dict(server.rejections) if server is not None else {}
+        for reason, count in getattr(self, "refused_states", {}).items():  # states refused from donors
+            values["rejected"][reason] = values["rejected"].get(reason, 0) + count
         membership = getattr(self, "membership", None)
         values["ignored"] = dict(membership.core.ignored) if membership is not None else {}
         return values
@@ -429,6 +432,13 @@ class AgentCore:
 
     def _live_ids(self) -> list[str]:
         return [m.peer_id for m in self.membership.core.live(_dht_now())]
+
+    def _member_gone(self, peer_id: str) -> bool:
+        """Whether `peer_id` has no live member record in our view (no heartbeat for timeouts.member_ttl, or a
+        departure): what lets an exchange give up a member frozen mid-exchange before its data deadline
+        (protocol/exchange.py GONE_SILENCE_SECONDS, only with a strict majority of the group left)."""
+        membership = getattr(self, "membership", None)
+        return membership is not None and peer_id not in self._live_ids()
 
     def _left_out(self, reason: str) -> None:
         """We are not among this round's contributors: say why (event, metric, our share)."""

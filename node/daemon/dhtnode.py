@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def _set_parent_death_signal(sig: signal.Signals) -> None:
@@ -42,6 +46,12 @@ def stable_node_id(identity_path: str) -> Any:
         path.parent.mkdir(parents=True, exist_ok=True)
         P2P.generate_identity(str(path))
     return DHTID.generate(source=PeerID.from_identity(path.read_bytes()).to_bytes())
+
+
+# hivemind's start-up check that a peer can dial this node back (DHTProtocol.call_ping with validate=True).
+DIAL_BACK_FAILED = "can't access this node"
+DIAL_BACK_TRIES = 3
+DIAL_BACK_PAUSE = 2.0
 
 
 class DHTStartError(RuntimeError):
@@ -87,27 +97,43 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
     # give DHT requests more room (a dead peer still costs at most this long per request).
     kwargs.setdefault("wait_timeout", 8.0)
     start = bool(kwargs.pop("start", False))
-    dht = _DHT(start=False, **kwargs)
     if not start:
+        return _DHT(start=False, **kwargs)
+    deadline = time.monotonic() + ready_timeout
+    for attempt in range(1, DIAL_BACK_TRIES + 1):
+        dht = _DHT(start=False, **kwargs)
+        gc.collect()  # what is garbage now is collected here, where its threads live, not in the forked child
+        try:
+            dht.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            if dht.is_alive():
+                dht.kill()
+                dht.join(5)
+            raise DHTStartError(
+                f"the DHT node did not become ready within {ready_timeout:g} s (host_maddrs="
+                f"{kwargs.get('host_maddrs')}, initial_peers={kwargs.get('initial_peers')}); check that those "
+                "addresses can be bound and reached"
+            ) from None
+        except Exception as exc:  # hivemind's P2PDaemonError and friends, raised in the child and passed back
+            if dht.is_alive():
+                dht.kill()
+                dht.join(5)
+            if DIAL_BACK_FAILED in str(exc) and attempt < DIAL_BACK_TRIES and time.monotonic() < deadline:
+                # The peer we joined through could not dial us back. After a crash without FIN or RST (a machine
+                # that lost power, a partition), that peer still holds its connection to our peer id from our
+                # last life and tries it first; our host answers it with a reset now, so the next try dials fresh.
+                logger.warning(
+                    "a peer could not dial this DHT node back (%s); a connection from before a crash may still be "
+                    "half-open at its end: starting the DHT node again (try %d of %d)",
+                    " ".join(str(exc).split())[:200],
+                    attempt + 1,
+                    DIAL_BACK_TRIES,
+                )
+                time.sleep(DIAL_BACK_PAUSE)
+                continue
+            raise DHTStartError(_start_failure(str(exc), kwargs)) from None
         return dht
-    gc.collect()  # what is garbage now is collected here, where its threads live, not in the forked child
-    try:
-        dht.run_in_background(await_ready=True, timeout=ready_timeout)
-    except TimeoutError:
-        if dht.is_alive():
-            dht.kill()
-            dht.join(5)
-        raise DHTStartError(
-            f"the DHT node did not become ready within {ready_timeout:g} s (host_maddrs="
-            f"{kwargs.get('host_maddrs')}, initial_peers={kwargs.get('initial_peers')}); check that those "
-            "addresses can be bound and reached"
-        ) from None
-    except Exception as exc:  # hivemind's P2PDaemonError and friends, raised in the child and passed back
-        if dht.is_alive():
-            dht.kill()
-            dht.join(5)
-        raise DHTStartError(_start_failure(str(exc), kwargs)) from None
-    return dht
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _start_failure(error: str, kwargs: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,10 @@ from farloco.node.daemon.ranks import RanksAgent
 
 class SnapshotAgent(RanksAgent):
     """Snapshots, checkpoints and resume."""
+
+    def _save_fault(self, round_id: int) -> Callable[[], None] | None:
+        """The fault plan's `save` phase for `round_id`'s checkpoint (ChaosAgent); none here."""
+        return None
 
     def _state_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The committed state as donors serve it: copies, made on the first request for this state (on the
@@ -147,7 +152,15 @@ class SnapshotAgent(RanksAgent):
         root = checkpoints_dir(self.run_dir)
         started = time.monotonic()
         try:
-            path = await asyncio.to_thread(save_checkpoint, root, round_id, tensors, meta, staged=staged)
+            path = await asyncio.to_thread(
+                save_checkpoint,
+                root,
+                round_id,
+                tensors,
+                meta,
+                staged=staged,
+                durable=self._save_fault(round_id),
+            )
             removed = await asyncio.to_thread(prune_checkpoints, root, self.config.checkpoint.keep)
         except (CheckpointError, OSError) as exc:  # a full disk must not stop training
             log.error("checkpoint of round %d failed: %s", round_id, exc)

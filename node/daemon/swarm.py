@@ -181,7 +181,35 @@ class SwarmAgent(ChaosAgent):
         await self._publish()
         self.events.write("joined", round_id=self.round_id, slot=self.slot, num_peers=len(members))
 
-    async def _sync_from(self, donors: list[str], why: str) -> None:
+    def _vouched(self, members: list[Any]) -> dict[int, set[str]]:
+        """Round id -> the theta hash the swarm vouches for in that round: what the other live members publish
+        (their signed records, what they announced over the links), and where they disagree the healing rule's
+        winner (the hash held by the most members, then by the lowest peer id; `_check_hashes`). What a donor's
+        state must hash to before we fetch it (a poisoned donor is refused, not installed)."""
+        holders: dict[int, dict[str, set[str]]] = {}
+        others = [m for m in members if m.peer_id != self.peer_id]
+        for m in others:
+            if m.outer_hash:
+                holders.setdefault(int(m.round_id), {}).setdefault(m.outer_hash, set()).add(m.peer_id)
+        live = {m.peer_id for m in others}
+        for round_id in {self.matchmaker.round_of(m, _dht_now()) for m in others}:
+            for peer_id, outer_hash in self.matchmaker.announced_hashes(round_id).items():
+                if peer_id in live:
+                    holders.setdefault(round_id, {}).setdefault(outer_hash, set()).add(peer_id)
+        return {
+            round_id: {min(by_hash, key=lambda h: (-len(by_hash[h]), min(by_hash[h])))}
+            for round_id, by_hash in holders.items()
+        }
+
+    def _state_refused(self, donor: str, reason: str, detail: str) -> None:
+        self.refused_states[reason] = self.refused_states.get(reason, 0) + 1
+        self.events.write("state_refused", donor=donor, reason=reason, detail=detail)
+
+    async def _sync_from(
+        self, donors: list[str], why: str, vouched: dict[int, set[str]] | None = None
+    ) -> None:
+        """Fetch the swarm's state from `donors`, checked against `vouched` (round -> the theta hash the swarm
+        vouches for: a donor serving anything else is refused before a byte is fetched)."""
         from farloco.protocol.statesync import fetch_state
 
         self.status = Status.SYNCING
@@ -193,6 +221,8 @@ class SwarmAgent(ChaosAgent):
                 donors,
                 timeout=self.config.timeouts.sync_timeout,
                 expect_run_hash=self.run_hash,
+                vouched=vouched,
+                on_refused=self._state_refused,
                 on_progress=self.sync_progress.update,
             )
         finally:
@@ -310,7 +340,9 @@ class SwarmAgent(ChaosAgent):
             if ahead:
                 newest = max(rounds[m.peer_id] for m in ahead)
                 try:
-                    await self._sync_from([m.address for m in ahead if rounds[m.peer_id] == newest], why)
+                    await self._sync_from(
+                        [m.address for m in ahead if rounds[m.peer_id] == newest], why, self._vouched(members)
+                    )
                 except StateSyncError as exc:
                     # Every donor we asked failed (the only one of the newest round died mid-transfer, say):
                     # read the members again, so the next pass asks the survivors.
@@ -373,7 +405,8 @@ class SwarmAgent(ChaosAgent):
         donors = [by_id[p].address for p in sorted(holders[winner])]
         for attempt in range(3):  # a link that just healed may fail the first call (a connection that died)
             try:
-                await self._sync_from(donors, "hash mismatch")
+                vouched = {**self._vouched(members), self.round_id: {winner}}
+                await self._sync_from(donors, "hash mismatch", vouched)
                 return True
             except StateSyncError as exc:
                 if attempt == 2:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,12 @@ class Scenario:
     diverges: bool = (
         False  # a control that breaks the swarm on purpose: every node ending with an error holds
     )
+    # A namespace WAN (node/tools/netns.py, with its relay: partitions and silent stalls) instead of loopback:
+    # every node a host of its own, the bootstrap one more; the value is each uplink's rate ("" = loopback).
+    wan: str = ""
+    sides: tuple[
+        tuple[int, ...], ...
+    ] = ()  # the peers of each side of a `partition` fault (the bootstrap: side 0)
 
 
 @dataclass
@@ -99,6 +105,13 @@ class Outcome:
     rejected: dict[str, float] = field(default_factory=dict)
     probes: dict[str, dict[str, str]] = field(default_factory=dict)  # probe fault -> request -> what it got
     not_done: dict[str, str] = field(default_factory=dict)  # outside fault -> why it could not be done
+    # node -> its checkpoints directory as listed when a process of it exited non-zero, then at the end
+    checkpoints: dict[str, list[list[str]]] = field(default_factory=dict)
+    # DHT records the survivors did not believe, by reason
+    ignored: dict[str, float] = field(default_factory=dict)
+    # per partition: the sides, rounds each committed apart, who fetched whose state after, when they met again
+    splits: list[dict[str, Any]] = field(default_factory=list)
+    forged_peers: list[str] = field(default_factory=list)
     memory_growth: float = 0.0  # the largest relative RSS growth of a node over the run
     exit_codes: dict[str, list[int]] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)  # invariants that did not hold
@@ -118,7 +131,25 @@ class ChaosSwarm:
         self.work = work
         self.config = work / "swarm.toml"
         self.config.write_text(demo_config(scenario.rounds, [*BASE_OVERRIDES, *scenario.overrides]))
-        self.bootstrap, self.maddr = start_bootstrap(work)
+        self.wan: Any = None
+        self.splits: list[tuple[float, float, tuple[tuple[int, ...], ...]]] = []  # (start, healed, sides)
+        if scenario.wan:
+            from farloco.node.tools.netns import NamespaceWAN, unavailable
+
+            reason = unavailable()
+            if reason is not None:
+                raise RuntimeError(f"chaos scenario {scenario.name} needs a namespace WAN: {reason}")
+            self.wan = NamespaceWAN(scenario.peers + 1, scenario.wan, relay=True).up()
+            try:
+                host = scenario.peers + 1
+                self.bootstrap, self.maddr = start_bootstrap(
+                    work, host=self.wan.address(host), prefix=self.wan.prefix_command(host)
+                )
+            except BaseException:
+                self.wan.down()
+                raise
+        else:
+            self.bootstrap, self.maddr = start_bootstrap(work)
         self.peers: dict[int, PeerProcess] = {}
         self.exits: dict[int, list[int]] = {}
         self.rss: dict[int, list[int]] = {}
@@ -130,10 +161,23 @@ class ChaosSwarm:
         # When every node was down at once: the swarm's history starts again from checkpoints there, and the
         # rounds committed after the newest checkpoint are trained again (to other hashes where timing differs).
         self.whole_swarm_down: list[float] = []
+        self.checkpoints: dict[
+            int, list[list[str]]
+        ] = {}  # peer -> listings (at each non-zero exit, at the end)
+        self.forged_peers: list[str] = []  # the peer ids of DHT nodes that wrote forged records
+
+    def list_checkpoints(self, index: int) -> list[str]:
+        from farloco.node.checkpoint import checkpoints_dir
+
+        root = checkpoints_dir(self.work / f"p{index}")
+        return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
     def start(self, index: int, plan: str = "") -> None:
         env = {"FARLOCO_FAULTS": plan}
-        self.peers[index] = start_peer(f"p{index}", self.work, self.config, self.maddr, 1, env=env)
+        where: dict[str, Any] = {}
+        if self.wan is not None:
+            where = {"host": self.wan.address(index + 1), "prefix": self.wan.prefix_command(index + 1)}
+        self.peers[index] = start_peer(f"p{index}", self.work, self.config, self.maddr, 1, env=env, **where)
         self.rss[index] = []  # a new process: its memory is measured from its own first round
         self.first_round[index] = len(self.rounds_of(index)) + 1
 
@@ -172,29 +216,53 @@ class ChaosSwarm:
                     root = psutil.Process(peer.process.pid)
                     total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
                     self.rss[index].append(total)
-            self.metrics[index] = {**self.metrics.get(index, {}), **_metrics(self.work / f"p{index}")}
+            prefix = self.wan.prefix_command(index + 1) if self.wan is not None else ()
+            self.metrics[index] = {**self.metrics.get(index, {}), **_metrics(self.work / f"p{index}", prefix)}
 
     def stop(self) -> None:
-        stop_process(*(p.process for p in self.peers.values()), self.bootstrap)
-        for index, peer in self.peers.items():
-            if peer.process.returncode is not None and index not in self.exits:
-                self.exits[index] = [peer.process.returncode]
+        try:
+            stop_process(*(p.process for p in self.peers.values()), self.bootstrap)
+            for index, peer in self.peers.items():
+                if peer.process.returncode is not None and index not in self.exits:
+                    self.exits[index] = [peer.process.returncode]
+        finally:
+            if self.wan is not None:
+                self.wan.down()
 
 
-def _metrics(run_dir: Path) -> dict[tuple[str, str], float]:
-    """{(metric, reason): value} of a running node's labelled counters (empty when it does not answer)."""
-    from farloco.node.daemon.control import ControlClient, ControlError
+# Inside a namespace host (its control endpoint is on that host's loopback): the node's /metrics text.
+_METRICS_IN_HOST = (
+    "import json, sys, urllib.request; url = json.load(open(sys.argv[1]))['url']; "
+    "print(urllib.request.urlopen(url + '/metrics', timeout=5).read().decode())"
+)
+
+
+def _metrics(run_dir: Path, prefix: Sequence[str] = ()) -> dict[tuple[str, str], float]:
+    """{(metric, reason): value} of a running node's labelled counters (empty when it does not answer).
+    `prefix`: the node runs in a namespace host (`NamespaceWAN.prefix_command`); read it from in there."""
+    from farloco.node.daemon.control import CONTROL_FILE, ControlClient, ControlError
 
     try:
-        url = ControlClient(run_dir).status()["metrics_url"]
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-    except (ControlError, OSError, KeyError, ValueError):
+        if prefix:
+            done = subprocess.run(
+                [*prefix, sys.executable, "-c", _METRICS_IN_HOST, str(run_dir / CONTROL_FILE)],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            )
+            text = done.stdout
+        else:
+            url = ControlClient(run_dir).status()["metrics_url"]
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+    except (ControlError, OSError, KeyError, ValueError, subprocess.SubprocessError):
         return {}
     found = re.findall(r'^(farloco_\w+)\{reason="(\w+)"\} (\S+)$', text, flags=re.M)
     return {(name, reason): float(value) for name, reason, value in found}
 
 
+PROBES = ("probe", "control-probe", "forge")  # outside faults that only send things: the node must not notice
 PROBE_FLOOD = 300  # requests of the flood probe, sent 50 at a time
 
 
@@ -262,6 +330,172 @@ def probe(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
     return asyncio.run(main())
 
 
+CONTROL_IDLE = 200  # idle connections the control probe opens before its real call
+
+
+def probe_control(run_dir: Path) -> dict[str, str]:
+    """Calls at a running node's control endpoint (`farloco status`/`leave`'s HTTP API) without its token or
+    with malformed requests, an unknown path, CONTROL_IDLE connections that never send a request (then a real
+    `status` call, timed), and a connection from this host's non-loopback address: what each got back. Every one
+    must be refused and the node must neither leave nor notice."""
+    import http.client
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    from farloco.node.daemon.control import CONTROL_FILE, TOKEN_FILE, ControlClient
+
+    url = urlparse(json.loads((run_dir / CONTROL_FILE).read_text())["url"])
+    host, port = url.hostname or "127.0.0.1", int(url.port or 80)
+    token = (run_dir / TOKEN_FILE).read_text().strip()
+    wrong = "0" * len(token)
+
+    def call(method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> str:
+        connection = http.client.HTTPConnection(host, port, timeout=20)
+        try:
+            connection.putrequest(method, path)
+            for key, value in headers.items():
+                connection.putheader(key, value)
+            if body is not None and "Content-Length" not in headers:
+                connection.putheader("Content-Length", str(len(body)))
+            connection.endheaders(body)
+            response = connection.getresponse()
+            text = response.read().decode(errors="replace")
+            return f"{response.status} {text.strip()[:80]}"
+        except OSError as exc:
+            return f"no answer: {type(exc).__name__}"
+        finally:
+            connection.close()
+
+    bearer = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    got = {
+        "status, no token": call("GET", "/status", {}),
+        "status, wrong token": call("GET", "/status", {"Authorization": f"Bearer {wrong}"}),
+        "leave, no token": call("POST", "/leave", {}, b'{"mode": "now"}'),
+        "leave, wrong token": call(
+            "POST", "/leave", {"Authorization": f"Bearer {wrong}"}, b'{"mode": "now"}'
+        ),
+        "leave, bad mode": call("POST", "/leave", bearer, b'{"mode": "explode"}'),
+        "leave, 1 MiB body": call("POST", "/leave", bearer, b" " * (1 << 20)),
+        "leave, Content-Length -1": call("POST", "/leave", {**bearer, "Content-Length": "-1"}, b""),
+        "leave, body not JSON": call("POST", "/leave", bearer, b"{mode: now"),
+        "unknown path": call("GET", "/admin", bearer),
+    }
+    idle = []
+    try:
+        for _ in range(CONTROL_IDLE):
+            with contextlib.suppress(OSError):
+                idle.append(socket.create_connection((host, port), timeout=5))
+        started = time.monotonic()
+        try:
+            ControlClient(run_dir, timeout=20).status()
+            got[f"status with the token behind {CONTROL_IDLE} idle connections"] = (
+                f"200 in {time.monotonic() - started:.2f} s"
+            )
+        except Exception as exc:  # what it got is the figure
+            got[f"status with the token behind {CONTROL_IDLE} idle connections"] = f"FAILED: {exc}"
+    finally:
+        for connection in idle:
+            connection.close()
+    # From this host's own non-loopback address (what another machine would dial): nothing listens there.
+    outside = _non_loopback_address()
+    if outside is not None:
+        try:
+            socket.create_connection((outside, port), timeout=5).close()
+            got[f"connect from {outside}"] = "CONNECTED"
+        except OSError as exc:
+            got[f"connect from {outside}"] = f"refused: {type(exc).__name__}"
+    return got
+
+
+def forge_records(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
+    """A DHT node of our own joins the swarm's DHT (through its bootstrap) knowing the run's config but not its
+    secret, and writes: a member record with a forged membership proof and ready records for the coming rounds
+    under its own key (well-formed and signed: only farloco's checks can tell them from real ones), an unsigned
+    member record, a real member's record rewritten under that member's key, a record of the wrong schema. What
+    the DHT answered to each store (True: stored)."""
+    import asyncio
+
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from farloco.node.config import load_config, run_section
+    from farloco.node.daemon.control import ControlClient
+    from farloco.node.daemon.dhtnode import make_dht
+    from farloco.protocol.matchmaking import ReadyRecord, round_key
+    from farloco.protocol.membership import NO_SLOT, MemberRecord, make_record_validators, members_key
+
+    status = ControlClient(run_dir).status()
+    run_name, current = status["run_name"], int(status["round_id"])
+    validators = make_record_validators(run_name, private_key=RSAPrivateKey())
+    own_key: bytes = validators[0].local_public_key
+    dht = make_dht(
+        initial_peers=[swarm.maddr],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=validators,
+        start=True,
+    )
+    peer_id = str(dht.peer_id)
+    swarm.forged_peers.append(peer_id)
+    key = members_key(run_name)
+
+    def record(**changes: Any) -> dict[str, Any]:
+        made = MemberRecord(
+            peer_id=peer_id, address="127.0.0.1:9", state="training", round_id=current + 1, inner_step=0,
+            slot=NO_SLOT, run_hash=status["run_hash"], run_config=run_section(load_config(run_dir / "config.toml")),
+            outer_hash="", loss=0.0, heartbeat=get_dht_time(), maddrs=(), version="chaos", proof="0" * 64,
+        )  # fmt: skip
+        wire = made.to_wire()
+        wire.update(changes)
+        return wire
+
+    async def store(what: str, dht_key: str, value: Any, subkey: bytes, tries: int) -> str:
+        expiration = get_dht_time() + 120
+        for attempt in range(tries):  # a store no replica answered in time says False too: try again
+            if await dht.store(dht_key, value, expiration, subkey=subkey, return_future=True):
+                return "stored"
+            await asyncio.sleep(0.25 * 2**attempt)
+        return f"refused ({tries} tries)"
+
+    async def main() -> dict[str, str]:
+        got = {"member record, forged proof": await store("proof", key, record(), own_key, 6)}
+        for r in range(current + 1, current + 4):
+            ready = ReadyRecord(peer_id, "127.0.0.1:9", r, get_dht_time()).to_wire()
+            got[f"ready record, round {r}"] = await store("ready", round_key(run_name, r), ready, own_key, 6)
+        got["member record, unsigned"] = await store("unsigned", key, record(), b"no-key", 2)
+        got["member record, wrong schema"] = await store("schema", key, record(state="dreaming"), own_key, 2)
+        found = await dht.get(key, latest=True, return_future=True)
+        others = [sub for sub in (found.value if found is not None else {}) if sub != own_key]
+        if others:
+            got["a member's record rewritten under its key"] = await store(
+                "theirs", key, record(state="leaving"), others[0], 2
+            )
+        else:
+            got["a member's record rewritten under its key"] = "NOT TRIED: no member record found"
+        return got
+
+    try:
+        return asyncio.run(main())
+    finally:
+        dht.shutdown()
+
+
+def _non_loopback_address() -> str | None:
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(
+            ("192.0.2.1", 9)
+        )  # a documentation address: nothing is sent, the route picks our address
+        address = str(probe.getsockname()[0])
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
 def _do(swarm: ChaosSwarm, fault: Fault) -> None:
     """An outside fault, now."""
     peer = swarm.peers.get(fault.peer)
@@ -277,6 +511,44 @@ def _do(swarm: ChaosSwarm, fault: Fault) -> None:
         os.killpg(peer.process.pid, signal.SIGSTOP)
         time.sleep(float(value))
         os.killpg(peer.process.pid, signal.SIGCONT)
+    elif kind == "partition":
+        # The swarm split in sides (scenario.sides; the bootstrap with side 0) for `value` seconds: every packet
+        # between sides dropped silently (no FIN, no RST), then the network heals.
+        sides = [[i + 1 for i in side] for side in swarm.scenario.sides]
+        sides[0].append(swarm.scenario.peers + 1)
+        split_at = time.time()
+        swarm.wan.partition(*sides)
+        try:
+            time.sleep(float(value))
+        finally:
+            swarm.wan.heal()
+        swarm.splits.append((split_at, time.time(), swarm.scenario.sides))
+    elif kind == "vanish":
+        # The node's packets, both ways, silently dropped, then the node SIGKILLed: its FIN and RST never reach
+        # anyone, so every connection to it is half-open; the network heals `value` seconds later.
+        host = fault.peer + 1
+        for other in range(1, swarm.scenario.peers + 2):
+            if other != host:
+                swarm.wan.stall(host, other)
+                swarm.wan.stall(other, host)
+        os.killpg(peer.process.pid, signal.SIGKILL)
+        time.sleep(float(value))
+        swarm.wan.heal()
+    elif kind == "dht-stop":
+        # The node's DHT process (its hivemind daemon) frozen: its stores and reads never answer, the others'
+        # requests to it time out; the agent and its links live on.
+        started = [e for e in read_events(peer.run_dir) if e["event"] == "started" and e.get("dht_pid")]
+        if not started:
+            del swarm.done_at[fault.name]
+            swarm.not_done[fault.name] = "the node wrote no started event naming its DHT process"
+            return
+        dht_pid = int(started[-1]["dht_pid"])
+        os.kill(dht_pid, signal.SIGSTOP)
+        try:
+            time.sleep(float(value))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(dht_pid, signal.SIGCONT)
     elif kind == "bootstrap-lost":
         # The swarm's only initial peer is gone for good; then the node dies and must find the swarm without it.
         swarm.bootstrap.kill()
@@ -290,6 +562,10 @@ def _do(swarm: ChaosSwarm, fault: Fault) -> None:
             swarm.probes[fault.name] = probe(swarm, peer.run_dir)
         except ControlError as exc:  # it stopped in between (its last round): nothing was probed
             swarm.probes[fault.name] = {"control": f"NOT PROBED: {exc}"}
+    elif kind == "forge":
+        swarm.probes[fault.name] = forge_records(swarm, peer.run_dir)
+    elif kind == "control-probe":
+        swarm.probes[fault.name] = probe_control(peer.run_dir)
     elif kind == "leave":
         done = subprocess.run(
             [sys.executable, "-m", "farloco.node.tools.cli", "leave", "--run-dir", str(peer.run_dir)],
@@ -344,6 +620,8 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
                     continue
                 exited_at[index] = time.monotonic()
                 swarm.exits.setdefault(index, []).append(code)
+                if code != 0:
+                    swarm.checkpoints.setdefault(index, []).append(swarm.list_checkpoints(index))
                 delay = restarts.pop(index, None)
                 if delay is not None and code != 0:
                     due[index] = time.monotonic() + delay
@@ -364,6 +642,8 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
             time.sleep(0.2)
     finally:
         swarm.stop()
+    for index in swarm.checkpoints:
+        swarm.checkpoints[index].append(swarm.list_checkpoints(index))
     return _outcome(scenario, swarm)
 
 
@@ -375,15 +655,22 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     outcome = Outcome(scenario.name, events=events)
     outcome.exit_codes = {f"p{i}": codes for i, codes in sorted(swarm.exits.items())}
     rounds = {name: [e for e in log if e["event"] == "round"] for name, log in events.items()}
-    faulty = {f"p{f.peer}" for f in scenario.faults if f.signal != "probe"}  # a probed node must not notice
+    # a probed node must not notice
+    faulty = {f"p{f.peer}" for f in scenario.faults if f.signal not in PROBES}
     # Invariants.
-    # One outer hash per round id within each life of the swarm (a whole-swarm restart begins a new one).
-    hashes: dict[tuple[int, int], set[str]] = {}
+    # One outer hash per round id within each life of the swarm (a whole-swarm restart begins a new one), and
+    # while a partition keeps the swarm apart, within each side (from the split until its sides commit a round
+    # together again: each side trains on, and after the heal one side takes the other's state).
+    windows = _split_windows(swarm.splits, rounds, ids, outcome)
+    hashes: dict[tuple[int, int, int], set[str]] = {}
     for name, log in rounds.items():
         evaluated = False
         for e in log:
             life = bisect.bisect(swarm.whole_swarm_down, e["time"])
-            hashes.setdefault((life, e["round_id"]), set()).add(e["outer_hash"])
+            side = next(
+                (w["side_of"].get(name, -1) for w in windows if w["start"] <= e["time"] < w["end"]), -1
+            )
+            hashes.setdefault((life, e["round_id"], side), set()).add(e["outer_hash"])
             train, held_out = e.get("train_loss"), e.get("eval_loss")
             if isinstance(train, float) and not math.isfinite(train):
                 outcome.broken.append(f"{name} round {e['round_id']}: train loss {train}")
@@ -396,7 +683,7 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
                 outcome.broken.append(f"{name} round {e['round_id']}: held-out loss {held_out}")
             evaluated = evaluated or (isinstance(held_out, float) and math.isfinite(held_out))
     outcome.broken += [
-        f"round {r}: {len(h)} different outer hashes" for (_, r), h in sorted(hashes.items()) if len(h) > 1
+        f"round {r}: {len(h)} different outer hashes" for (_, r, _), h in sorted(hashes.items()) if len(h) > 1
     ]
     for name, codes in outcome.exit_codes.items():
         if name not in faulty and any(code != 0 for code in codes) and not scenario.diverges:
@@ -410,8 +697,13 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     left = _left_behind(swarm.work)
     if left:
         outcome.broken.append(f"processes left behind: {left}")
+    if swarm.wan is not None:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        kept = [line.split()[0] for line in names.splitlines() if line.startswith(swarm.wan.prefix)]
+        if kept:
+            outcome.broken.append(f"namespaces left behind: {kept}")
     # Figures.
-    outcome.rounds = len({r for _, r in hashes})
+    outcome.rounds = len({r for _, r, _ in hashes})
     survivors = [n for n in rounds if n not in faulty] or list(rounds)
     reference = rounds[survivors[0]]
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(reference[1:])]
@@ -436,11 +728,65 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
         for (metric, reason), value in counts.items():
             if metric == "farloco_rejected_messages_total" and value:
                 outcome.rejected[reason] = outcome.rejected.get(reason, 0) + value
+            if metric == "farloco_ignored_dht_records_total" and value:
+                outcome.ignored[reason] = outcome.ignored.get(reason, 0) + value
     outcome.probes = dict(swarm.probes)
     outcome.not_done = dict(swarm.not_done)
+    outcome.forged_peers = list(swarm.forged_peers)
+    outcome.checkpoints = {f"p{i}": listings for i, listings in sorted(swarm.checkpoints.items())}
     for fault in scenario.faults:
         outcome.faults.append(_fault_figures(fault, events, rounds, survivors, ids, swarm.done_at))
     return outcome
+
+
+def _split_windows(
+    splits: list[tuple[float, float, tuple[tuple[int, ...], ...]]],
+    rounds: dict[str, list[dict[str, Any]]],
+    ids: dict[str, str],
+    outcome: Outcome,
+) -> list[dict[str, Any]]:
+    """Per partition: from its start until the first round committed by members of more than one side after the
+    heal (the sides met again), which side each node was on; and its figures in `outcome.splits` (the rounds
+    each side committed apart, who took whose state after the heal, how long after the heal the sides met)."""
+    windows = []
+    for started, healed, sides in splits:
+        side_of = {f"p{i}": n for n, side in enumerate(sides) for i in side}
+        by_id = {ids[name]: n for name, n in side_of.items() if name in ids}
+        together = [
+            e["time"]
+            for log in rounds.values()
+            for e in log
+            if e["time"] > healed and len({by_id[c] for c in e["contributors"] if c in by_id}) > 1
+        ]
+        end = min(together, default=math.inf)
+        apart = [
+            len({e["round_id"] for name in side_of if side_of[name] == n for e in rounds.get(name, [])
+                 if started <= e["time"] < end})
+            for n in range(len(sides))
+        ]  # fmt: skip
+        # who fetched another side's state once the network healed (the healing rule's losers, or the side behind)
+        synced = sorted(
+            name
+            for name in side_of
+            for e in outcome.events.get(name, [])
+            if e["event"] == "synced"
+            and healed - 1 <= e["time"] <= (end if end < math.inf else e["time"]) + 5
+        )
+        outcome.splits.append(
+            {
+                "sides": [[f"p{i}" for i in side] for side in sides],
+                "rounds_apart": apart,
+                "synced_after_heal": sorted(set(synced)),
+                "met_again_after_heal_s": None if end == math.inf else end - healed,
+                "partition_s": healed - started,
+            }
+        )
+        if end == math.inf:
+            outcome.broken.append(
+                f"the sides {outcome.splits[-1]['sides']} never committed a round together again"
+            )
+        windows.append({"start": started, "end": end, "side_of": side_of})
+    return windows
 
 
 def _fault_figures(
@@ -587,19 +933,21 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "frozen-exchange",
-            "3 nodes; node 2 frozen (SIGSTOP) as round 3's exchange starts, for 15 s",
+            "3 nodes; node 2 frozen (SIGSTOP, its whole process group) as round 3's exchange starts, for 30 s",
             (
                 Fault(
                     "member frozen mid-exchange",
                     2,
                     3,
-                    plan="hang=15@exchange:3",
-                    expected="the others wait for its data until the exchange's data deadline (60% of "
-                    "timeouts.exchange_timeout), then commit without it; thawed earlier, it is back in the round",
-                    checks=("back",),
+                    plan="hang=30@exchange:3",
+                    expected="its heartbeat stops: once its record expired (timeouts.member_ttl, 5 s here) and it "
+                    "sent nothing for 2 s, the other two, a strict majority of the group, give it up and retry "
+                    "without it, long before the exchange's data deadline (60% of timeouts.exchange_timeout, 36 s "
+                    "here); thawed, it resyncs and contributes again",
+                    checks=("left_out", "given_up_early", "back"),
                 ),
             ),
-            rounds=12,
+            rounds=16,
         ),
         Scenario(
             "cli-leave",
@@ -739,6 +1087,81 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
         Scenario(
+            "control-api",
+            f"3 nodes; once round 3 committed, node 0's control endpoint (what `farloco status` and `leave` call) "
+            f"gets calls without its token or with a wrong one (status, leave now), malformed ones (a bad mode, a "
+            f"1 MiB body, Content-Length -1, a body that is not JSON), an unknown path, {CONTROL_IDLE} connections "
+            "that never send a request, and a connection to the port from the host's non-loopback address",
+            (
+                Fault(
+                    "remote and malformed control calls",
+                    0,
+                    3,
+                    signal="control-probe",
+                    expected="each refused (401, 400, 413, 404; nothing listens beyond loopback); the idle "
+                    "connections cost the real caller nothing; the node neither leaves nor notices",
+                    checks=("all_refused", "never_left_out", "no_abort", "not_waited", "exit_0"),
+                ),
+            ),
+            rounds=12,
+        ),
+        Scenario(
+            "forged-records",
+            "3 nodes; once round 3 committed, a DHT node of an outsider (the run's config, not its secret) joins the "
+            "swarm's DHT and writes a member record with a forged proof and ready records for the next 3 rounds, "
+            "an unsigned member record, a record of the wrong schema, and a real member's record rewritten under "
+            "that member's key",
+            (
+                Fault(
+                    "forged and unsigned DHT records",
+                    0,
+                    3,
+                    signal="forge",
+                    expected="the unsigned, the wrong-schema and the rewritten records are refused by the DHT "
+                    "itself; the well-signed forgery is stored but no node believes it (counted by reason), "
+                    "lists it, waits for it or groups it",
+                    checks=("forged_ignored", "never_left_out", "no_abort", "not_waited"),
+                ),
+            ),
+        ),
+        Scenario(
+            "poisoned-donor",
+            "4 nodes; nodes 1 and 2 serve joiners the same wrong theta (the swarm's, nudged by 0.01) under a manifest "
+            "consistent with it, their own rounds and records honest; node 3 joins with `farloco join` once round 3 "
+            "committed, nodes 0-2 its donors: the poisoned manifest outvotes the honest one 2 to 1",
+            (
+                Fault(
+                    "poisoned state donor (node 1)",
+                    1,
+                    0,
+                    plan="poison-state",
+                    expected="serves its poisoned state to whoever asks; its own rounds go on",
+                    checks=("fired",),
+                ),
+                Fault(
+                    "poisoned state donor (node 2)",
+                    2,
+                    0,
+                    plan="poison-state",
+                    expected="the same",
+                    checks=("fired",),
+                ),
+                Fault(
+                    "a node joins",
+                    3,
+                    3,
+                    signal="join",
+                    expected="it refuses both poisoned states before fetching a byte (their theta is not the one "
+                    "the round's members vouch for in their signed records: WRONG_STATE), fetches node 0's and "
+                    "contributes from its next round; no fork",
+                    checks=("poison_refused", "synced", "back"),
+                ),
+            ),
+            peers=4,
+            late_peers=(3,),
+            rounds=14,  # a joiner starts its ranks and trains its first round while the swarm goes on
+        ),
+        Scenario(
             "bootstrap-lost",
             "3 nodes; once round 3 committed the bootstrap node (the only initial peer) is SIGKILLed for good, "
             "then node 2, restarted 1 s after",
@@ -792,6 +1215,88 @@ SCENARIOS: dict[str, Scenario] = {
             ),
             rounds=30,
             timeout=360.0,
+        ),
+        Scenario(
+            "crash-before-rename",
+            "3 nodes, checkpoints every 2 rounds; node 2 SIGKILLed (with its ranks) once its round-4 checkpoint is "
+            "durable under its temporary name (files and directory fsynced), before the rename; restarted 1 s after",
+            (
+                Fault(
+                    "crash between fsync and rename",
+                    2,
+                    4,
+                    plan="crash@save:4",
+                    restart_after=1.0,
+                    expected="the torn checkpoint is never loaded (never under a final name): the node comes back "
+                    "from its round-2 checkpoint or the swarm's state, contributes again, and its next save "
+                    "removes the dead writer's directory",
+                    checks=("torn_cleaned", "back"),
+                ),
+            ),
+            rounds=12,
+        ),
+        Scenario(
+            "stalled-dht",
+            "3 nodes; node 2's DHT process (hivemind's daemon, a child of the node) frozen with SIGSTOP for 10 s "
+            "once round 3 committed, then SIGCONT; the agent and its links live on",
+            (
+                Fault(
+                    "DHT process stalled 10 s",
+                    2,
+                    3,
+                    signal="dht-stop=10",
+                    expected="its stores and reads time out, the others' requests to it too; the rounds go on over "
+                    "the members' links (with or without it), no fork, and it is in the rounds again after SIGCONT",
+                    checks=("back",),
+                ),
+            ),
+            rounds=12,
+        ),
+        Scenario(
+            "partition-2-2",
+            "4 nodes, each a network namespace on a 100 Mbit/s WAN (the bootstrap on a fifth, with nodes 0-1); once "
+            "round 3 committed every packet between nodes 0-1 and nodes 2-3 is dropped silently (no FIN, no RST) "
+            "for 60 s, then the network heals",
+            (
+                Fault(
+                    "a 2|2 partition healed after a minute",
+                    2,
+                    3,
+                    signal="partition=60",
+                    expected="neither side is alone, so each trains on apart (no fork within a side); after the "
+                    "heal the sides meet, the hash check (or the round ids) finds two states, one side takes the "
+                    "other's (the healing rule: the larger side, then the lowest peer id; or the side ahead), and "
+                    "no round after that has two hashes",
+                    checks=("one_state_after_heal", "left_out", "back"),
+                ),
+            ),
+            peers=4,
+            rounds=60,
+            wan="100mbit",
+            sides=((0, 1), (2, 3)),
+            timeout=900.0,
+        ),
+        Scenario(
+            "half-open",
+            "3 nodes, each a network namespace on a 100 Mbit/s WAN; once round 3 committed node 2's packets are "
+            "dropped both ways and it is SIGKILLed, so its FIN and RST reach nobody (every connection to it "
+            "half-open); the network heals 20 s later and it restarts",
+            (
+                Fault(
+                    "peer gone without FIN (half-open connections)",
+                    2,
+                    3,
+                    signal="vanish=20",
+                    restart_after=1.0,
+                    expected="the others find it gone (its record expires; its links, dead without a word, are "
+                    "given up by their deadlines and keepalives) and go on without it; back, it catches up and "
+                    "contributes again",
+                    checks=("left_out", "back"),
+                ),
+            ),
+            rounds=20,
+            wan="100mbit",
+            timeout=600.0,
         ),
         Scenario(
             "long-run",
@@ -876,6 +1381,14 @@ def _check(
     if check == "all_refused":
         got = outcome.probes.get(fault.name, {})
         taken = [what for what, answer in got.items() if "ACCEPTED" in answer]
+        if (
+            fault.signal == "control-probe"
+        ):  # HTTP: only the real call behind the idle connections may succeed
+            taken = [
+                what
+                for what, answer in got.items()
+                if ("idle connections" in what) != answer.startswith("200") or answer == "CONNECTED"
+            ]
         if not got or any("NOT PROBED" in answer for answer in got.values()):
             return f"nothing probed: {got}"
         return None if not taken else f"accepted: {taken}"
@@ -888,6 +1401,73 @@ def _check(
     if check == "fallback":
         used = [e for e in outcome.events[name] if e["event"] == "known_peers"]
         return None if used else "the node never dialled the peers it knew"
+    if check == "forged_ignored":
+        got = outcome.probes.get(fault.name, {})
+        must_refuse = ("unsigned", "wrong schema", "rewritten under its key")
+        stored = [
+            what for what, answer in got.items() if any(m in what for m in must_refuse) and answer == "stored"
+        ]
+        if not got or stored:
+            return f"the DHT took forged records: {stored or got}"
+        believed = [
+            (node, e["round_id"])
+            for node, log in outcome.events.items()
+            for e in log
+            if e["event"] == "round" and set(outcome.forged_peers) & set(e.get("group", []))
+        ]
+        if believed:
+            return f"a forged member was grouped with: {believed[:5]}"
+        return (
+            None
+            if outcome.ignored.get("BAD_MEMBER_PROOF")
+            else f"no node counted the forged proof: {outcome.ignored}"
+        )
+    if check == "poison_refused":
+        refused = [
+            e for e in outcome.events[name] if e["event"] == "state_refused" and e["reason"] == "WRONG_STATE"
+        ]
+        if not refused:
+            return "the joiner refused no state as WRONG_STATE"
+        synced = [e for e in outcome.events[name] if e["event"] == "synced"]
+        poisoned = {e["donor"] for e in refused}
+        only_poisoned = [e for e in synced if set(e.get("donors", [])) <= poisoned]
+        if not synced or only_poisoned:
+            return f"synced only from refused donors: {only_poisoned or 'never synced'}"
+        return None
+    if check == "given_up_early":
+        # before the data deadline of the demo's exchange_timeout (60 s x 60%): found by its heartbeat
+        deadline = 0.6 * 60.0
+        found = figures.detection_s
+        return None if found is not None and found < deadline / 2 else f"left out {found} s after the fault"
+    if check == "one_state_after_heal":
+        # Each side trains on apart (neither sees itself alone) or waits; after the heal one state, no fork: the
+        # invariant above checks one hash per round within a side while apart and across the swarm after.
+        if not outcome.splits:
+            return "no partition happened"
+        split = outcome.splits[-1]
+        if split["met_again_after_heal_s"] is None:
+            return "the sides never met again"
+        if sum(1 for n in split["rounds_apart"] if n) > 1 and not split["synced_after_heal"]:
+            return f"both sides committed apart ({split['rounds_apart']}) and nobody took the other's state"
+        return None
+    if check == "torn_cleaned":
+        # The crash left the round's checkpoint durable under its temporary name, never renamed: the node came
+        # back from an older one (or the swarm's state), and its next save removed the dead writer's directory.
+        listings = outcome.checkpoints.get(name, [])
+        torn = f"round-{fault.at_round:08d}.tmp-"
+        at_crash = listings[0] if listings else []
+        if not any(entry.startswith(torn) for entry in at_crash):
+            return f"no {torn}* directory when the node died: {at_crash}"
+        if f"round-{fault.at_round:08d}" in at_crash:
+            return f"round {fault.at_round}'s checkpoint was renamed before the crash: {at_crash}"
+        if any(".tmp-" in entry for entry in listings[-1]):
+            return f"a temporary directory outlived the node's later saves: {listings[-1]}"
+        loaded = [
+            e
+            for e in outcome.events[name]
+            if e["event"] == "resumed" and f"round-{fault.at_round:08d}.tmp" in str(e.get("path", ""))
+        ]
+        return None if not loaded else f"resumed from the torn checkpoint: {loaded}"
     if check == "refused":
         return None if outcome.rejected else "no receiver refused anything"
     if check == "loss_as_healthy":
