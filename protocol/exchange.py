@@ -94,12 +94,17 @@ NOT_BLAME = frozenset({"TRUNCATED"})
 # every member's stream was seen and read to its end and every push of ours ended. Not after a deadline, our own
 # bad input or a group mismatch. A crashed member's stream never ends, so a crash costs up to this much more.
 EVIDENCE_GRACE_SECONDS = 1.0
-# A member frozen mid-exchange (SIGSTOP, a hung machine): with a `gone` callback (its membership record expired:
-# no heartbeat for the member ttl), a member we have heard nothing from for GONE_SILENCE_SECONDS is given up
-# before the data deadline, but only while the members still heard from are a strict majority of the attempt: both
-# sides of a partition cannot be, so neither side of a 1|1 or 2|2 split goes on alone early (each waits for the
-# deadline, as without the callback). Checked every GONE_CHECK_SECONDS, in the data phase and for votes.
+# A member frozen mid-exchange (SIGSTOP, a hung machine; its sockets stay open, so no error comes): with a `gone`
+# callback (its membership record expired: no heartbeat for the member ttl), a member we have heard nothing from
+# for GONE_SILENCE_SECONDS is pinged (an authenticated `DataAddress` call its event loop answers); one that does
+# not answer within GONE_PING_SECONDS is given up before the data deadline, but only while the others are a strict
+# majority of the attempt: both sides of a partition cannot be, so neither side of a 1|1 or 2|2 split goes on alone
+# early (each waits for the deadline, as without the callback). The ping matters: a frozen member's DHT process
+# freezes with it, the others' heartbeats then fail to store, and their records expire too (the chaos runner's
+# frozen-exchange row: a healthy member was given up on its record alone). Checked every GONE_CHECK_SECONDS, in
+# the data phase and for votes.
 GONE_SILENCE_SECONDS = 2.0
+GONE_PING_SECONDS = 2.0
 GONE_CHECK_SECONDS = 0.5
 # Most streams one member opens to one owner for one part (network.streams_per_peer).
 MAX_LANES = 16
@@ -306,6 +311,9 @@ class _Attempt:
     grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
     heard: dict[int, float] = field(default_factory=dict)  # member index -> loop time of its last frame to us
     gone: set[str] = field(default_factory=set)  # members given up as gone (GONE_SILENCE_SECONDS)
+    pings: dict[int, tuple[float, asyncio.Task[bool]]] = field(
+        default_factory=dict
+    )  # member -> (sent, answered?)
     data_deadline: float = math.inf
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -717,8 +725,8 @@ class Exchange:
             if lost:
                 attempt.gone |= lost
                 attempt.fail(
-                    f"MEMBER_GONE: {sorted(lost)} stopped heartbeating and sent nothing for "
-                    f"{GONE_SILENCE_SECONDS:g} s; the {len(attempt.members) - len(attempt.gone)} others of "
+                    f"MEMBER_GONE: {sorted(lost)} stopped heartbeating, sent nothing for {GONE_SILENCE_SECONDS:g} s "
+                    f"and did not answer a ping; the {len(attempt.members) - len(attempt.gone)} others of "
                     f"{len(attempt.members)} members go on without them",
                     evidence=False,
                 )
@@ -731,16 +739,27 @@ class Exchange:
             return set()
         now = asyncio.get_running_loop().time()
         others = [j for j in range(len(attempt.members)) if j != attempt.me] if among is None else among
-        silent = {
-            attempt.members[j].peer_id
-            for j in others
-            if now - attempt.heard.get(j, now) >= GONE_SILENCE_SECONDS
-            and self.gone(attempt.members[j].peer_id)
-        }
+        silent = set()
+        for j in others:
+            peer = attempt.members[j].peer_id
+            if now - attempt.heard.get(j, now) < GONE_SILENCE_SECONDS or not self.gone(peer):
+                continue
+            sent, ping = attempt.pings.get(j, (-math.inf, None))
+            if ping is None or (ping.done() and ping.result() and now - sent >= GONE_SILENCE_SECONDS):
+                # ask (again): an answer means it is alive, only slow or waiting itself
+                attempt.pings[j] = (now, asyncio.ensure_future(self._ping(attempt, j)))
+            elif ping.done() and not ping.result():
+                silent.add(peer)
         n = len(attempt.members)
         if not silent or 2 * (n - len(silent | attempt.gone)) <= n:
             return set()
         return silent
+
+    async def _ping(self, attempt: _Attempt, j: int) -> bool:
+        """Whether member j's node answers an authenticated call within GONE_PING_SECONDS (its event loop runs)."""
+        return await self.client.answers(
+            attempt.members[j].address, round_id=attempt.round_id, timeout=GONE_PING_SECONDS
+        )
 
     def _local_failure(self, attempt: _Attempt, exc: Exception) -> None:
         # Our own tensor cannot be encoded (e.g. NaN): exclude ourselves so the others go on without us,
@@ -1020,6 +1039,8 @@ class Exchange:
             self._decided.popitem(last=False)
 
     def _retire(self, attempt: _Attempt) -> None:
+        for _, ping in attempt.pings.values():
+            ping.cancel()
         if not attempt.finished.is_set():
             attempt.fail("abandoned", evidence=False)
         if attempt.status is not None and not attempt.status.done():

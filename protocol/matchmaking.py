@@ -559,7 +559,8 @@ class DHTMatchmaker:
         self._last_group: tuple[int, dict[str, str]] = (-1, {})  # (round, peer id -> address) of that group
         # Members of the last group whose record vanished: peer id -> (when we last knocked at its address,
         # whether the connection was refused there). A refusal means no process listens there any more.
-        self._knocked: dict[str, tuple[float, bool]] = {}
+        # vanished member of our last group -> (last knock, verdict: "refused", "silent" or "" = it answered)
+        self._knocked: dict[str, tuple[float, str]] = {}
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
         self.counters: Counter[str] = Counter()
         if server is not None:
@@ -713,25 +714,35 @@ class DHTMatchmaker:
             return frozenset()
         records = {r.peer_id: r for r in live}
         departed = self.membership.core.departed(now)
+        verdicts = {p: self._knocked.get(p, (0.0, ""))[1] for p in members if p != me and p not in records}
+        refused = {p for p, verdict in verdicts.items() if verdict == "refused"}
+        silent = {p for p, verdict in verdicts.items() if verdict == "silent"}
+        # Silent members are given up only while the rest of the group (less those whose process is gone for
+        # sure) is a strict majority of it: the sides of a partition cannot both be, so neither stops waiting.
+        counted = len(members) - len(refused)
+        given_up = refused | (silent if 2 * (counted - len(silent)) > counted else set())
         return frozenset(
             p
             for p in members
             if p != me
             # left (a tombstone) and not back (a restarted node keeps its peer id: a newer record means back)
             and (p in records or p not in departed)
-            # crashed: its record expired and its address refuses connections (`_knock_vanished`)
-            and (p in records or not self._knocked.get(p, (0.0, False))[1])
+            # crashed (its record expired and its address refuses connections) or frozen (it answers no call),
+            # see `_knock_vanished`
+            and p not in given_up
             and not (
                 p in records and (records[p].state == "leaving" or self.round_of(records[p], now) > round_id)
             )
         )
 
     def _knock_vanished(self, round_id: int, live: Sequence[Any], now: float, me: str) -> None:
-        """Knock (a TCP connect, nothing sent) at the address of each member of our last group whose record
-        vanished, every KNOCK_EVERY seconds while it stays so. A refused connection means its process is gone
-        (crashed, killed; a restarted one listens again): the round stops waiting for it instead of waiting out
-        the straggler wait. A connect that times out or fails otherwise says nothing (a partition, a dead host
-        that sends no reset): the member stays expected, bounded by the round's wait, as before."""
+        """Knock at the address of each member of our last group whose record vanished, every KNOCK_EVERY
+        seconds while it stays so: a TCP connect, then an authenticated call (`RpcClient.answers`). A refused
+        connection means its process is gone (crashed, killed; a restarted one listens again): the round stops
+        waiting for it instead of waiting out the straggler wait. No answer within KNOCK_TIMEOUT is `silent`: a
+        frozen process (its kernel still accepts the connect), a dead host without reset, or a partition; the
+        round stops waiting for silent members only while the rest of the last group is a strict majority of it
+        (`_from_last_group`), so a partition's sides keep waiting (bounded by the round's wait, as before)."""
         last_round, members = self._last_group
         records = {r.peer_id for r in live}
         for peer_id in list(self._knocked):
@@ -742,32 +753,39 @@ class DHTMatchmaker:
         for peer_id, address in members.items():
             if peer_id == me or peer_id in records:
                 continue
-            knocked_at, _ = self._knocked.get(peer_id, (-math.inf, False))
+            knocked_at, verdict = self._knocked.get(peer_id, (-math.inf, ""))
             if now - knocked_at >= KNOCK_EVERY:
-                self._knocked[peer_id] = (now, self._knocked.get(peer_id, (0.0, False))[1])
-                self._spawn(self._knock(peer_id, address))
+                self._knocked[peer_id] = (now, verdict)
+                self._spawn(self._knock(peer_id, address, round_id))
 
-    async def _knock(self, peer_id: str, address: str) -> None:
+    async def _knock(self, peer_id: str, address: str, round_id: int) -> None:
         host, _, port = address.rpartition(":")
-        refused = False
+        verdict = ""
         try:
             _, writer = await wait_for(asyncio.open_connection(host.strip("[]"), int(port)), KNOCK_TIMEOUT)
         except ConnectionRefusedError:
-            refused = True
+            verdict = "refused"
         except (OSError, TimeoutError, ValueError):
-            pass
+            verdict = "silent"
         else:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+            if self.client is not None and not await self.client.answers(
+                address, round_id=round_id, timeout=KNOCK_TIMEOUT
+            ):
+                verdict = "silent"
         if peer_id in self._knocked:
             was = self._knocked[peer_id][1]
-            self._knocked[peer_id] = (self._knocked[peer_id][0], refused)
-            if refused and not was:
+            self._knocked[peer_id] = (self._knocked[peer_id][0], verdict)
+            if verdict and verdict != was:
                 logger.info(
-                    "%s (of our last group) vanished and its address %s refuses connections: not waited for",
+                    "%s (of our last group) vanished and %s: not waited for%s",
                     peer_id[:16],
-                    address,
+                    f"its address {address} refuses connections"
+                    if verdict == "refused"
+                    else "answers no call (frozen, or cut off)",
+                    "" if verdict == "refused" else " while the rest of the group is a majority",
                 )
 
     def _catching_up(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:

@@ -461,6 +461,19 @@ class RpcClient:
                 grpc.StatusCode.INTERNAL, exc.reason, f"answer of {method} at {address}: {exc.detail}"
             ) from None
 
+    async def answers(self, address: str, *, round_id: int, timeout: float) -> bool:
+        """Whether the node at `address` answers an authenticated call (`DataAddress`, served by its event loop)
+        within `timeout` seconds. A refusal with a reason of its own is an answer too (it runs); a deadline, a
+        reset or a refused connection is not: a frozen process (its kernel still accepts connections), a dead one
+        or a partition."""
+        try:
+            await self.unary(address, DATA_ADDRESS_METHOD, Frame({}), round_id=round_id, timeout=timeout)
+        except RpcError as exc:
+            return bool(exc.reason != exc.code.name)
+        except (OSError, TimeoutError):
+            return False
+        return True
+
     async def unary(self, address: str, method: str, frame: Frame, *, round_id: int, timeout: float) -> Frame:
         """One request, one answer; raises RpcError on any failure."""
         _check_method(method)

@@ -144,3 +144,26 @@ def _running(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_failed_starts_libp2p_daemon_holding_our_identity_is_killed(tmp_path: Path) -> None:
+    """Before a DHT start is tried again (a peer could not dial us back), the daemon the failed try left running
+    with our identity is killed: found by its `-id=PATH`, ours only (another identity's daemon lives on)."""
+    import shutil
+    import subprocess
+
+    from farloco.node.daemon.dhtnode import _kill_daemons_of
+
+    fake = tmp_path / "p2pd"  # a process whose command line reads like hivemind's p2pd
+    shutil.copy("/bin/sh", fake)
+    ours, theirs = tmp_path / "ours.key", tmp_path / "theirs.key"
+    started = [subprocess.Popen([str(fake), "-c", "sleep 60; true", f"-id={key}"]) for key in (ours, theirs)]
+    try:
+        assert _kill_daemons_of(str(ours)) == [started[0].pid]
+        assert started[0].wait(timeout=10) == -9
+        assert started[1].poll() is None
+        assert _kill_daemons_of("") == [] and _kill_daemons_of(None) == []
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()

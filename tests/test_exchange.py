@@ -931,6 +931,22 @@ def test_a_frozen_member_is_given_up_by_a_majority_before_the_data_deadline(
 
 
 @pytest.mark.multiprocess
+def test_a_silent_member_that_answers_is_kept_even_when_its_record_expired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member that starts its attempt 5 s late (silent meanwhile) and whose record the others see expired (a
+    frozen member's DHT replica makes healthy members' heartbeats fail too): it answers their ping, so it is
+    waited for and the mean has all three."""
+    numel = 300_000
+    monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "30")
+    monkeypatch.setenv("EXCHANGE_TEST_GONE", "peer-1")
+    monkeypatch.setenv("EXCHANGE_TEST_LATE", "peer-1:5")
+    _, reports = run_workers(3, numel, "fp32", tmp_path)
+    assert all(r.get("ok") for r in reports), reports
+    assert all(r["contributors"] == ["peer-0", "peer-1", "peer-2"] for r in reports), reports
+
+
+@pytest.mark.multiprocess
 def test_neither_side_of_a_one_one_split_gives_up_the_other_early(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -979,6 +995,10 @@ async def worker(
     if die_at:
         codec = SuicidalCodec(codec, die_at)
     print("averaging", flush=True)
+    late = dict(item.split(":") for item in filter(None, os.environ.get("EXCHANGE_TEST_LATE", "").split(",")))
+    await asyncio.sleep(
+        float(late.get(peer_id, 0))
+    )  # a member that starts its attempt late: silent, not gone
     started = time.monotonic()
     try:
         timeout = float(os.environ.get("EXCHANGE_TEST_TIMEOUT", "40"))

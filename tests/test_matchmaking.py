@@ -648,10 +648,12 @@ def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -
         assert membership.core.ignored["NOT_A_MEMBER"] >= 1, membership.core.ignored
 
 
-def test_a_vanished_member_whose_address_refuses_connections_is_not_waited_for() -> None:
+def test_a_vanished_member_that_refuses_connections_or_answers_no_call_is_not_waited_for() -> None:
     """A member of the last group whose record expired is still expected (DHT reads lag under load) unless its
-    address refuses connections (no process there: it crashed). A knock that gets no answer says nothing (a
-    partition looks like that) and keeps it expected; a member whose record is back is expected again."""
+    address refuses connections (no process there: it crashed) or it answers no authenticated call (a frozen
+    process: its kernel still accepts the connect; or a dead host, or a partition) while the rest of the group is
+    a strict majority; a member that answers stays expected, and so do silent ones when the rest is no majority
+    (a partition's sides must not both stop waiting). A member whose record is back is expected again."""
     import socket
 
     from farloco.protocol.auth import Authenticator
@@ -660,39 +662,69 @@ def test_a_vanished_member_whose_address_refuses_connections_is_not_waited_for()
     from farloco.protocol.membership import DHTMembership
     from farloco.protocol.rpc import RpcClient, RpcServer
 
+    secret = b"0123456789abcdef0123"
+
     async def main() -> None:
         clock = FakeClock(1000.0)
-        auth = Authenticator("mm:h", b"0123456789abcdef0123", "p0")
+        auth = Authenticator("mm:h", secret, "p0")
         membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
         maker = DHTMatchmaker(
             None, "mm", membership, clock=clock, server=RpcServer(auth), client=RpcClient(auth)
         )
-        listening = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-        alive = listening.sockets[0].getsockname()[1]
+        alive = RpcServer(Authenticator("mm:h", secret, "p1"))  # a running node: answers the knock's call
+        alive_address = await alive.start()
+
+        accepted: list[asyncio.StreamWriter] = []
+
+        async def frozen_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(writer)
+            await reader.read()  # accepts, never answers: what a SIGSTOPped node's kernel does
+            writer.close()
+
+        frozen = [await asyncio.start_server(frozen_handler, "127.0.0.1", 0) for _ in range(2)]
         with socket.socket() as closed:  # a port nothing listens on (bound, then released)
             closed.bind(("127.0.0.1", 0))
             dead = closed.getsockname()[1]
         members = {
             "p0": "127.0.0.1:1",
-            "p1": f"127.0.0.1:{alive}",
+            "p1": alive_address,
             "p2": f"127.0.0.1:{dead}",
-        }  # p1 alive, p2 dead
-        members["p3"] = "192.0.2.1:7000"  # p3: TEST-NET-1: no answer at all (or unreachable): says nothing
-        maker._last_group = (4, members)
-        now = clock.now()
-        assert maker._from_last_group(5, [], now, "p0") == {"p1", "p2", "p3"}
-        maker._knock_vanished(5, [], now, "p0")
-        while maker._background:
-            await asyncio.sleep(0.05)
-        assert maker._from_last_group(5, [], now, "p0") == {"p1", "p3"}
-        back = record_of("p2", 5, now)
-        assert maker._from_last_group(5, [back], now, "p0") == {"p1", "p2", "p3"}
-        maker._knock_vanished(5, [back], now, "p0")
-        assert "p2" not in maker._knocked, (
-            "a member whose record is back is knocked afresh if it vanishes again"
-        )
-        listening.close()
-        await listening.wait_closed()
-        await maker.close()
+            "p3": f"127.0.0.1:{frozen[0].sockets[0].getsockname()[1]}",
+        }
+
+        async def knock(group: dict[str, str], live: list[Any]) -> frozenset[str]:
+            maker._last_group = (4, group)
+            maker._knock_vanished(5, live, clock.now(), "p0")
+            while maker._background:
+                await asyncio.sleep(0.05)
+            return maker._from_last_group(5, live, clock.now(), "p0")
+
+        try:
+            maker._last_group = (4, members)
+            assert maker._from_last_group(5, [], clock.now(), "p0") == {"p1", "p2", "p3"}
+            # p2 crashed, p3 frozen: p0 and p1 are 2 of the 3 not known dead, a majority: only p1 is waited for
+            assert await knock(members, []) == {"p1"}
+            assert maker._knocked["p2"][1] == "refused" and maker._knocked["p3"][1] == "silent"
+            # two frozen of five, one crashed: p0 and p1 are 2 of 4, no majority: the silent ones stay expected
+            maker._knocked.clear()
+            wider = {**members, "p4": f"127.0.0.1:{frozen[1].sockets[0].getsockname()[1]}"}
+            assert await knock(wider, []) == {"p1", "p3", "p4"}
+            # p2 back (a record again): p0, p1 and p2 are 3 of 5, a majority: the two silent ones are given up
+            back = record_of("p2", 5, clock.now())
+            assert maker._from_last_group(5, [back], clock.now(), "p0") == {"p1", "p2"}
+            maker._knock_vanished(5, [back], clock.now(), "p0")
+            assert "p2" not in maker._knocked, (
+                "a member whose record is back is knocked afresh if it vanishes again"
+            )
+            while maker._background:
+                await asyncio.sleep(0.05)
+        finally:
+            await maker.close()
+            await alive.stop(0)
+            for writer in accepted:
+                writer.close()
+            for server in frozen:
+                server.close()
+                await server.wait_closed()
 
     asyncio.run(main())

@@ -119,6 +119,9 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
                 dht.kill()
                 dht.join(5)
             if DIAL_BACK_FAILED in str(exc) and attempt < DIAL_BACK_TRIES and time.monotonic() < deadline:
+                # The failed try's libp2p daemon outlives its killed parent and holds our identity: the next try's
+                # check that the identity is free would find it (and hang on it).
+                _kill_daemons_of(kwargs.get("identity_path"))
                 # The peer we joined through could not dial us back. After a crash without FIN or RST (a machine
                 # that lost power, a partition), that peer still holds its connection to our peer id from our
                 # last life and tries it first; our host answers it with a reset now, so the next try dials fresh.
@@ -134,6 +137,27 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
             raise DHTStartError(_start_failure(str(exc), kwargs)) from None
         return dht
     raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _kill_daemons_of(identity_path: Any) -> list[int]:
+    """SIGKILL every libp2p daemon (p2pd) running with `identity_path` (`-id=PATH` on its command line: ours, the
+    identity lives in our run directory); the pids killed. Linux only (reads /proc)."""
+    if not identity_path or not sys.platform.startswith("linux"):
+        return []
+    flag = f"-id={identity_path}".encode()
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            if flag in args and os.path.basename(args[0]) == b"p2pd":
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+        except (OSError, IndexError):
+            continue
+    return killed
 
 
 def _start_failure(error: str, kwargs: dict[str, Any]) -> str:
