@@ -301,6 +301,7 @@ class AgentCore:
         self.isolation = IsolationWatch()
         self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
+        self._peer_addresses: dict[str, str] = {}  # last gRPC addresses of the peers seen live
         self.known_peers = KnownPeers(self.run_dir, self.run_hash)  # for a restart without the bootstrap
 
     def status_dict(self) -> dict[str, Any]:

@@ -83,9 +83,15 @@ class SwarmAgent(ChaosAgent):
         others = [m for m in members if m.peer_id != self.peer_id]
         for m in others:
             self._peer_maddrs[m.peer_id] = tuple(m.maddrs)
+            self._peer_addresses[m.peer_id] = m.address
         was = self.isolation.verdict
-        verdict = self.isolation.observe(_dht_now(), [m.peer_id for m in others], self.membership.departed())
+        departed = self.membership.departed()
+        live = [m.peer_id for m in others]
+        if not live:
+            live = await self._still_answering(departed)
+        verdict = self.isolation.observe(_dht_now(), live, departed)
         self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.isolation.known}
+        self._peer_addresses = {p: a for p, a in self._peer_addresses.items() if p in self.isolation.known}
         self.known_peers.remember({m.peer_id: m.maddrs for m in others})
         if verdict == "isolated" and was != "isolated":
             log.warning(
@@ -96,6 +102,24 @@ class SwarmAgent(ChaosAgent):
         with self._lock:
             self.peers_view = view
         return list(members)
+
+    async def _still_answering(self, departed: set[str]) -> list[str]:
+        """The known peers whose records expired without a departure but whose node answers an authenticated call
+        at its last gRPC address (`RpcClient.answers`, 2 s): alive, only their records are behind. A frozen
+        member's DHT replica makes the others' heartbeat stores time out, so healthy members' records expired
+        together and a node found itself "isolated" from peers it could reach, sat out rounds and left the one
+        peer that still matched to commit a round alone (the chaos runner's sigstop-straggler row)."""
+        client = getattr(self, "client", None)
+        vanished = [p for p in sorted(self.isolation.known - departed) if p in self._peer_addresses]
+        if client is None or not vanished:
+            return []
+        answers = await asyncio.gather(
+            *(client.answers(self._peer_addresses[p], round_id=self.round_id, timeout=2.0) for p in vanished)
+        )
+        alive = [p for p, answered in zip(vanished, answers, strict=True) if answered]
+        if alive:
+            log.info("the records of %s expired but they answer: not vanished (their DHT stores lag)", alive)
+        return alive
 
     async def _heartbeat_loop(self) -> None:
         while True:
