@@ -732,8 +732,16 @@ def spawn_workers(
 
 
 def run_workers(
-    count: int, numel: int, codec: str, tmp_path: Path, die: dict[int, int] | None = None, timeout: float = 60
+    count: int,
+    numel: int,
+    codec: str,
+    tmp_path: Path,
+    die: dict[int, int] | None = None,
+    timeout: float = 60,
+    collect: Sequence[int] | None = None,
 ) -> tuple[list[subprocess.Popen[str]], list[dict[str, Any]]]:
+    """Start `count` workers as one group and return their reports, of the workers `collect` only if given (a
+    frozen worker never reports: it is killed at the end with the others)."""
     procs = spawn_workers(count, numel, codec, die or {}, tmp_path)
     try:
         addresses = []
@@ -746,7 +754,7 @@ def run_workers(
             proc.stdin.write(group + "\n")
             proc.stdin.flush()
         reports = []
-        for proc in procs:
+        for proc in procs if collect is None else [procs[i] for i in collect]:
             out, _ = proc.communicate(timeout=timeout)
             if proc.returncode != 0:
                 reports.append({"killed": proc.returncode})
@@ -873,23 +881,7 @@ def test_hung_member_is_dropped_after_the_deadline(tmp_path: Path, monkeypatch: 
     numel = 300_000
     # Data phase 7.2 s, votes 1.8 s, then a retry among the others.
     monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "12")
-    procs = spawn_workers(3, numel, "fp32", {1: -3}, tmp_path)
-    try:
-        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
-        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(group + "\n")
-            proc.stdin.flush()
-        reports = []
-        for proc in (procs[0], procs[2]):
-            out, _ = proc.communicate(timeout=60)
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    _, reports = run_workers(3, numel, "fp32", tmp_path, die={1: -3}, collect=(0, 2))
     assert all(r.get("ok") for r in reports), reports
     assert reports[0]["contributors"] == reports[1]["contributors"] == ["peer-0", "peer-2"]
     assert torch.equal(load_result(tmp_path, 0), load_result(tmp_path, 2))
@@ -907,23 +899,7 @@ def test_a_frozen_member_is_given_up_by_a_majority_before_the_data_deadline(
     numel = 300_000
     monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "30")
     monkeypatch.setenv("EXCHANGE_TEST_GONE", "peer-1")
-    procs = spawn_workers(3, numel, "fp32", {1: -1}, tmp_path)
-    try:
-        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
-        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(group + "\n")
-            proc.stdin.flush()
-        reports = []
-        for proc in (procs[0], procs[2]):
-            out, _ = proc.communicate(timeout=60)
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    _, reports = run_workers(3, numel, "fp32", tmp_path, die={1: -1}, collect=(0, 2))
     assert all(r.get("ok") for r in reports), reports
     assert reports[0]["contributors"] == reports[1]["contributors"] == ["peer-0", "peer-2"]
     assert all(r["seconds"] < 12.0 for r in reports), reports  # the data deadline alone would be 18 s
@@ -955,21 +931,7 @@ def test_neither_side_of_a_one_one_split_gives_up_the_other_early(
     survivor waits for the data deadline (3.6 s of a 6 s exchange) as it would without the callback."""
     monkeypatch.setenv("EXCHANGE_TEST_TIMEOUT", "6")
     monkeypatch.setenv("EXCHANGE_TEST_GONE", "peer-1")
-    procs = spawn_workers(2, 300_000, "fp32", {1: -1}, tmp_path)
-    try:
-        addresses = [p.stdout.readline().strip() for p in procs if p.stdout]
-        group = json.dumps({"round": 3, "members": [[f"peer-{i}", a] for i, a in enumerate(addresses)]})
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(group + "\n")
-            proc.stdin.flush()
-        out, _ = procs[0].communicate(timeout=60)
-        report = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    _, (report,) = run_workers(2, 300_000, "fp32", tmp_path, die={1: -1}, collect=(0,))
     elapsed = report.get("elapsed", report.get("seconds"))
     assert elapsed is not None and elapsed >= 3.5, report
     assert "MEMBER_GONE" not in json.dumps(report), report
