@@ -50,6 +50,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import struct
 import sys
 import warnings
 from collections import OrderedDict
@@ -446,7 +447,7 @@ class Exchange:
         self.slices = slices
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
-        self.corrupt_rounds: set[int] = set()  # chaos only: see `_outgoing`
+        self.corrupt_rounds: dict[int, str] = {}  # chaos only: round -> mode, see `_outgoing`
         # Whether a peer is known gone (its membership record expired); see GONE_SILENCE_SECONDS. None: never.
         self.gone = gone
         self._attempts: dict[str, _Attempt] = {}
@@ -794,9 +795,18 @@ class Exchange:
             self._finish_sparse(attempt)
 
     def _outgoing(self, attempt: _Attempt, data: bytes | memoryview) -> bytes | memoryview:
-        """A chunk's payload as it goes out; all 0xFF bytes (NaN floats, out-of-range indices) in the rounds
-        `corrupt_rounds` names (chaos: FARLOCO_FAULTS corrupt@exchange, what the receivers must refuse)."""
-        return b"\xff" * len(data) if attempt.round_id in self.corrupt_rounds else data
+        """A chunk's payload as it goes out, corrupted in the rounds `corrupt_rounds` names (chaos: FARLOCO_FAULTS
+        corrupt[=MODE]@exchange): all 0xFF bytes (NaN floats, out-of-range indices), float32 +Inf or 1e38 (raw
+        fp32 payloads: Inf must be refused, 1e38 is a valid wrong value for the aggregator), or its first half."""
+        mode = self.corrupt_rounds.get(attempt.round_id)
+        if mode is None:
+            return data
+        if mode == "short":
+            return bytes(data[: len(data) // 2])
+        if mode in ("inf", "huge"):
+            value = struct.pack("<f", math.inf if mode == "inf" else 1e38)
+            return value * (len(data) // 4) + b"\x00" * (len(data) % 4)
+        return b"\xff" * len(data)
 
     async def _push(self, attempt: _Attempt, j: int, lane: int, deadline: float) -> None:
         """Stream our contribution to member j and, for dense codecs, receive j's mean of its part: the chunks of

@@ -115,11 +115,14 @@ PHASE_ACTIONS = ("crash", "hang", "drop", "delay", "corrupt", "wrong")
 """crash: SIGKILL the node (its process group: agent, ranks, DHT daemon). hang=S: SIGSTOP the node for S seconds
 (a frozen machine; a helper outside it sends SIGCONT). drop: shut every open connection of the node down (its
 gRPC channels and data-plane sockets: the peers see them reset mid-call). delay=S: the agent sleeps S seconds
-where it stands (a slow phase). corrupt: the round's outgoing exchange payloads are overwritten with 0xFF bytes
+where it stands (a slow phase). corrupt[=MODE]: the round's outgoing exchange payloads are overwritten with 0xFF bytes
 (NaN floats, out-of-range indices: what the receivers must refuse). wrong=KIND: a wrong-but-valid update
 (farloco.optim.ATTACKS) in place of the node's own."""
 
 _VALUED = {"hang": "seconds", "delay": "seconds", "wrong": "attack"}
+CORRUPT_MODES = ("bytes", "inf", "huge", "short")
+"""corrupt's payloads: `bytes` (the default) all 0xFF (NaN floats, out-of-range indices), `inf` float32 +Inf, `huge`
+float32 1e38 (finite: a valid, wrong value), `short` the first half of each payload only (a size mismatch)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class FaultPlan:
 
 FAULT_GRAMMAR = (
     "ACTION[=VALUE]@PHASE[+SECONDS][:ROUNDS] with ACTION one of crash, hang=SECONDS, drop, delay=SECONDS, "
-    "corrupt, wrong=ATTACK; PHASE one of "
+    "corrupt[=bytes|inf|huge|short], wrong=ATTACK; PHASE one of "
     + ", ".join(PHASES)
     + "; ROUNDS N, N-M or N+ (default: every round); "
     "or dht-refuse-stores=N, dht-refuse-stores-for=SECONDS, dht-silent-after=SECONDS, slow-steps=SECONDS, "
@@ -200,11 +203,19 @@ def _phase_fault(entry: str, attacks: Collection[str] | None) -> PhaseFault:
         raise ValueError(
             f"FARLOCO_FAULTS entry {entry!r}: unknown fault {action!r}; expected {FAULT_GRAMMAR}"
         )
-    if bool(has_value) != (action in _VALUED):
+    if action == "corrupt" and has_value:
+        if raw not in CORRUPT_MODES:
+            raise ValueError(
+                f"FARLOCO_FAULTS entry {entry!r}: expected corrupt or corrupt=MODE with MODE one of "
+                f"{list(CORRUPT_MODES)}, got {raw!r}"
+            )
+    elif bool(has_value) != (action in _VALUED):
         wanted = f"{action}={_VALUED[action].upper()}" if action in _VALUED else f"{action} without a value"
         raise ValueError(f"FARLOCO_FAULTS entry {entry!r}: expected {wanted}")
     value: float | str | None = None
-    if action == "wrong":
+    if action == "corrupt":
+        value = raw or "bytes"
+    elif action == "wrong":
         if attacks is not None and raw not in attacks:
             raise ValueError(
                 f"FARLOCO_FAULTS entry {entry!r}: expected an attack of {list(attacks)}, got {raw!r}"

@@ -341,6 +341,41 @@ def test_optim_lossy_codec_through_the_exchange(name: str) -> None:
     run(body())
 
 
+@pytest.mark.parametrize("mode", ["bytes", "inf", "short", "huge"])
+def test_a_member_whose_chunks_go_out_corrupted_is_refused_or_outvoted(mode: str) -> None:
+    """The chaos fault `corrupt=MODE`: a member's outgoing payloads as 0xFF bytes (NaN), +Inf or half their size
+    are refused by every owner (the others retry without it and agree); 1e38 is a valid float, so the mean takes
+    it (the control) and the coordinate median of three does not."""
+    from farloco.optim import Aggregator
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        nodes[1].exchange.corrupt_rounds[group.round_id] = mode
+        inputs = [make_input(i, 50_000) for i in range(3)]
+        rule = Aggregator("median") if mode == "huge" else None
+        try:
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30, rule=rule)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            for node in nodes:
+                await node.stop()
+        good = [outcomes[0], outcomes[2]]
+        assert all(isinstance(r, AverageResult) for r in good), outcomes
+        assert torch.equal(good[0].averaged, good[1].averaged)
+        if mode == "huge":
+            # all three contributed; the median of (x0, 1e38, x2) per coordinate is the larger honest value
+            assert good[0].contributors == ("peer-0", "peer-1", "peer-2")
+            assert torch.equal(good[0].averaged, torch.maximum(inputs[0], inputs[2]))
+        else:
+            assert good[0].contributors == good[1].contributors == ("peer-0", "peer-2")
+            assert torch.allclose(good[0].averaged, (inputs[0] + inputs[2]) / 2, atol=1e-6)
+
+
 def test_raw_path_own_nonfinite_input_excludes_itself() -> None:
     async def body() -> None:
         nodes, group = await start_nodes(3)

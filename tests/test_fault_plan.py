@@ -27,6 +27,11 @@ def test_phase_faults_name_action_phase_offset_and_rounds() -> None:
     assert [f.action for f in plan.at("exchange", 2)] == ["corrupt", "wrong"]
     assert [f.action for f in plan.at("train", 4)] == ["hang"]
     assert plan.at("commit", 1) == []
+    assert corrupt.value == "bytes"
+    assert [f.value for f in parse_faults("corrupt=inf@exchange:3,corrupt=short@exchange:5").phase] == [
+        "inf",
+        "short",
+    ]
     (save,) = parse_faults("crash@save:4").phase
     assert save.applies("save", 4) and not save.applies("commit", 4)
 
@@ -60,6 +65,7 @@ def test_the_older_entries_keep_their_meaning() -> None:
         ),
         ("hang@train", "expected hang=SECONDS"),
         ("corrupt@save:4", "the save phase takes crash, hang or delay, got 'corrupt'"),
+        ("corrupt=lava@exchange", "expected corrupt or corrupt=MODE with MODE one of \\['bytes', 'inf'"),
         ("crash=3@train", "expected crash without a value"),
         ("delay=-1@match", "expected seconds >= 0, got '-1'"),
         ("delay=nan@match", "expected seconds >= 0, got 'nan'"),

@@ -34,8 +34,8 @@ class ChaosAgent(SnapshotAgent):
             if fault.action == "wrong":
                 continue  # applied to the round's contribution (`_byzantine`)
             if fault.action == "corrupt":
-                self.exchange.corrupt_rounds.add(round_id)
-                self.exchange.corrupt_rounds.discard(round_id - 8)
+                self.exchange.corrupt_rounds[round_id] = str(fault.value or "bytes")
+                self.exchange.corrupt_rounds.pop(round_id - 8, None)
             if fault.offset and fault.action in ("crash", "hang", "drop"):
                 asyncio.get_running_loop().call_later(fault.offset, self._fire, fault, round_id)
             elif fault.action == "delay":

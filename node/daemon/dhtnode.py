@@ -52,7 +52,9 @@ def stable_node_id(identity_path: str) -> Any:
 DIAL_BACK_FAILED = "can't access this node"
 DIAL_BACK_TRIES = 3
 DIAL_BACK_PAUSE = 2.0
-DIAL_BACK_TRY_SECONDS = 30.0  # a retry that is not ready by then gives way to the next (the last takes what is left)
+DIAL_BACK_TRY_SECONDS = (
+    30.0  # a retry that is not ready by then gives way to the next (the last takes what is left)
+)
 
 
 class DHTStartError(RuntimeError):

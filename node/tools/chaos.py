@@ -272,7 +272,8 @@ def probe(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
 
     Outsider: no token, a token made with a wrong secret, a flood of PROBE_FLOOD such calls. Insider: a replayed
     token, an inflated round id, a malformed frame, a frame whose header claims 1 MiB, a message over the gRPC
-    cap (9 MiB). The node must refuse each with its reason and count it, and its rounds must not notice."""
+    cap (9 MiB), ready records speaking for another peer and for another round (sender mismatch). The node must
+    refuse each with its reason and count it, and its rounds must not notice."""
     import asyncio
 
     import grpc
@@ -280,6 +281,7 @@ def probe(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
     from farloco.node.config import load_config, run_secret
     from farloco.node.daemon.control import ControlClient
     from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import READY_METHOD, ReadyRecord
     from farloco.protocol.rpc import SERVICE, Frame, encode_frame
 
     status = ControlClient(run_dir).status()
@@ -292,9 +294,9 @@ def probe(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
     good = encode_frame(Frame({"g": 5}))
     method = "ExchangeVote"
 
-    async def call(channel: Any, request: bytes, metadata: Any) -> str:
+    async def call(channel: Any, request: bytes, metadata: Any, to: str = method) -> str:
         try:
-            await channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=metadata, timeout=20)
+            await channel.unary_unary(f"/{SERVICE}/{to}")(request, metadata=metadata, timeout=20)
         except grpc.aio.AioRpcError as error:
             reason = dict(error.trailing_metadata() or ()).get("farloco-reason", "")
             return f"{error.code().name} {reason}".strip()
@@ -317,6 +319,19 @@ def probe(swarm: ChaosSwarm, run_dir: Path) -> dict[str, str]:
             got["9 MiB message"] = await call(
                 channel, b"\x00" * (9 << 20), insider.metadata(method, round_id)
             )
+            # An insider speaking for another member: a ready record of node 0's own peer id, then one of its own
+            # id for another round than its token's.
+            for what, peer, ready_round in (
+                ("ready record of another peer", status["peer_id"], round_id),
+                ("ready record of another round", "chaos-insider", round_id + 5),
+            ):
+                ready = ReadyRecord(peer, "127.0.0.1:9", ready_round, time.time()).to_wire()
+                got[what] = await call(
+                    channel,
+                    encode_frame(Frame({"r": ready})),
+                    insider.metadata(READY_METHOD, round_id),
+                    READY_METHOD,
+                )
             started = time.monotonic()
             answers: list[str] = []
             for _ in range(PROBE_FLOOD // 50):
@@ -1071,10 +1086,69 @@ SCENARIOS: dict[str, Scenario] = {
             overrides=('run.aggregator="median"',),
         ),
         Scenario(
+            "insider-bad-data",
+            "3 nodes, run.codec = fp32 (raw float32 chunks); node 2's round-3 chunks go out as float32 +Inf, its "
+            "round-7 chunks cut to half their size",
+            (
+                Fault(
+                    "Inf values",
+                    2,
+                    3,
+                    plan="corrupt=inf@exchange:3",
+                    expected="refused by every receiver (counted by reason), the round commits without it, it resyncs",
+                    checks=("refused", "left_out", "back"),
+                ),
+                Fault(
+                    "wrong size",
+                    2,
+                    7,
+                    plan="corrupt=short@exchange:7",
+                    expected="the same",
+                    checks=("left_out", "back"),
+                ),
+            ),
+            rounds=12,
+            overrides=('run.codec="fp32"',),
+        ),
+        Scenario(
+            "huge-values-mean",
+            "3 nodes, run.codec = fp32, run.aggregator = mean; node 2's round-3 chunks go out as float32 1e38 "
+            "(finite: a valid, wrong value)",
+            (
+                Fault(
+                    "1e38 values (mean)",
+                    2,
+                    3,
+                    plan="corrupt=huge@exchange:3",
+                    expected="accepted (the control): the mean takes the step, theta overflows, and every node stops "
+                    "with an error naming the non-finite parameters",
+                    checks=("fired", "stopped_loudly"),
+                ),
+            ),
+            overrides=('run.codec="fp32"',),
+            diverges=True,
+        ),
+        Scenario(
+            "huge-values-median",
+            "3 nodes, run.codec = fp32, run.aggregator = median; node 2's round-3 chunks go out as float32 1e38",
+            (
+                Fault(
+                    "1e38 values (median)",
+                    2,
+                    3,
+                    plan="corrupt=huge@exchange:3",
+                    expected="outvoted per coordinate: the loss falls as in the healthy run",
+                    checks=("fired", "loss_as_healthy"),
+                ),
+            ),
+            overrides=('run.codec="fp32"', 'run.aggregator="median"'),
+        ),
+        Scenario(
             "probes",
             "3 nodes; once round 3 committed, a client without the run secret and one with it send node 0 bad "
             "requests: no token, a wrong secret, a flood of 300, a replayed token, an inflated round id, a "
-            "malformed frame, a header claiming 1 MiB, a 9 MiB message",
+            "malformed frame, a header claiming 1 MiB, a 9 MiB message, a ready record speaking for another peer "
+            "and one for another round than its token's",
             (
                 Fault(
                     "bad requests and a flood",
