@@ -272,6 +272,7 @@ class _Attempt:
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # local success or failure
     waiters: int = 0
     superseded_by: str | None = None  # a placeholder whose (round, attempt) started under another group id
+    moved_on: int | None = None  # a placeholder of a round this node left for round `moved_on`
     expect_round: int = -1  # what a placeholder's first waiter claimed, to detect group mismatches
     expect_attempt: int = -1
     # Filled by start():
@@ -451,6 +452,7 @@ class Exchange:
         # Whether a peer is known gone (its membership record expired); see GONE_SILENCE_SECONDS. None: never.
         self.gone = gone
         self._attempts: dict[str, _Attempt] = {}
+        self._newest_round = -1  # the newest round this node started an attempt of
         self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
         server.add_stream(PUSH_METHOD, self._on_push)
         server.add_unary(VOTE_METHOD, self._on_vote)
@@ -657,14 +659,19 @@ class Exchange:
             attempt.parts_missing = len(members) - 1
         attempt.outboxes = {}
         attempt.started.set()
-        # Streams that arrived early under another group id for this round and attempt are refused now.
+        self._newest_round = max(self._newest_round, round_id)
+        # Streams that arrived early under another group id for this round and attempt are refused now, and so
+        # are those for an earlier round: this node moved on without that group (a member thawed after the others
+        # grouped it closes that round and starts the next; its old group would otherwise wait for it until
+        # JOIN_WAIT_SECONDS and its data deadline: a 53 s round in the chaos runner's churn).
         for other in list(self._attempts.values()):
-            if (
-                other is not attempt
-                and not other.started.is_set()
-                and (other.expect_round, other.expect_attempt) == (round_id, attempt_no)
-            ):
+            if other is attempt or other.started.is_set():
+                continue
+            if (other.expect_round, other.expect_attempt) == (round_id, attempt_no):
                 other.superseded_by = attempt.key
+                other.started.set()
+            elif 0 <= other.expect_round < round_id:
+                other.moved_on = round_id
                 other.started.set()
 
     async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
@@ -1074,6 +1081,12 @@ class Exchange:
                 raise Reject(
                     grpc.StatusCode.ABORTED, "ATTEMPT_OVER", f"group {key[:12]} already finished here"
                 )
+            if ctx.round_id < self._newest_round:
+                raise Reject(
+                    grpc.StatusCode.ABORTED,
+                    "ATTEMPT_OVER",
+                    f"round {ctx.round_id}: this node moved on to round {self._newest_round} without group {key[:12]}",
+                )
             for other in self._attempts.values():
                 # One group per round and attempt: a started one under another id means the sender disagrees.
                 if other.started.is_set() and (other.round_id, other.attempt_no) == (
@@ -1093,9 +1106,19 @@ class Exchange:
             raise _precondition("UNKNOWN_GROUP", f"group {key[:12]} was never started here") from None
         finally:
             attempt.waiters -= 1
-            unused = not attempt.started.is_set() or attempt.superseded_by is not None
+            unused = (
+                not attempt.started.is_set()
+                or attempt.superseded_by is not None
+                or attempt.moved_on is not None
+            )
             if unused and attempt.waiters == 0 and self._attempts.get(key) is attempt:
                 del self._attempts[key]
+        if attempt.moved_on is not None:
+            raise Reject(
+                grpc.StatusCode.ABORTED,
+                "ATTEMPT_OVER",
+                f"round {ctx.round_id}: this node moved on to round {attempt.moved_on} without group {key[:12]}",
+            )
         if attempt.superseded_by is not None:
             raise _precondition(
                 "GROUP_MISMATCH",

@@ -376,6 +376,31 @@ def test_a_member_whose_chunks_go_out_corrupted_is_refused_or_outvoted(mode: str
             assert torch.allclose(good[0].averaged, (inputs[0] + inputs[2]) / 2, atol=1e-6)
 
 
+def test_a_member_that_moved_on_to_a_later_round_is_not_waited_for() -> None:
+    """A member grouped for round 11 that has already started round 12 (it thawed after the others grouped it and
+    closed round 11 without them) refuses round 11's streams and vote at once (ATTEMPT_OVER): the others retry
+    without it in a moment instead of waiting for their data deadline (18 s here) and its vote."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            later = Group.make(group.round_id + 1, [GroupMember(nodes[1].peer_id, nodes[1].address)])
+            await nodes[1].exchange.average(later, make_input(9, 50_000), RawFp32Codec(), timeout=30)
+            inputs = [make_input(i, 50_000) for i in range(3)]
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(nodes[i].exchange.average(group, inputs[i], RawFp32Codec(), timeout=30) for i in (0, 2))
+            )
+            assert time.monotonic() - started < 8.0
+        finally:
+            for node in nodes:
+                await node.stop()
+        assert all(r.contributors == ("peer-0", "peer-2") for r in results)
+        assert torch.equal(results[0].averaged, results[1].averaged)
+
+    run(body())
+
+
 def test_raw_path_own_nonfinite_input_excludes_itself() -> None:
     async def body() -> None:
         nodes, group = await start_nodes(3)
