@@ -659,18 +659,26 @@ class Exchange:
             attempt.parts_missing = len(members) - 1
         attempt.outboxes = {}
         attempt.started.set()
-        self._newest_round = max(self._newest_round, round_id)
-        # Streams that arrived early under another group id for this round and attempt are refused now, and so
-        # are those for an earlier round: this node moved on without that group (a member thawed after the others
-        # grouped it closes that round and starts the next; its old group would otherwise wait for it until
-        # JOIN_WAIT_SECONDS and its data deadline: a 53 s round in the chaos runner's churn).
+        self.advance(round_id)
+        # Streams that arrived early under another group id for this round and attempt are refused now.
         for other in list(self._attempts.values()):
             if other is attempt or other.started.is_set():
                 continue
             if (other.expect_round, other.expect_attempt) == (round_id, attempt_no):
                 other.superseded_by = attempt.key
                 other.started.set()
-            elif 0 <= other.expect_round < round_id:
+
+    def advance(self, round_id: int) -> None:
+        """This node works on round `round_id` now (it committed the round before, closed it without an update,
+        took the swarm's state, or starts an attempt of it): streams and votes of an earlier round's group are
+        refused at once (ATTEMPT_OVER), those already waiting included. A member thawed after the others grouped
+        it closes that round and moves on (alone, if everyone else is behind it); its old group would otherwise
+        wait for it until its data deadline and then for its vote (a 53 s round in the chaos runner's churn)."""
+        if round_id <= self._newest_round:
+            return
+        self._newest_round = round_id
+        for other in list(self._attempts.values()):
+            if not other.started.is_set() and 0 <= other.expect_round < round_id:
                 other.moved_on = round_id
                 other.started.set()
 

@@ -470,6 +470,7 @@ class RoundAgent(SwarmAgent):
         self._merge_pending = True
         self.round_id += 1
         self._snapshot = None
+        self.exchange.advance(self.round_id)
         self._inject_faults()
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:

@@ -56,6 +56,7 @@ class SnapshotAgent(RanksAgent):
             {k.removeprefix("strategy."): v for k, v in tensors.items() if k.startswith("strategy.")}
         )
         self.round_id = int(meta["round_id"])
+        self.exchange.advance(self.round_id)
         self.outer_hash = theta_hash(self.theta)
         self._snapshot = None
 

@@ -462,5 +462,6 @@ class SwarmAgent(ChaosAgent):
         only ever move forward, so no round's matchmaking records are ever reused."""
         self.round_id += 1
         self._snapshot = None
+        self.exchange.advance(self.round_id)
         log.info("round %d closed without an update (%s)", self.round_id - 1, reason)
         return False
