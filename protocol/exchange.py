@@ -313,9 +313,8 @@ class _Attempt:
     grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
     heard: dict[int, float] = field(default_factory=dict)  # member index -> loop time of its last frame to us
     gone: set[str] = field(default_factory=set)  # members given up as gone (GONE_SILENCE_SECONDS)
-    pings: dict[int, tuple[float, asyncio.Task[bool]]] = field(
-        default_factory=dict
-    )  # member -> (sent, answered?)
+    # member index -> (when sent, the ping: answered or not) of the last ping to a silent, gone member
+    pings: dict[int, tuple[float, asyncio.Task[bool]]] = field(default_factory=dict)
     data_deadline: float = math.inf
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -452,7 +451,7 @@ class Exchange:
         # Whether a peer is known gone (its membership record expired); see GONE_SILENCE_SECONDS. None: never.
         self.gone = gone
         self._attempts: dict[str, _Attempt] = {}
-        self._newest_round = -1  # the newest round this node started an attempt of
+        self._newest_round = -1  # the newest round this node works on (`advance`)
         self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
         server.add_stream(PUSH_METHOD, self._on_push)
         server.add_unary(VOTE_METHOD, self._on_vote)
@@ -685,9 +684,8 @@ class Exchange:
     async def _data_phase(self, attempt: _Attempt, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         attempt.data_deadline = deadline
-        for j in range(
-            len(attempt.members)
-        ):  # silence is counted from here (or from a stream that came first)
+        # Silence is counted from here (or from a stream that came first).
+        for j in range(len(attempt.members)):
             attempt.heard.setdefault(j, loop.time())
         try:
             if not attempt.dense:

@@ -955,8 +955,9 @@ SCENARIOS: dict[str, Scenario] = {
                     2,
                     3,
                     plan="hang=30@exchange:3",
-                    expected="its heartbeat stops: once its record expired (timeouts.member_ttl, 5 s here) and it "
-                    "sent nothing for 2 s, the other two, a strict majority of the group, give it up and retry "
+                    expected="its heartbeat stops: once its record expired (timeouts.member_ttl, 5 s here), it "
+                    "sent nothing for 2 s and answered no ping, the other two, a strict majority of the group, give "
+                    "it up and retry "
                     "without it, long before the exchange's data deadline (60% of timeouts.exchange_timeout, 36 s "
                     "here); thawed, it resyncs and contributes again",
                     checks=("left_out", "given_up_early", "back"),
