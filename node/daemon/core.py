@@ -301,7 +301,6 @@ class AgentCore:
         self.isolation = IsolationWatch()
         self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
-        self._peer_addresses: dict[str, str] = {}  # last gRPC addresses of the peers seen live
         self.known_peers = KnownPeers(self.run_dir, self.run_hash)  # for a restart without the bootstrap
 
     def status_dict(self) -> dict[str, Any]:
@@ -433,13 +432,6 @@ class AgentCore:
 
     def _live_ids(self) -> list[str]:
         return [m.peer_id for m in self.membership.core.live(_dht_now())]
-
-    def _member_gone(self, peer_id: str) -> bool:
-        """Whether `peer_id` has no live member record in our view (no heartbeat for timeouts.member_ttl, or a
-        departure): what lets an exchange give up a member frozen mid-exchange before its data deadline
-        (protocol/exchange.py GONE_SILENCE_SECONDS, only with a strict majority of the group left)."""
-        membership = getattr(self, "membership", None)
-        return membership is not None and peer_id not in self._live_ids()
 
     def _left_out(self, reason: str) -> None:
         """We are not among this round's contributors: say why (event, metric, our share)."""

@@ -56,7 +56,9 @@ class SnapshotAgent(RanksAgent):
             {k.removeprefix("strategy."): v for k, v in tensors.items() if k.startswith("strategy.")}
         )
         self.round_id = int(meta["round_id"])
-        self.exchange.advance(self.round_id)
+        exchange = getattr(self, "exchange", None)  # not yet made when a node resumes its checkpoint at start
+        if exchange is not None:
+            exchange.advance(self.round_id)
         self.outer_hash = theta_hash(self.theta)
         self._snapshot = None
 

@@ -83,15 +83,9 @@ class SwarmAgent(ChaosAgent):
         others = [m for m in members if m.peer_id != self.peer_id]
         for m in others:
             self._peer_maddrs[m.peer_id] = tuple(m.maddrs)
-            self._peer_addresses[m.peer_id] = m.address
         was = self.isolation.verdict
-        departed = self.membership.departed()
-        live = [m.peer_id for m in others]
-        if not live:
-            live = await self._still_answering(departed)
-        verdict = self.isolation.observe(_dht_now(), live, departed)
+        verdict = self.isolation.observe(_dht_now(), [m.peer_id for m in others], self.membership.departed())
         self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.isolation.known}
-        self._peer_addresses = {p: a for p, a in self._peer_addresses.items() if p in self.isolation.known}
         self.known_peers.remember({m.peer_id: m.maddrs for m in others})
         if verdict == "isolated" and was != "isolated":
             log.warning(
@@ -102,24 +96,6 @@ class SwarmAgent(ChaosAgent):
         with self._lock:
             self.peers_view = view
         return list(members)
-
-    async def _still_answering(self, departed: set[str]) -> list[str]:
-        """The known peers whose records expired without a departure but whose node answers an authenticated call
-        at its last gRPC address (`RpcClient.answers`, 2 s): alive, only their records are behind. A frozen
-        member's DHT replica makes the others' heartbeat stores time out, so healthy members' records expired
-        together and a node found itself "isolated" from peers it could reach, sat out rounds and left the one
-        peer that still matched to commit a round alone (the chaos runner's sigstop-straggler row)."""
-        client = getattr(self, "client", None)
-        vanished = [p for p in sorted(self.isolation.known - departed) if p in self._peer_addresses]
-        if client is None or not vanished:
-            return []
-        answers = await asyncio.gather(
-            *(client.answers(self._peer_addresses[p], round_id=self.round_id, timeout=2.0) for p in vanished)
-        )
-        alive = [p for p, answered in zip(vanished, answers, strict=True) if answered]
-        if alive:
-            log.info("the records of %s expired but they answer: not vanished (their DHT stores lag)", alive)
-        return alive
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -402,8 +378,11 @@ class SwarmAgent(ChaosAgent):
                 claims[m.peer_id] = m.outer_hash
         # Every live member's announcement for this round, grouped with us or not (sent over the links when its
         # round started): a fork between members that never share a group is seen all the same.
+        # (Our group's members count whatever our member table says: a member thawed after a freeze reads the
+        # others' records expired, since its own frozen DHT replica made their heartbeats fail; it then saw one
+        # claim against its own, won the tie by peer id, contributed its stale theta and forked the round.)
         for peer_id, outer_hash in self.matchmaker.announced_hashes(self.round_id).items():
-            if peer_id in live:
+            if peer_id in live or peer_id in in_group:
                 claims[peer_id] = outer_hash
         claims[self.peer_id] = self.outer_hash
         holders: dict[str, set[str]] = {}
