@@ -118,7 +118,8 @@ def attempt_key(group: Group, attempt_no: int, member_ids: list[str]) -> str:
     the first, then one per (members, attempt number): no two attempts of a round ever share an id."""
     if attempt_no == 0:
         return group.group_id
-    digest = hashlib.sha256(f"{group_id_of(group.round_id, member_ids)}/attempt={attempt_no}".encode())
+    members = group_id_of(group.round_id, member_ids)
+    digest = hashlib.sha256(f"{group.group_id}/{members}/attempt={attempt_no}".encode())
     return digest.hexdigest()
 
 

@@ -4,8 +4,9 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
 `DHTMatchmaker`, that carries the records over the members' own gRPC links and keeps a copy in the DHT):
 
 1. A peer that finished its local work for round r sends a *ready* record (peer id, gRPC address, ready_at in
-   DHT time) to every live member over its authenticated link, and stores it in the background under
-   `farloco/{run}/round/{r}` (sub-key = its public key, so the record is signed) for peers its links miss.
+   DHT time, the hash of the theta_outer it holds) to every live member over its authenticated link, and
+   stores it in the background under `farloco/{run}/round/{r}` (sub-key = its public key, so the record is
+   signed) for peers its links miss.
 2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + wait`, where `wait` is the
    straggler wait proposed in the opening record (each peer proposes one from the round's own arrival
    statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`;
@@ -15,8 +16,9 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
    live member whose member record says round r (and is not leaving) is ready and no member's record says
    a later round (such a member left round r, so r's group may already exist), and at the latest at the
-   freeze deadline; it then publishes the group (sorted members with addresses; group_id = sha256 of the
-   round and member ids): pushed to its members over the links, and stored under `farloco/{run}/round/{r}/group`.
+   freeze deadline; it then publishes the group (sorted members with addresses and the theta hash each declared
+   in its ready record; group_id = sha256 of the round, member ids and hashes): pushed to its members over the
+   links, and stored under `farloco/{run}/round/{r}/group`.
 4. Followers wait for a group record. If none appears, candidate k (k >= 1) takes over in the window
    `[freeze + k*leader_timeout, freeze + k*leader_timeout + leader_timeout/2)` and publishes the ready peers
    it sees minus the k candidates ranked before it (they failed to lead, so they are presumed dead). Every
@@ -126,16 +128,25 @@ KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
 KNOCK_TIMEOUT = 2.0  # a knock that has no answer by then says nothing
 
 
+def _check_hash(value: object, where: str) -> str:
+    """A theta hash as it travels: lowercase hex, at most 128 characters ("" where none is declared)."""
+    if not isinstance(value, str) or len(value) > 128 or not all(c in _HEX for c in value):
+        raise ValueError(f"{where} must be a hex theta hash of at most 128 chars, got {str(value)[:80]!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ReadyRecord:
-    """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`; if its record
-    opens the round, wait `wait` seconds for stragglers' (0: the configured match_timeout; see `schedule`).'"""
+    """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`, holding the
+    theta_outer of hash `outer_hash`; if its record opens the round, wait `wait` seconds for stragglers' (0: the
+    configured match_timeout; see `schedule`). The leader copies each member's hash into the group record.'"""
 
     peer_id: str
     address: str
     round_id: int
     ready_at: float
     wait: float = 0.0
+    outer_hash: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -144,12 +155,15 @@ class ReadyRecord:
             "round_id": self.round_id,
             "ready_at": self.ready_at,
             "wait": self.wait,
+            "outer_hash": self.outer_hash,
         }
 
     @classmethod
     def from_wire(cls, data: object) -> ReadyRecord:
         where = "ready record"
-        fields = _check_fields(data, {"peer_id", "address", "round_id", "ready_at", "wait"}, where)
+        fields = _check_fields(
+            data, {"peer_id", "address", "round_id", "ready_at", "wait", "outer_hash"}, where
+        )
         wait = fields["wait"]
         if not isinstance(wait, float) or not 0.0 <= wait <= MAX_WAIT:
             raise ValueError(f"{where}.wait must be a float in [0, {MAX_WAIT:g}] seconds, got {wait!r}")
@@ -159,6 +173,7 @@ class ReadyRecord:
             _check_round(fields, where),
             _check_time(fields, "ready_at", where),
             wait,
+            _check_hash(fields["outer_hash"], f"{where}.outer_hash"),
         )
 
 
@@ -175,7 +190,7 @@ class GroupRecord:
             "leader": self.leader,
             "round_id": self.group.round_id,
             "group_id": self.group.group_id,
-            "members": [[m.peer_id, m.address] for m in self.group.members],
+            "members": [[m.peer_id, m.address, m.outer_hash] for m in self.group.members],
             "frozen_at": self.frozen_at,
         }
 
@@ -187,14 +202,21 @@ class GroupRecord:
         members_raw = fields["members"]
         if not isinstance(members_raw, list) or not 0 < len(members_raw) <= 4096:
             raise ValueError(
-                f"{where}.members must be a non-empty list of [peer_id, address], got {members_raw!r}"
+                f"{where}.members must be a non-empty list of [peer_id, address, outer_hash], got "
+                f"{str(members_raw)[:200]}"
             )
         members = []
         for item in members_raw:
-            if not isinstance(item, list | tuple) or len(item) != 2:
-                raise ValueError(f"{where}.members entries must be [peer_id, address], got {item!r}")
+            if not isinstance(item, list | tuple) or len(item) != 3:
+                raise ValueError(
+                    f"{where}.members entries must be [peer_id, address, outer_hash], got {str(item)[:200]}"
+                )
             members.append(
-                GroupMember(_check_str({"p": item[0]}, "p", where), _check_str({"a": item[1]}, "a", where))
+                GroupMember(
+                    _check_str({"p": item[0]}, "p", where),
+                    _check_str({"a": item[1]}, "a", where),
+                    _check_hash(item[2], f"{where}.members' outer_hash"),
+                )
             )
         group = Group.make(_check_round(fields, where), members)
         if len({m.peer_id for m in group.members}) != len(group.members):
@@ -348,7 +370,7 @@ def decide(
         if start <= now < end:
             skipped = set(plan.candidates[:rank])
             members = [
-                GroupMember(record.peer_id, record.address)
+                GroupMember(record.peer_id, record.address, record.outer_hash)
                 for record in view.ready.values()
                 if record.peer_id not in skipped and record.peer_id not in view.leaving
             ]
@@ -630,14 +652,11 @@ class DHTMatchmaker:
                 raise Reject(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY", f"{len(self._at)} peers announced rounds"
                 )
-        outer_hash = frame.header.get("h", "")
-        if not isinstance(outer_hash, str) or len(outer_hash) > 128 or not all(c in _HEX for c in outer_hash):
+        try:
+            outer_hash = _check_hash(frame.header.get("h", ""), "an announcement's theta hash")
+        except ValueError as exc:
             self.counters["rejected"] += 1
-            raise Reject(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "BAD_ANNOUNCEMENT",
-                f"expected a hex theta hash of at most 128 chars, got {str(outer_hash)[:80]!r}",
-            )
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_ANNOUNCEMENT", str(exc)) from None
         self._at[ctx.sender] = (ctx.round_id, self.clock.now(), outer_hash)
         if self._wake is not None:
             self._wake.set()
@@ -655,8 +674,9 @@ class DHTMatchmaker:
         This is what the leader's early freeze waits on: a member whose record or announcement says round r is
         waited for in r. Member records say it too, but through the DHT, a heartbeat or more late; with rounds
         of a fraction of a second that lag would let a leader freeze without a member that is merely slower.
-        The hash lets every member compare its theta with every other member's each round, grouped together or
-        not (`announced_hashes`), so a fork is seen in the first round both sides share."""
+        The hash tells a joiner which theta the swarm vouches for in each round (`announced_hashes`: a donor
+        serving another is refused). The hash check of a round reads the hashes of the group record instead
+        (each member's ready record declares its own), which every member of the group sees alike."""
         # Ours too: what the early freeze needs of our own record ("works on round r", before it is ready) is
         # this announcement, not a member-record store a heartbeat later.
         self._at[peer_id] = (round_id, self.clock.now(), outer_hash)
@@ -1003,7 +1023,7 @@ class DHTMatchmaker:
                 # swarm of short rounds fetched round r, found the swarm at r+2, fetched again, forever.
                 wait = match_timeout
         self.last_wait = wait or match_timeout
-        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait)
+        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait, me.outer_hash)
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
         linked = self.client is not None

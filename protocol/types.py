@@ -24,10 +24,13 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True, order=True)
 class GroupMember:
-    """One peer of a round's group: its hivemind peer id and the gRPC address it serves on."""
+    """One peer of a round's group: its hivemind peer id, the gRPC address it serves on, and the hash of the
+    theta_outer it declared itself ready with (its ready record's; "" where no hash is known). Every member reads
+    the same hashes from the group record, so the hash check's healing rule decides the same on every member."""
 
     peer_id: str
     address: str
+    outer_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,18 @@ class Group:
 
     @staticmethod
     def make(round_id: int, members: list[GroupMember] | tuple[GroupMember, ...]) -> Group:
-        """Build a group with its members sorted and its id derived from the round and the member ids."""
+        """Build a group with its members sorted and its id derived from the round, the member ids and the
+        hashes they declared (two records of the same members with other hashes are two groups)."""
         ordered = tuple(sorted(members, key=lambda m: m.peer_id))
-        return Group(round_id, group_id_of(round_id, [m.peer_id for m in ordered]), ordered)
+        return Group(
+            round_id,
+            group_id_of(round_id, [m.peer_id for m in ordered], [m.outer_hash for m in ordered]),
+            ordered,
+        )
+
+    def hashes(self) -> dict[str, str]:
+        """Member peer id -> the theta hash it declared for this round (members that declared one)."""
+        return {m.peer_id: m.outer_hash for m in self.members if m.outer_hash}
 
     def index_of(self, peer_id: str) -> int:
         """Position of `peer_id` in the group; ValueError naming the members if it is not one."""
@@ -55,9 +67,13 @@ class Group:
         )
 
 
-def group_id_of(round_id: int, peer_ids: list[str]) -> str:
-    """sha256 over the round id and the sorted member ids: equal on every peer that agrees on the group."""
+def group_id_of(round_id: int, peer_ids: list[str], hashes: list[str] | None = None) -> str:
+    """sha256 over the round id, the sorted member ids and each member's declared theta hash (where it has one):
+    equal on every peer that agrees on the group."""
     digest = hashlib.sha256(f"round={round_id}".encode())
+    declared = dict(zip(peer_ids, hashes, strict=True)) if hashes is not None else {}
     for peer_id in sorted(peer_ids):
         digest.update(b"\0" + peer_id.encode())
+        if declared.get(peer_id):
+            digest.update(b"#" + declared[peer_id].encode())
     return digest.hexdigest()

@@ -10,28 +10,38 @@ import pytest
 
 from farloco.node.tools.chaos import SCENARIOS, Fault, Scenario, run, verdict
 
-# Four faults one after the other in one swarm of 3 (each a few rounds after the last, so their figures do not
-# mix): what would be four swarm start-ups costs one.
+# Five faults one after the other in one swarm of 3 (each a few rounds after the last, so their figures do not
+# mix): what would be five swarm start-ups costs one.
 TIMELINE = Scenario(
     "timeline",
-    "3 nodes, 13 rounds: a corrupted payload, dropped connections, a SIGKILL during inner steps, a CLI leave",
+    "3 nodes, 17 rounds: a corrupted payload, dropped connections, a member frozen mid-exchange, a SIGKILL during "
+    "inner steps, a CLI leave",
     (
         Fault("corrupted payload", 1, 2, plan="corrupt@exchange:2", checks=("refused", "left_out", "back")),
         Fault("dropped connections", 2, 4, plan="drop@exchange+0.02:4", checks=("fired",)),
+        # given up by the two others (a majority) once its record expired and it answered no ping, long before
+        # the data deadline; thawed, it resyncs
+        Fault(
+            "member frozen mid-exchange",
+            1,
+            6,
+            plan="hang=10@exchange:6",
+            checks=("left_out", "given_up_early", "back"),
+        ),
         Fault(
             "SIGKILL during inner steps",
             2,
-            6,
-            plan="crash@train:6",
+            10,
+            plan="crash@train:10",
             restart_after=1.0,
             checks=("left_out", "back"),
         ),
-        Fault("CLI leave", 1, 9, signal="leave", checks=("left_out", "exit_0")),
+        Fault("CLI leave", 1, 13, signal="leave", checks=("left_out", "exit_0")),
     ),
     # Rounds after the leave: `farloco leave` is a Python process that takes seconds to start on a loaded machine,
     # and a leave that lands in the last round leaves no round to go on without the node (a stress run saw it).
-    rounds=13,
-    timeout=300,
+    rounds=17,
+    timeout=360,
 )
 
 
@@ -41,10 +51,11 @@ def test_a_timeline_of_faults_costs_rounds_never_a_fork(tmp_path: Path) -> None:
     outcome = run(TIMELINE, tmp_path)
     problems = verdict(TIMELINE, outcome)
     assert not problems, (problems, outcome.to_json())
-    corrupted, dropped, killed, left = outcome.faults
+    corrupted, dropped, frozen, killed, left = outcome.faults
     # every receiver refused node 1's 0xFF chunks by reason; the round went on without it and it came back
     assert set(outcome.rejected) & {"NON_FINITE", "BAD_INDICES", "BAD_PAYLOAD", "MALFORMED"}, outcome.rejected
     assert corrupted.detection_s is not None and corrupted.rejoin_s is not None
+    assert frozen.detection_s is not None and frozen.rejoin_s is not None
     assert killed.detection_s is not None and killed.rejoin_s is not None
     assert dropped.at is not None and left.detection_s is not None
     assert outcome.exit_codes["p2"][0] != 0 and outcome.exit_codes["p1"] == [0]

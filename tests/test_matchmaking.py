@@ -150,6 +150,38 @@ def test_ready_records_refuse_a_bad_wait() -> None:
             ReadyRecord.from_wire(dict(wire, wait=bad))
 
 
+def test_ready_records_carry_a_theta_hash_and_refuse_a_bad_one() -> None:
+    wire = ReadyRecord("p1", "a:1", 7, 1.0, outer_hash="ab" * 32).to_wire()
+    assert ReadyRecord.from_wire(wire).outer_hash == "ab" * 32
+    for bad in ("XYZ", "a" * 129, 5, None):
+        with pytest.raises(ValueError, match="hex theta hash"):
+            ReadyRecord.from_wire(dict(wire, outer_hash=bad))
+
+
+def test_the_group_record_carries_each_members_declared_hash() -> None:
+    """The leader copies every member's declared theta hash into the group: the hash check of every member then
+    decides on the same claims (a partial view of the others' hashes once forked a round)."""
+    hashes = {"p1": "aa", "p2": "bb", "p3": "aa"}
+    records = {
+        p: ReadyRecord(p, member(p).address, 7, t, outer_hash=hashes[p])
+        for p, t in {"p1": 10.0, "p2": 10.01, "p3": 10.02}.items()
+    }
+    seen = RoundView(now=10.03, ready=records, groups=[], expected=frozenset(records))
+    decision = decide(7, member("p1"), seen, match_timeout=M, leader_timeout=L)
+    assert isinstance(decision, Publish)
+    assert decision.record.group.hashes() == hashes
+    parsed = GroupRecord.from_wire(decision.record.to_wire())
+    assert parsed == decision.record and parsed.group.hashes() == hashes
+    # the same members with other hashes are another group (so no two members can act on different claims)
+    other = Group.make(7, [GroupMember(p, member(p).address, "cc") for p in hashes])
+    assert other.group_id != decision.record.group.group_id
+    # a member entry without its hash, or with a bad one, is refused
+    wire = decision.record.to_wire()
+    for entry in (["p1", "a:1"], ["p1", "a:1", "not hex"]):
+        with pytest.raises(ValueError, match="outer_hash"):
+            GroupRecord.from_wire({**wire, "members": [entry]})
+
+
 # --------------------------------------------------------------------------------------------- the rule
 
 

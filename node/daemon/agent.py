@@ -168,10 +168,7 @@ class Agent(RoundAgent):
             self.peer_id,
             streams_per_peer=net.streams_per_peer,
             slices=run.island_slices,
-            # No `gone=` (give up a frozen member before the data deadline, on its expired record): built and tested
-            # in protocol/exchange.py, but a member given up that thaws closes the round without an update and,
-            # with a partial view of the others' hashes, can win the healing rule's tie and contribute its stale
-            # theta: a fork for one round (the chaos timeline test, CI). Off until the healing rule is proof.
+            gone=self._member_gone,
         )
         if self.config.node.island:
             self.island = self._make_island()

@@ -433,6 +433,15 @@ class AgentCore:
     def _live_ids(self) -> list[str]:
         return [m.peer_id for m in self.membership.core.live(_dht_now())]
 
+    def _member_gone(self, peer_id: str) -> bool:
+        """Whether `peer_id` has no live member record in our view (no heartbeat for timeouts.member_ttl, or a
+        departure): what lets an exchange give up a member frozen mid-exchange before its data deadline
+        (protocol/exchange.py GONE_SILENCE_SECONDS, only with a strict majority of the group left, and only
+        once it answers no ping). The member given up, thawed, holds the theta of before the round; the next
+        round's hash check, decided on the group record's hashes, makes it take the others' state."""
+        membership = getattr(self, "membership", None)
+        return membership is not None and peer_id not in self._live_ids()
+
     def _left_out(self, reason: str) -> None:
         """We are not among this round's contributors: say why (event, metric, our share)."""
         self.shares.left_out[reason] += 1

@@ -356,34 +356,32 @@ class SwarmAgent(ChaosAgent):
         return self._advance_without_update("nobody reached the next round")
 
     async def _check_hashes(self, group: Any) -> bool:
-        """Compare our theta hash for this round with every live member's: what each announced over the links
-        when its round started (`DHTMatchmaker.announced_hashes`), and the member records of our group as a
-        fallback (no DHT read here: it would put the DHT back on the round's path). Returns whether we resynced.
+        """Compare our theta hash for this round with every member of our group's: the hash each declared in its
+        ready record, which the leader copied into the group record, so every member decides on the same claims.
+        Returns whether we resynced.
 
-        Healing rule (every member computes the same from the same records): the hash held by the most members
-        wins; between sides of equal size, the side holding the lowest peer id wins. Every member of a losing side
-        fetches the winning side's state before it contributes, so after this round the group holds one theta.
-        (A tie used to only log: two halves of a partition that each committed a round alone stayed forked for
-        good, averaging the same updates into two different models.)"""
+        Healing rule (every member computes the same from the same group record): the hash held by the most
+        members wins; between sides of equal size, the side holding the lowest peer id wins. Every member of a
+        losing side fetches the winning side's state before it contributes, so after this round the group holds
+        one theta. (A tie used to only log: two halves of a partition that each committed a round alone stayed
+        forked for good, averaging the same updates into two different models. And the claims used to be read
+        from the member table and the members' announcements, which members see differently: a member thawed
+        after a freeze read the others' records expired and their announcements lost, saw one claim against its
+        own, won the tie by peer id, contributed its stale theta and forked the round.) Members outside our group
+        are not counted: their group decides for them, and both groups meet in a later round's group."""
         from farloco.protocol.statesync import StateSyncError
 
         if self.round_id == 0:
             return False
-        in_group = {m.peer_id for m in group.members}
         members = self.membership.core.live(_dht_now())
-        live = {m.peer_id for m in members}
-        claims: dict[str, str] = {}
-        for m in members:
-            if m.peer_id in in_group and m.round_id == self.round_id and m.outer_hash:
-                claims[m.peer_id] = m.outer_hash
-        # Every live member's announcement for this round, grouped with us or not (sent over the links when its
-        # round started): a fork between members that never share a group is seen all the same.
-        # (Our group's members count whatever our member table says: a member thawed after a freeze reads the
-        # others' records expired, since its own frozen DHT replica made their heartbeats fail; it then saw one
-        # claim against its own, won the tie by peer id, contributed its stale theta and forked the round.)
-        for peer_id, outer_hash in self.matchmaker.announced_hashes(self.round_id).items():
-            if peer_id in live or peer_id in in_group:
-                claims[peer_id] = outer_hash
+        claims: dict[str, str] = group.hashes()
+        declared = claims.get(self.peer_id)
+        if declared is not None and declared != self.outer_hash:
+            # The others decide on what we declared: contributing from another theta would fork the round.
+            raise StateSyncError(
+                f"our ready record declared theta {declared[:12]} for round {self.round_id}, "
+                f"we hold {self.outer_hash[:12]}"
+            )
         claims[self.peer_id] = self.outer_hash
         holders: dict[str, set[str]] = {}
         for peer_id, outer_hash in claims.items():
@@ -404,8 +402,8 @@ class SwarmAgent(ChaosAgent):
             self.round_id,
             sorted(holders[winner]),
         )
-        by_id = {m.peer_id: m for m in members}
-        donors = [by_id[p].address for p in sorted(holders[winner])]
+        addresses = {m.peer_id: m.address for m in group.members}
+        donors = [addresses[p] for p in sorted(holders[winner])]
         for attempt in range(3):  # a link that just healed may fail the first call (a connection that died)
             try:
                 vouched = {**self._vouched(members), self.round_id: {winner}}

@@ -948,19 +948,22 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "frozen-exchange",
-            "3 nodes; node 2 frozen (SIGSTOP, its whole process group) as round 3's exchange starts, for 15 s",
+            "3 nodes; node 2 frozen (SIGSTOP, its whole process group) as round 3's exchange starts, for 30 s",
             (
                 Fault(
                     "member frozen mid-exchange",
                     2,
                     3,
-                    plan="hang=15@exchange:3",
-                    expected="the others wait for its data until the exchange's data deadline (60% of "
-                    "timeouts.exchange_timeout), then commit without it; thawed earlier, it is back in the round",
-                    checks=("back",),
+                    plan="hang=30@exchange:3",
+                    expected="its heartbeat stops: once its record expired (timeouts.member_ttl, 5 s here), it "
+                    "sent nothing for 2 s and answered no ping, the other two, a strict majority of the group, give "
+                    "it up and retry "
+                    "without it, long before the exchange's data deadline (60% of timeouts.exchange_timeout, 36 s "
+                    "here); thawed, it resyncs and contributes again",
+                    checks=("left_out", "given_up_early", "back"),
                 ),
             ),
-            rounds=12,
+            rounds=16,
         ),
         Scenario(
             "cli-leave",
@@ -1506,6 +1509,11 @@ def _check(
         if not synced or only_poisoned:
             return f"synced only from refused donors: {only_poisoned or 'never synced'}"
         return None
+    if check == "given_up_early":
+        # before the data deadline of the demo's exchange_timeout (60 s x 60%): found by its heartbeat
+        deadline = 0.6 * 60.0
+        found = figures.detection_s
+        return None if found is not None and found < deadline / 2 else f"left out {found} s after the fault"
     if check == "one_state_after_heal":
         # Each side trains on apart (neither sees itself alone) or waits; after the heal one state, no fork: the
         # invariant above checks one hash per round within a side while apart and across the swarm after.
