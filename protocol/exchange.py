@@ -268,7 +268,7 @@ class _Attempt:
     """State of one attempt of one exchange on this node. Created by `average()` or, if a peer's stream
     arrives first, as a placeholder that waits for the local side to start."""
 
-    key: str  # the attempt's group id (sha256 of round and member ids)
+    key: str  # the attempt's id (`attempt_key`: the group id for the first, then per members and number)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # local success or failure
     waiters: int = 0
