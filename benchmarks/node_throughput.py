@@ -27,6 +27,7 @@ matmul on the threads a rank uses (so CPU "MFU" says how close to the CPU's own 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -218,10 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=0.0)
     parser.add_argument("--max-seconds", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--work", type=Path, default=None, help="keep the runs' folders here (default: a temporary one)"
+    )
     args = parser.parse_args(argv)
     peak, peak_text = peak_flops(args)
     results = []
-    with tempfile.TemporaryDirectory(prefix="farloco-throughput-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = (
+            str(args.work)
+            if args.work
+            else stack.enter_context(tempfile.TemporaryDirectory(prefix="farloco-throughput-"))
+        )
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for preset in args.presets:
             model = model_config(preset)
             from farloco.node.training.model import build_model, num_parameters
@@ -247,14 +257,21 @@ def main(argv: list[str] | None = None) -> int:
                     "round_tokens_per_second": daemon["round_tokens_per_second"],
                 }
             )
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            if args.json is not None:  # after each preset: a run cut short keeps what it measured
+                args.json.write_text(
+                    json.dumps(
+                        {
+                            "args": {k: str(v) for k, v in vars(args).items()},
+                            "peak": peak_text,
+                            "results": results,
+                        }
+                    )
+                )
     print(
         f"Command: `python benchmarks/node_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
     )
     print(markdown(results, args, peak_text))
-    if args.json is not None:
-        args.json.write_text(
-            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
-        )
     return 0
 
 

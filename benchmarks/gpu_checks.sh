@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Issue 13's GPU checks on one CUDA machine, each stage bounded by its own timeout. Results land in $OUT
+# (default ./gpu-results): log.txt (every stage's output and, where one failed, its logs' tails) and one JSON per
+# benchmark.
+#
+#   benchmarks/gpu_checks.sh [STAGE ...]    stages: env handoff throughput-1b tests throughput-small
+#                                           (default: all, in that order)
+#
+# On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored):
+# .gpu/site holds pure-Python packages (hivemind with its p2pd, pydantic, protobuf, ...) copied from a
+# virtualenv of this project, .gpu/whl the compiled ones as wheels for the machine's Python. farloco itself is
+# installed from this tree (its optional C kernels built there).
+set -u
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+
+setup() {
+    if [ -d .gpu/site ]; then
+        cp -r .gpu/site /tmp/site
+        if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+            $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl >>"$LOG" 2>&1
+        fi
+    fi
+    if ! $PY -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/farloco . >>"$LOG" 2>&1; then
+        say "pip could not install this tree: importing it from the tree instead (no C kernels)"
+        mkdir -p /tmp/farloco/farloco
+        for part in node protocol optim; do ln -sfn "$PWD/$part" "/tmp/farloco/farloco/$part"; done
+    fi
+    export PYTHONPATH=/tmp/farloco:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+tails() {  # the last lines of every log under $1 (a stage that failed)
+    find "$1" -type f \( -name '*.log' -o -name '*.jsonl' -o -name 'std*' -o -name 'error.json' \) 2>/dev/null |
+        head -40 | while read -r file; do
+            echo "--- $file" >>"$LOG"
+            tail -c 3000 "$file" >>"$LOG"
+        done
+}
+
+stage_env() {
+    say env
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+        $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+        nproc
+        free -g | head -2
+        df -h /dev/shm /tmp | tail -2
+        $PY -c "import hivemind, grpc, msgpack, farloco.node.daemon.core, farloco.optim.dense as d; print('hivemind', hivemind.__version__, 'grpc', grpc.__version__, 'C kernels', d.KERNELS is not None)"
+    } >>"$LOG" 2>&1
+}
+
+stage_handoff() {
+    say "handoff: 1b, bf16, batch 8 x 2048"
+    timeout 150 $PY benchmarks/handoff.py --presets 1b --precision bf16 --batch-size 8 --seq-len 2048 \
+        --repeats 3 --json "$OUT/handoff.json" >>"$LOG" 2>&1 || say "handoff failed: $?"
+}
+
+throughput() {  # NAME TIMEOUT PRESET...
+    local name=$1 limit=$2
+    shift 2
+    say "throughput $name: $*"
+    rm -rf "/tmp/nt-$name"
+    if ! timeout "$limit" $PY benchmarks/node_throughput.py --presets "$@" --batch-size 8 --seq-len 2048 \
+        --precision bf16 --compile --rounds 3 --inner-steps 10 --bare-steps 10 --json "$OUT/throughput-$name.json" \
+        --work "/tmp/nt-$name" >>"$LOG" 2>&1; then
+        say "throughput $name failed"
+        tails "/tmp/nt-$name"
+    fi
+}
+
+stage_tests() {
+    say "tests marked gpu"
+    rm -rf /tmp/pt
+    if ! timeout 220 $PY -m pytest -m gpu tests/test_parallel.py tests/test_swarm.py tests/test_island.py -v -rs \
+        --timeout 200 --basetemp /tmp/pt -p no:cacheprovider >>"$LOG" 2>&1; then
+        say "tests failed"
+        tails /tmp/pt
+    fi
+}
+
+setup
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env handoff throughput-1b tests throughput-small)
+for stage in "${stages[@]}"; do
+    case $stage in
+        env) stage_env ;;
+        handoff) stage_handoff ;;
+        throughput-1b) throughput 1b 220 1b ;;
+        throughput-small) throughput small 300 125m 350m ;;
+        tests) stage_tests ;;
+        *) say "unknown stage $stage" ;;
+    esac
+done
+say done
