@@ -3,8 +3,8 @@
 # (default ./gpu-results): log.txt (every stage's output and, where one failed, its logs' tails) and one JSON per
 # benchmark.
 #
-#   benchmarks/gpu_checks.sh [STAGE ...]    stages: env handoff throughput-1b tests throughput-small
-#                                           (default: all, in that order)
+#   [BUDGET=SECONDS] benchmarks/gpu_checks.sh [STAGE ...]
+#       stages: env handoff throughput-1b tests throughput-small (default: all, in that order)
 #
 # On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored):
 # .gpu/site holds pure-Python packages (hivemind with its p2pd, pydantic, protobuf, ...) copied from a
@@ -16,6 +16,14 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# The whole run's budget in seconds (a stage gets at most what is left of it).
+BUDGET=${BUDGET:-3600}
+
+limit() {  # the smaller of $1 and the seconds left of BUDGET (at least 1)
+    local left=$((BUDGET - SECONDS))
+    [ "$left" -lt 1 ] && left=1
+    [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 
 say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 
@@ -32,6 +40,12 @@ setup() {
         for part in node protocol optim; do ln -sfn "$PWD/$part" "/tmp/farloco/farloco/$part"; done
     fi
     export PYTHONPATH=/tmp/farloco:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+cleanup() {  # whatever a stage stopped by its timeout left running (nodes, DHT daemons, ranks)
+    pkill -9 -f "farloco.node" 2>/dev/null
+    pkill -9 -f p2pd 2>/dev/null
+    sleep 1
 }
 
 tails() {  # the last lines of every log under $1 (a stage that failed)
@@ -56,7 +70,7 @@ stage_env() {
 
 stage_handoff() {
     say "handoff: 1b, bf16, batch 8 x 2048"
-    timeout 150 $PY benchmarks/handoff.py --presets 1b --precision bf16 --batch-size 8 --seq-len 2048 \
+    timeout -s INT -k 10 $(limit 150) $PY benchmarks/handoff.py --presets 1b --precision bf16 --batch-size 8 --seq-len 2048 \
         --repeats 3 --json "$OUT/handoff.json" >>"$LOG" 2>&1 || say "handoff failed: $?"
 }
 
@@ -65,7 +79,7 @@ throughput() {  # NAME TIMEOUT PRESET...
     shift 2
     say "throughput $name: $*"
     rm -rf "/tmp/nt-$name"
-    if ! timeout "$limit" $PY benchmarks/node_throughput.py --presets "$@" --batch-size 8 --seq-len 2048 \
+    if ! timeout -s INT -k 10 "$(limit "$limit")" $PY benchmarks/node_throughput.py --presets "$@" --batch-size 8 --seq-len 2048 \
         --precision bf16 --compile --rounds 3 --inner-steps 10 --bare-steps 10 --json "$OUT/throughput-$name.json" \
         --work "/tmp/nt-$name" >>"$LOG" 2>&1; then
         say "throughput $name failed"
@@ -76,7 +90,7 @@ throughput() {  # NAME TIMEOUT PRESET...
 stage_tests() {
     say "tests marked gpu"
     rm -rf /tmp/pt
-    if ! timeout 220 $PY -m pytest -m gpu tests/test_parallel.py tests/test_swarm.py tests/test_island.py -v -rs \
+    if ! timeout -s INT -k 10 $(limit 220) $PY -m pytest -m gpu tests/test_parallel.py tests/test_swarm.py tests/test_island.py -v -rs \
         --timeout 200 --basetemp /tmp/pt -p no:cacheprovider >>"$LOG" 2>&1; then
         say "tests failed"
         tails /tmp/pt
@@ -95,5 +109,6 @@ for stage in "${stages[@]}"; do
         tests) stage_tests ;;
         *) say "unknown stage $stage" ;;
     esac
+    cleanup
 done
 say done

@@ -63,7 +63,20 @@ def _timed(fn: Any, cuda: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(preset: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def copy_yardsticks(views: list[ShardView], handoff: Handoff, cuda: bool, repeats: int) -> dict[str, float]:
+    """Plain copies of the same bytes: device to a pinned host buffer and back, pinned buffer to the hand-off."""
+    flat = torch.cat([view.local.detach().reshape(-1) for view in views])
+    host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=cuda)
+    yardsticks = {"memcpy_host": _timed(lambda: handoff.local.copy_(host), False, repeats)}
+    if cuda:
+        yardsticks["memcpy_d2h"] = _timed(lambda: host.copy_(flat, non_blocking=True), cuda, repeats)
+        yardsticks["memcpy_h2d"] = _timed(lambda: flat.copy_(host, non_blocking=True), cuda, repeats)
+    return yardsticks
+
+
+def measure(preset: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """One row per path: `registered` (the hand-off page-locked, row shards copied by DMA straight to and
+    from it; on CUDA only) and `staged` (every shard through the pinned staging buffer)."""
     cuda = device.type == "cuda"
     config = build_config(
         {
@@ -79,8 +92,8 @@ def measure(preset: str, args: argparse.Namespace, device: torch.device) -> dict
     parallelize(spec, config, device, node_mesh(device, 1, 0, 1))
     params = dict(model.named_parameters())
     views = [ShardView(params[slot.name], slot) for slot in layout]
-    staging = HostStaging(views, device)
     handoff = Handoff.create(numel, 1)
+    stagings: list[tuple[str, HostStaging, float]] = []
     try:
         handoff.theta.normal_()
         optimizer = build_inner_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1, fused=cuda)
@@ -95,25 +108,41 @@ def measure(preset: str, args: argparse.Namespace, device: torch.device) -> dict
         def step() -> None:
             train_step(spec, optimizer, inputs, targets, config)
 
-        def load_then_step() -> None:
-            staging.load(handoff.theta)
-            train_step(spec, optimizer, inputs, targets, config)
-
-        results: dict[str, Any] = {"preset": preset, "params": numel, "bytes": 4 * numel}
-        results["step"] = _timed(step, cuda, args.repeats)
-        results["store"] = _timed(lambda: staging.store(handoff.local), cuda, args.repeats)
-        results["load"] = _timed(lambda: staging.load(handoff.theta), cuda, args.repeats)
-        results["load_then_step"] = _timed(load_then_step, cuda, args.repeats)
-        results["stall"] = max(0.0, results["load_then_step"] - results["step"])
-        flat = torch.cat([view.local.detach().reshape(-1) for view in views])
-        host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=cuda)
+        step_seconds = _timed(step, cuda, args.repeats)
+        yardsticks = copy_yardsticks(views, handoff, cuda, args.repeats)
+        stagings.append(("staged", HostStaging(views, device), 0.0))
         if cuda:
-            results["memcpy_d2h"] = _timed(lambda: host.copy_(flat, non_blocking=True), cuda, args.repeats)
-            results["memcpy_h2d"] = _timed(lambda: flat.copy_(host, non_blocking=True), cuda, args.repeats)
-        results["memcpy_host"] = _timed(lambda: handoff.local.copy_(host), False, args.repeats)
-        results["round_share"] = (results["store"] + results["stall"]) / (args.inner_steps * results["step"])
-        return results
+            started = time.perf_counter()
+            registered = HostStaging(views, device, region=handoff.mapped)
+            stagings.append(("registered", registered, time.perf_counter() - started))
+        rows = []
+        for path, staging, setup_seconds in stagings:
+
+            def load_then_step(staging: HostStaging = staging) -> None:
+                staging.load(handoff.theta)
+                train_step(spec, optimizer, inputs, targets, config)
+
+            row: dict[str, Any] = {
+                "preset": preset,
+                "params": numel,
+                "bytes": 4 * numel,
+                "path": path,
+                "registered": staging.region is not None,
+                "setup_seconds": setup_seconds,
+                "direct_shards": sum(run is not None for run in staging.direct),
+                "step": step_seconds,
+                **yardsticks,
+            }
+            row["store"] = _timed(lambda staging=staging: staging.store(handoff.local), cuda, args.repeats)
+            row["load"] = _timed(lambda staging=staging: staging.load(handoff.theta), cuda, args.repeats)
+            row["load_then_step"] = _timed(load_then_step, cuda, args.repeats)
+            row["stall"] = max(0.0, row["load_then_step"] - step_seconds)
+            row["round_share"] = (row["store"] + row["stall"]) / (args.inner_steps * step_seconds)
+            rows.append(row)
+        return rows
     finally:
+        for _, staging, _ in stagings:
+            staging.close()
         handoff.close()
 
 
@@ -123,9 +152,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -
         f"{args.seq_len} tokens; median of {args.repeats} after a warm-up; per round = (store + stall) / "
         f"({args.inner_steps} inner steps).",
         "",
-        "| preset | params | store | load | stall (load before a step) | D2H memcpy | H2D memcpy | host memcpy "
-        "| inner step | per round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| preset | params | path | store | load | stall (load before a step) | D2H memcpy | H2D memcpy "
+        "| host memcpy | inner step | per round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
 
@@ -134,8 +163,15 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -
                 return "-"
             return f"{1e3 * r[key]:.1f} ms ({r['bytes'] / 1e9 / r[key]:.1f} GB/s)" if r[key] > 0 else "0"
 
+        path = r["path"]
+        if path == "registered":
+            path = (
+                f"registered ({r['direct_shards']} shards direct, page-locking took {r['setup_seconds']:.2f} s)"
+                if r["registered"]
+                else "registered: refused, staged"
+            )
         lines.append(
-            f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {cell('store')} | {cell('load')} | "
+            f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {path} | {cell('store')} | {cell('load')} | "
             f"{1e3 * r['stall']:.1f} ms | {cell('memcpy_d2h')} | {cell('memcpy_h2d')} | {cell('memcpy_host')} | "
             f"{1e3 * r['step']:.1f} ms | {100 * r['round_share']:.2f}% |"
         )
@@ -169,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="farloco-handoff-"):
             for preset in args.presets:
-                rows.append(measure(preset, args, device))
+                rows.extend(measure(preset, args, device))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                 if args.json is not None:
                     args.json.write_text(

@@ -295,6 +295,11 @@ class Handoff:
 
     # --- rank side --------------------------------------------------------------------------------------------
     @property
+    def mapped(self) -> torch.Tensor:
+        """The whole mapping (header, theta, local) as bytes: what a CUDA rank page-locks (HostStaging)."""
+        return self._buffer
+
+    @property
     def publish_seq(self) -> int:
         return int(self.header[SLOT_PUBLISH_SEQ])
 

@@ -41,7 +41,10 @@ BATCH = 4
 def gathered_flat(views: list[ShardView], numel: int, device: torch.device) -> torch.Tensor:
     """The node's whole flat vector: each rank writes its shards, a MAX all-reduce merges (replicas agree)."""
     flat = torch.full((numel,), -torch.inf)
-    HostStaging(views, device).store(flat)
+    # On CUDA the flat vector is page-locked as the trainer's hand-off is: row shards go straight into it.
+    staging = HostStaging(views, device, region=flat if device.type == "cuda" else None)
+    staging.store(flat)
+    staging.close()
     flat = flat.to(device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     return flat
@@ -109,10 +112,28 @@ def round_trip(world: int, tp: int, rank: int, device: torch.device) -> dict[str
     views = [ShardView(params[slot.name], slot) for slot in layout]
     numel = sum(slot.numel for slot in layout)
     flat = torch.randn(numel, generator=torch.Generator().manual_seed(3))
-    HostStaging(views, device).load(flat)
+    staging = HostStaging(views, device, region=flat if device.type == "cuda" else None)
+    registered = staging.region is not None
+    staging.load(flat)
+    staging.close()
     back = gathered_flat(views, numel, device).cpu()
     kinds = sorted({str(getattr(view.param, "placements", "plain")) for view in views})
-    return {"max_abs_diff": float((back - flat).abs().max()), "placements": kinds}
+    # A shard that claims to be one run of the flat vector (copied straight by DMA on CUDA) is exactly that run.
+    runs = [(view, view.flat_range()) for view in views]
+    wrong_runs = [
+        view.slot.name
+        for view, run in runs
+        if run is not None
+        and not torch.equal(flat[run[0] : run[1]].view(view.local.shape), view.host_piece(flat))
+    ]
+    return {
+        "max_abs_diff": float((back - flat).abs().max()),
+        "placements": kinds,
+        "direct_shards": sum(run is not None for _, run in runs),
+        "staged_shards": sum(run is None and view.numel > 0 for view, run in runs),
+        "registered": registered,
+        "wrong_runs": wrong_runs,
+    }
 
 
 def worker(rank: int, world: int, tp: int, port: int, kind: str, run_model: str, only: list[str]) -> None:

@@ -152,6 +152,9 @@ def test_tensor_parallel_fsdp_ranks_train_as_one_plain_model(tmp_path: Path) -> 
     assert results["round_trip"]["max_abs_diff"] == 0.0
     assert any("_StridedShard" in kind for kind in results["round_trip"]["placements"])
     assert any("Shard(dim=1)" in kind for kind in results["round_trip"]["placements"])
+    # Row shards (FSDP over dp) are runs of the flat vector; TP's column shards are not.
+    assert results["round_trip"]["wrong_runs"] == [], results["round_trip"]
+    assert results["round_trip"]["direct_shards"] > 0 and results["round_trip"]["staged_shards"] > 0
     # Plain SGD with lr 1 moves each parameter by its gradient: equal to float rounding, clipped or not.
     assert results["sgd"]["max_abs_diff"] < 1e-5
     assert results["sgd_clipped"]["max_abs_diff"] < 1e-6
@@ -205,6 +208,11 @@ def test_on_a_gpu_nccl_bf16_compile_and_the_pinned_hand_off(tmp_path: Path) -> N
     trainer's steps (fp32, bf16, bf16 compiled) match a plain model's on the same GPU."""
     results = run_checks(tmp_path, "1", "1", "cuda", timeout=600)
     assert results["round_trip"]["max_abs_diff"] == 0.0
+    # The flat vector page-locked: every shard of a 1-rank node is one run of it, copied by DMA straight.
+    assert results["round_trip"]["registered"] and results["round_trip"]["staged_shards"] == 0, results[
+        "round_trip"
+    ]
+    assert results["round_trip"]["wrong_runs"] == []
     assert results["sgd"]["max_abs_diff"] < 1e-5
     for name in ("adamw", "muon", "micro_batches_and_checkpointing"):
         assert results[name]["max_abs_diff"] < 1e-4, results[name]

@@ -275,6 +275,17 @@ class ShardView:
         else:
             self.rows = rows
 
+    def flat_range(self) -> tuple[int, int] | None:
+        """[begin, end) of this shard in the flat vector where it is one run of it in the shard's own order (a
+        1-D shard, whole rows, or part of one row), else None (column-split rows, interleaved rows)."""
+        if not self.numel or not isinstance(self.rows, slice):
+            return None
+        cols = self.matrix_shape[1]
+        if self.rows.stop - self.rows.start > 1 and (self.cols.start, self.cols.stop) != (0, cols):
+            return None
+        begin = self.slot.offset + self.rows.start * cols + self.cols.start
+        return begin, begin + self.numel
+
     def _matrix(self, flat: torch.Tensor) -> torch.Tensor:
         begin = self.slot.offset
         return flat[begin : begin + self.slot.numel].view(self.matrix_shape)

@@ -21,6 +21,7 @@ theta the agent last published. Run as `python -m farloco.node.training.trainer 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -47,6 +48,8 @@ from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
 from farloco.node.training.models import ModelSpec, as_spec, build_spec
 from farloco.node.training.muon import build_inner_optimizer
 from farloco.node.training.parallel import ShardView, clip_grad_norm, node_mesh, parallelize
+
+log = logging.getLogger("farloco.trainer")
 
 POLL_SECONDS = 0.002
 # Steps of a compiled model that compile it (the first forward/backward and a recompile or two).
@@ -147,8 +150,11 @@ def run_rank(args: argparse.Namespace) -> None:
         )
         # Each dp rank evaluates its own share of the held-out batches; the mean is all-reduced.
         held_out = held_out[mesh.dp_rank :: mesh.dp_size] or held_out[:1]
-        staging = HostStaging(views, device)
-        loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device)
+        staging = HostStaging(views, device, region=handoff.mapped)
+        try:
+            loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device)
+        finally:
+            staging.close()
 
 
 def evaluate(
@@ -280,36 +286,61 @@ def train_step(
 class HostStaging:
     """Moves this rank's shards between the device and the hand-off's flat vectors.
 
-    On CPU each shard is copied in place. On CUDA the shards go through one pinned host buffer on a side stream:
-    host-to-device copies are queued asynchronously and the training stream waits for them on the device, not
-    on the host; device-to-host copies wait only for the last optimizer step."""
+    On CPU each shard is copied in place. On CUDA the copies run on a side stream: host-to-device copies are
+    queued asynchronously and the training stream waits for them on the device, not on the host; device-to-host
+    copies wait only for the last optimizer step. Given the hand-off's mapping (`region`), it is page-locked once
+    (cudaHostRegister), so a shard that is one run of the flat vector (FSDP's row shards, 1-D shards) is copied
+    by DMA straight between the device and the shared vector; the others (TP's column shards) go through one
+    pinned staging buffer, and all of them do where the registration is refused."""
 
-    def __init__(self, views: list[ShardView], device: torch.device) -> None:
+    def __init__(
+        self, views: list[ShardView], device: torch.device, region: torch.Tensor | None = None
+    ) -> None:
         self.views = views
         self.cuda = device.type == "cuda"
-        self.spans: list[tuple[int, int]] = []
+        self.region: torch.Tensor | None = None
+        self.spans: list[tuple[int, int] | None] = []
+        self.direct: list[tuple[int, int] | None] = []
+        if not self.cuda:
+            return
+        if region is not None and region.numel() and register_host_memory(region):
+            self.region = region
         begin = 0
         for view in views:
-            self.spans.append((begin, begin + view.numel))
-            begin += view.numel
-        if self.cuda:
-            self.buffer = torch.empty(begin, dtype=torch.float32, pin_memory=True)
-            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            run = view.flat_range() if self.region is not None else None
+            self.direct.append(run)
+            if view.numel and run is None:
+                self.spans.append((begin, begin + view.numel))
+                begin += view.numel
+            else:
+                self.spans.append(None)
+        self.buffer = torch.empty(begin, dtype=torch.float32, pin_memory=begin > 0)
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def _registered(self, flat: torch.Tensor) -> bool:
+        if self.region is None:
+            return False
+        low = self.region.data_ptr()
+        high = low + self.region.numel() * self.region.element_size()
+        return low <= flat.data_ptr() and flat.data_ptr() + flat.numel() * flat.element_size() <= high
 
     def load(self, flat: torch.Tensor) -> None:
         if not self.cuda:
             for view in self.views:
                 view.load(flat)
             return
+        direct = self._registered(flat)
         self.stream.synchronize()  # the buffer's last copies are done before it is refilled
-        for view, (begin, end) in zip(self.views, self.spans, strict=True):
-            if view.numel:
-                self.buffer[begin:end].view(view.local.shape).copy_(view.host_piece(flat))
+        staged = self._stage_spans(direct)
+        for view, span in staged:
+            self.buffer[span[0] : span[1]].view(view.local.shape).copy_(view.host_piece(flat))
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(self.stream):
-            for view, (begin, end) in zip(self.views, self.spans, strict=True):
-                if view.numel:
-                    view.local.copy_(self.buffer[begin:end].view(view.local.shape), non_blocking=True)
+            for view, run in zip(self.views, self.direct, strict=True):
+                if direct and run is not None:
+                    view.local.copy_(flat[run[0] : run[1]].view(view.local.shape), non_blocking=True)
+            for view, span in staged:
+                view.local.copy_(self.buffer[span[0] : span[1]].view(view.local.shape), non_blocking=True)
         torch.cuda.current_stream().wait_stream(self.stream)
 
     def store(self, flat: torch.Tensor) -> None:
@@ -317,14 +348,54 @@ class HostStaging:
             for view in self.views:
                 view.store(flat)
             return
+        direct = self._registered(flat)
+        staged = self._stage_spans(direct)
         self.stream.wait_stream(torch.cuda.current_stream())  # after the last optimizer step
         with torch.cuda.stream(self.stream):
-            for view, (begin, end) in zip(self.views, self.spans, strict=True):
-                if view.numel:
-                    self.buffer[begin:end].copy_(view.local.detach().reshape(-1), non_blocking=True)
+            for view, run in zip(self.views, self.direct, strict=True):
+                if direct and run is not None:
+                    flat[run[0] : run[1]].copy_(view.local.detach().reshape(-1), non_blocking=True)
+            for view, span in staged:
+                self.buffer[span[0] : span[1]].copy_(view.local.detach().reshape(-1), non_blocking=True)
         self.stream.synchronize()
-        for view, (begin, end) in zip(self.views, self.spans, strict=True):
-            view.store_from(flat, self.buffer[begin:end])
+        for view, span in staged:
+            view.store_from(flat, self.buffer[span[0] : span[1]])
+
+    def _stage_spans(self, direct: bool) -> list[tuple[ShardView, tuple[int, int]]]:
+        """The shards that go through the staging buffer, with their span in it: every non-empty one where
+        `flat` is not the registered hand-off (the buffer then grows to hold them all, once)."""
+        if direct:
+            return [
+                (view, span) for view, span in zip(self.views, self.spans, strict=True) if span is not None
+            ]
+        spans, begin = [], 0
+        for view in self.views:
+            if view.numel:
+                spans.append((view, (begin, begin + view.numel)))
+                begin += view.numel
+        if self.buffer.numel() < begin:
+            self.buffer = torch.empty(begin, dtype=torch.float32, pin_memory=True)
+        return spans
+
+    def close(self) -> None:
+        """Unregister the hand-off's pages (before the mapping goes)."""
+        if self.region is not None:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.region.data_ptr())  # type: ignore[no-untyped-call]
+            self.region = None
+
+
+def register_host_memory(region: torch.Tensor) -> bool:
+    """Page-lock `region` (host memory mapped from the hand-off) for the current CUDA device; False where the
+    driver refuses it (the caller then stages the copies through a pinned buffer)."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    error = cudart.cudaHostRegister(region.data_ptr(), region.numel() * region.element_size(), 0)
+    if error != cudart.cudaError.success:
+        log.warning(
+            "hand-off: cudaHostRegister refused (%s); copies go through a pinned staging buffer", error
+        )
+        return False
+    return True
 
 
 def serve_inner_request(
