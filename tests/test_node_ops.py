@@ -350,3 +350,48 @@ def test_drain_with_the_delayed_outer_update_exchanges_the_ranks_last_sequence(t
     # Every inner step the ranks took went into a committed round: the last round carries the last sequence.
     assert rounds[-1]["inner_step"] == events[-1]["inner_step"] > 0, (rounds[-1], events[-1])
     assert all(e["trained_from"] for e in rounds)
+
+
+def _hold_run_dir(run_dir: Path) -> subprocess.Popen[str]:
+    """A process that claims `run_dir` as `farloco join` does, says so, and holds it until its stdin closes."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom pathlib import Path\nfrom farloco.node.tools.cli import _lock_run_dir\n"
+            "_lock_run_dir(Path(sys.argv[1]))\nprint('locked', flush=True)\nsys.stdin.read()",
+            str(run_dir),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_node_on_a_run_directory_in_use_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """`farloco join` on a run directory another live node holds exits at once, naming that node's pid, and
+    writes nothing there; the claim goes with its holder however it ends (SIGKILL included)."""
+    run_dir = tmp_path / "node"
+    holder = _hold_run_dir(run_dir)
+    try:
+        started = time.monotonic()
+        second = subprocess.run(
+            [sys.executable, "-m", "farloco.node.tools.cli", "join", "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 1, second.stderr
+        assert f"in use by another farloco node (pid {holder.pid})" in second.stderr, second.stderr
+        assert time.monotonic() - started < 30
+        assert sorted(p.name for p in run_dir.iterdir()) == ["node.lock"]  # no logs, identity, hand-off
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    # SIGKILLed, the holder let go: the next one takes the directory at once.
+    again = _hold_run_dir(run_dir)
+    assert again.stdin is not None
+    again.stdin.close()
+    assert again.wait(timeout=30) == 0

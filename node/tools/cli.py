@@ -16,6 +16,46 @@ import click
 
 from farloco.node.config import PRESETS, ConfigError, example_config, load_config
 
+# The run directory's lock, held for the life of `farloco join` (see _lock_run_dir).
+_RUN_DIR_LOCK: list[int] = []
+
+
+def _lock_run_dir(run_dir: Path) -> None:
+    """Claim `run_dir` for this process, or exit naming the node that holds it.
+
+    One node per run directory: its identity key, checkpoints, hand-off and logs are its own, and a second node
+    on them would take the first one's peer id and interleave their checkpoints. A POSIX record lock
+    (`lockf`): the kernel drops it when the process ends however it ends (a SIGKILLed node restarts on its
+    directory at once), and forked children (the DHT process) do not hold it."""
+    import errno
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "node.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a filesystem without locks
+            os.close(fd)
+            click.echo(
+                f"warning: {run_dir} cannot be locked ({exc.strerror}): nothing stops a second node on it",
+                err=True,
+            )
+            return
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise click.ClickException(
+            f"run directory {run_dir} is in use by another farloco node (pid {holder}); one node per run "
+            f"directory (its identity, checkpoints and hand-off are its own): stop that node "
+            f"(`farloco leave --run-dir {run_dir}`) or give this one another --run-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _RUN_DIR_LOCK.append(fd)
+
 
 def _setup_logging(verbose: bool, log_format: str | None, run_dir: Path) -> None:
     from farloco.node.logs import setup_logging
@@ -142,6 +182,7 @@ def join(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, leave_while_starting)
+    _lock_run_dir(run_dir)
     _setup_logging(verbose, log_format, run_dir)
     if faults:  # the ranks read the plan from the environment too (slow-steps)
         os.environ["FARLOCO_FAULTS"] = ",".join(filter(None, [os.environ.get("FARLOCO_FAULTS", ""), *faults]))
