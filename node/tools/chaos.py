@@ -116,6 +116,7 @@ class Outcome:
     exit_codes: dict[str, list[int]] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)  # invariants that did not hold
     events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    exchange_timeout_s: float = 60.0  # the swarm's timeouts.exchange_timeout (its data deadline is 60% of it)
 
     def to_json(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k not in ("events", "faults")}
@@ -668,6 +669,9 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     for name, log in events.items():
         ids.update((name, e["peer_id"]) for e in log if e["event"] == "started")
     outcome = Outcome(scenario.name, events=events)
+    from farloco.node.config import load_config
+
+    outcome.exchange_timeout_s = load_config(swarm.config).timeouts.exchange_timeout
     outcome.exit_codes = {f"p{i}": codes for i, codes in sorted(swarm.exits.items())}
     rounds = {name: [e for e in log if e["event"] == "round"] for name, log in events.items()}
     # a probed node must not notice
@@ -1510,8 +1514,8 @@ def _check(
             return f"synced only from refused donors: {only_poisoned or 'never synced'}"
         return None
     if check == "given_up_early":
-        # before the data deadline of the demo's exchange_timeout (60 s x 60%): found by its heartbeat
-        deadline = 0.6 * 60.0
+        # found by its heartbeat in under half the exchange's data deadline (60% of timeouts.exchange_timeout)
+        deadline = 0.6 * outcome.exchange_timeout_s
         found = figures.detection_s
         return None if found is not None and found < deadline / 2 else f"left out {found} s after the fault"
     if check == "one_state_after_heal":
