@@ -380,9 +380,12 @@ class HostStaging:
     def close(self) -> None:
         """Unregister the hand-off's pages (before the mapping goes)."""
         if self.region is not None:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.region.data_ptr())  # type: ignore[no-untyped-call]
-            self.region = None
+            region, self.region = self.region, None
+            try:  # after a failed step the device may be gone: that error, not this one, is the rank's
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaHostUnregister(region.data_ptr())  # type: ignore[no-untyped-call]
+            except RuntimeError as exc:
+                log.warning("hand-off: unregistering its pages failed: %s", exc)
 
 
 def register_host_memory(region: torch.Tensor) -> bool:
