@@ -5,12 +5,21 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from farloco.node.daemon.dhtnode import daemon_alive, make_dht, stable_node_id, stop_dht
+from farloco.node.daemon.dhtnode import (
+    DHTStartError,
+    daemon_alive,
+    make_dht,
+    stable_node_id,
+    stop_dht,
+    visible_maddrs,
+)
+from farloco.node.tools.demo import start_bootstrap
 from farloco.protocol.membership import make_record_validators, members_key
 
 pytestmark = pytest.mark.dht
@@ -167,3 +176,54 @@ def test_a_failed_starts_libp2p_daemon_holding_our_identity_is_killed(tmp_path: 
         for process in started:
             process.kill()
             process.wait()
+
+
+class _SilentDHT:
+    """Answers get_visible_maddrs never, as a hivemind DHT whose reply could not be unpickled did."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def get_visible_maddrs(self) -> list[str]:
+        self.release.wait()
+        return []
+
+
+def test_asking_a_silent_dht_for_its_addresses_is_bounded_and_stoppable() -> None:
+    silent = _SilentDHT()
+    try:
+        started = time.monotonic()
+        with pytest.raises(DHTStartError, match="did not report its addresses in 1 s"):
+            visible_maddrs(silent, timeout=1.0)
+        assert time.monotonic() - started < 5
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        started = time.monotonic()
+        with pytest.raises(DHTStartError, match="stopped"):
+            visible_maddrs(silent, timeout=60.0, stop=stop)  # a SIGTERM's flag ends the wait
+        assert time.monotonic() - started < 5
+    finally:
+        silent.release.set()
+
+
+def test_a_bootstrap_that_never_comes_up_is_stopped_with_its_session(tmp_path: Path) -> None:
+    """start_bootstrap gives up on a bootstrap that wrote no multiaddrs in time and stops it, the processes of
+    its session included (it once left them running), naming the log's tail."""
+    pid_file = tmp_path / "pid"
+    # Stands in for the bootstrap: says something, records its pid, and waits with a child in its session.
+    script = f"echo 'the DHT is stuck'; echo $$ > {pid_file}; sleep 600 & wait"
+    with pytest.raises(RuntimeError, match=r"(?s)failed to start.*the DHT is stuck"):
+        start_bootstrap(tmp_path, prefix=("sh", "-c", script, "sh"), timeout=2.0)
+    session = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while True:
+        left = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.getsid(int(entry)) == session:
+                        left.append(int(entry))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == [], f"processes of the bootstrap's session still there: {left}"

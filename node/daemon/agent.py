@@ -46,7 +46,7 @@ from farloco.node.daemon.core import (
     log,
     overlap_steps,
 )
-from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht
+from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht, visible_maddrs
 from farloco.node.daemon.outer import theta_hash
 from farloco.node.daemon.rounds import RoundAgent
 from farloco.protocol.faults import FlakyDHT
@@ -150,7 +150,7 @@ class Agent(RoundAgent):
 
         net, run = self.config.network, self.config.run
         self.peer_id = self.dht.peer_id.to_base58()
-        self.multiaddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.multiaddrs = await asyncio.to_thread(visible_maddrs, self.dht)
         secret = self.run_secret
         auth = Authenticator(f"{run.name}:{self.run_hash}", secret, self.peer_id)
         from farloco.node.config import load_tls

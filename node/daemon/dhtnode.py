@@ -212,6 +212,37 @@ def daemon_alive(dht: Any) -> bool:
     return False
 
 
+def visible_maddrs(dht: Any, timeout: float = 60.0, stop: threading.Event | None = None) -> list[str]:
+    """The DHT's multiaddrs, asked of its process in a thread and waited for at most `timeout` seconds (and no
+    longer once `stop` is set). hivemind's own call has no bound: a DHT process whose coroutine failed with an
+    exception that does not unpickle (a missing module under its multiaddr codecs was one) drops the reply, and
+    the caller, our SIGTERM handler's flag with it, waited forever."""
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answer["maddrs"] = [str(m) for m in dht.get_visible_maddrs()]
+        except BaseException as exc:
+            answer["error"] = exc
+
+    thread = threading.Thread(target=ask, name="farloco-dht-maddrs", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive():
+        if stop is not None and stop.is_set():
+            raise DHTStartError("stopped while waiting for the DHT's addresses")
+        if time.monotonic() > deadline:
+            raise DHTStartError(
+                f"the DHT process did not report its addresses in {timeout:.0f} s (its log above says why)"
+            )
+        thread.join(0.1)
+    if "error" in answer:
+        raise DHTStartError(f"the DHT process could not report its addresses: {answer['error']}") from answer[
+            "error"
+        ]
+    return list(answer["maddrs"])
+
+
 def stop_dht(dht: Any) -> None:
     """Stop a DHT started by `make_dht`: hivemind's graceful shutdown (a few seconds at most) while its daemon
     lives, at once when the daemon is or goes away (a graceful shutdown without p2pd only waits out hivemind's

@@ -247,7 +247,7 @@ def bootstrap(
     import signal
     import threading
 
-    from farloco.node.daemon.dhtnode import make_dht, stop_dht
+    from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht, visible_maddrs
     from farloco.node.logs import setup_logging
 
     setup_logging(None)  # text on a terminal, JSON lines otherwise (journald, docker logs, Slurm output)
@@ -261,7 +261,13 @@ def bootstrap(
     dht = make_dht(
         host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=list(initial_peers), start=True, **kwargs
     )
-    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    try:
+        maddrs = visible_maddrs(dht, stop=stop)
+    except DHTStartError as exc:
+        stop_dht(dht)
+        if stop.is_set():
+            return
+        raise click.ClickException(str(exc)) from exc
     for maddr in maddrs:
         click.echo(maddr)
     sys.stdout.flush()

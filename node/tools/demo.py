@@ -107,9 +107,11 @@ def demo_config(rounds: int, overrides: list[str]) -> str:
 
 
 def start_bootstrap(
-    work_dir: Path, *, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+    work_dir: Path, *, host: str = "127.0.0.1", prefix: Sequence[str] = (), timeout: float = 60.0
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `farloco bootstrap` on `host`; returns the process and its first multiaddr.
+    """Start `farloco bootstrap` on `host`; returns the process and its first multiaddr. One that has not
+    written its multiaddrs within `timeout` seconds, or exited, is stopped (its whole session) and raises with
+    its log's tail.
 
     `prefix` runs it through another command that execs it (`ip netns exec NS`: a host of a namespace WAN)."""
     maddr_file = work_dir / "bootstrap.maddr"
@@ -130,10 +132,15 @@ def start_bootstrap(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while not maddr_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"bootstrap DHT node failed to start; see {work_dir / 'bootstrap.log'}")
+            stop_process(process, timeout=5.0)
+            log.close()
+            tail = (work_dir / "bootstrap.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(
+                f"bootstrap DHT node failed to start; see {work_dir / 'bootstrap.log'}, which ends:\n{tail}"
+            )
         time.sleep(0.1)
     return process, maddr_file.read_text().split()[0]
 
