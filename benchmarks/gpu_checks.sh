@@ -6,10 +6,10 @@
 #   [BUDGET=SECONDS] benchmarks/gpu_checks.sh [STAGE ...]
 #       stages: env handoff throughput-1b tests throughput-small (default: all, in that order)
 #
-# On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored):
-# .gpu/site holds pure-Python packages (hivemind with its p2pd, pydantic, protobuf, ...) copied from a
-# virtualenv of this project, .gpu/whl the compiled ones as wheels for the machine's Python. farloco itself is
-# installed from this tree (its optional C kernels built there).
+# On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored),
+# which benchmarks/gpu_deps.sh fills here: .gpu/site (hivemind with its p2pd, pydantic, protobuf, ... copied
+# from this project's virtualenv) and .gpu/whl (the compiled ones, as wheels for the machine's Python).
+# farloco itself is installed there from this tree (its optional C kernels built there).
 set -u
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
