@@ -228,14 +228,19 @@ def test_cosine_schedule_drives_every_config_and_runs_of_two_schedules_do_not_me
     dataset = open_dataset(builtin_dataset(cache_dir))
     demo = next(c for c in bench.default_configs() if c.kind == "outer" and c.strategy == "demo")
     losses = {}
-    for schedule in ("constant", "cosine"):
-        short = bench.Setup(steps=3, report_steps=(3,), warmup_steps=0, num_eval_batches=1, schedule=schedule)
-        losses[schedule] = bench.Bench(short, dataset, lambda _: None).run(demo).eval_loss[3]
-    assert losses["constant"] != losses["cosine"]  # DeMo's sign-SGD lr followed the schedule
-
     threads = torch.get_num_threads()
     runs = {}
     try:
+        # One thread, as the benchmark runs by default: two torch threads on a 2-core machine whose other core
+        # is busy wait for each other at every op (beside a CPU hog this test took 12 s, and 75 s once in the
+        # stress suite, against 7 s with one thread).
+        torch.set_num_threads(1)
+        for schedule in ("constant", "cosine"):
+            short = bench.Setup(
+                steps=3, report_steps=(3,), warmup_steps=0, num_eval_batches=1, schedule=schedule
+            )
+            losses[schedule] = bench.Bench(short, dataset, lambda _: None).run(demo).eval_loss[3]
+        assert losses["constant"] != losses["cosine"]  # DeMo's sign-SGD lr followed the schedule
         for schedule in ("constant", "cosine"):
             runs[schedule] = tmp_path / f"{schedule}.json"
             argv = ["--quick", "--steps", "2", "--schedule", schedule, "--json", str(runs[schedule])]
