@@ -9,14 +9,18 @@ loads the new theta from it (before its first). Each preset's model is built and
 does (`build_spec`, `parallelize` on a 1-rank group: NCCL on CUDA, gloo on CPU; `ShardView`, `HostStaging` on a
 real `Handoff` file), and timed `--repeats` times after one warm-up:
 
-- **store**: `HostStaging.store(handoff.local)`: device to host through the pinned buffer on the side stream, then
-  into the shared vector (what the agent reads);
+- **store**: `HostStaging.store(handoff.local)`: device to host on the side stream, into the shared vector the
+  agent reads;
 - **load**: `HostStaging.load(handoff.theta)` and a device synchronize (the copies done, not only queued);
 - **stall**: (load + one inner step) - (one inner step), both synchronized: what the load costs the training
   stream, which waits for the side stream's copies on the device, not on the host;
 - yardsticks in the same process: a device-to-host copy of the same bytes into a pinned buffer, the copy back,
   and a host memcpy of the same bytes (the part of store and load that is host memory to host memory);
 - **per round**: (store + stall) as a share of a round of `--inner-steps` inner steps.
+
+Each for both paths a rank may take: `staged` (every shard through the pinned staging buffer, then a host copy
+into the shared vector) and, on CUDA, `registered` (the hand-off page-locked once, each shard that is one run of
+the flat vector copied by DMA straight to and from it: what the trainer does).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -203,16 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"
     rows = []
     try:
-        with tempfile.TemporaryDirectory(prefix="farloco-handoff-"):
-            for preset in args.presets:
-                rows.extend(measure(preset, args, device))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                if args.json is not None:
-                    args.json.write_text(
-                        json.dumps({"where": where, "args": vars(args) | {"json": None}, "rows": rows})
-                    )
-                if cuda:
-                    torch.cuda.empty_cache()
+        for preset in args.presets:
+            measured = measure(preset, args, device)
+            rows.extend(measured)
+            for row in measured:
+                print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.json is not None:  # after each preset: a run cut short keeps what it measured
+                args.json.write_text(
+                    json.dumps({"where": where, "args": vars(args) | {"json": None}, "rows": rows})
+                )
+            if cuda:
+                torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
     print(f"Command: `python benchmarks/handoff.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
