@@ -14,6 +14,10 @@ from farloco.node.tools.demo import read_events
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(600)]
 
 
+# ~55 s on 2 cores (five nodes): `-m slow`, so that the default suite keeps under ~15 minutes. The default suite
+# keeps the island's group with real processes (tests/test_island.py) and an island started through the CLI
+# (tests/test_slurm.py::test_the_sbatch_makes_one_island_of_its_nodes).
+@pytest.mark.slow
 def test_two_islands_of_two_and_a_lone_node_train_as_one_swarm(tmp_path: Path) -> None:
     rounds = 6
     made = Swarm(tmp_path, [f"run.max_rounds={rounds}", "run.inner_steps=4", "run.island_slices=8"])

@@ -61,6 +61,10 @@ STATUS = "import json, sys; from farloco.node.daemon.control import ControlClien
 METRICS = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 
 
+# ~60 s on 2 cores: `-m slow`, so that the default suite keeps under ~15 minutes. The default suite keeps
+# isolation on loopback (tests/test_swarm.py::test_a_node_whose_only_peer_vanished_is_isolated_then_follows_min_peers)
+# and a silent partition splitting groups across namespaces (tests/test_netns_wan.py).
+@pytest.mark.slow
 def test_a_partitioned_node_says_it_is_isolated_commits_nothing_alone_and_rejoins(tmp_path: Path) -> None:
     reason = unavailable()
     if reason is not None:
