@@ -16,19 +16,19 @@ flat theta of `--params` float32 values; the network is left out. Each round, as
   then halved (a group of two, every value: each member decodes and sums half the vector and decodes the other
   half of the mean, the same count);
 - `stage`, `step`, `install`, `hash`: error feedback staged in place, the outer step on theta, the staged state
-  swapped in, sha256 of theta;
+  swapped in, theta's digest (the sha256 tree hash: protocol/digest.py);
 - `publish`: what the ranks load next (theta, or the merged weights for streaming-diloco) into the hand-off.
 
 Reported apart, because they do not happen every round: `snapshot` (the copies a donor serves, built on a
 joiner's first request) and `checkpoint` (the same copies, written atomically by `save_checkpoint` in a worker
 thread every `checkpoint.every_rounds`).
 
-Memory: the peak of the process's private memory (Private_Clean + Private_Dirty of /proc/self/smaps_rollup,
-sampled every 2 ms during the rounds) above what it held after imports, less the stand-in peer's payload (a real
-exchange streams it in chunks), per parameter. The hand-off is shared
-with a stand-in rank process that maps it and touches every page, as the trainer ranks do, so it counts as
-shared, not private. Each configuration runs in a fresh process, with the agent's torch thread count
-(`--threads`, default: what a 2-core node with one rank of one thread leaves the agent, 1).
+Memory: the peak of the process's private memory (the kernel's high-water mark VmHWM, reset before the rounds,
+less the file-backed and shared pages) above what it held after imports (RssAnon), less the stand-in peer's
+payload (a real exchange streams it in chunks), per parameter. The hand-off is shared with a stand-in rank
+process that maps it and touches every page, as the trainer ranks do, so it counts as shared, not private. Each configuration runs in a fresh process, with the agent's threads (`--threads`, as
+`node.agent_threads` and torch's intra-op threads; default: what a 2-core node with one rank of one thread
+leaves the agent, 1).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,33 +50,36 @@ STRATEGIES = ("diloco", "streaming-diloco", "sparseloco", "demo")
 PHASES = ("read", "contribution", "encode", "decode+sum", "stage", "step", "install", "hash", "publish")
 
 
-def private_bytes() -> int:
-    """Private_Clean + Private_Dirty of this process, in bytes."""
-    total = 0
-    with open("/proc/self/smaps_rollup") as f:
+def _status_kib() -> dict[str, int]:
+    """VmHWM, RssAnon, RssFile and RssShmem of /proc/self/status, in KiB."""
+    found = {}
+    with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) * 1024
-    return total
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                found[key] = int(value.split()[0])
+    return found
 
 
-class PeakSampler(threading.Thread):
-    """Samples private_bytes() every `interval` seconds until stopped; `.peak` is the largest seen."""
+def private_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon), in bytes."""
+    return _status_kib()["RssAnon"] * 1024
 
-    def __init__(self, interval: float = 0.002) -> None:
-        super().__init__(daemon=True)
-        self.interval, self.peak, self._done = interval, private_bytes(), threading.Event()
 
-    def run(self) -> None:
-        while not self._done.is_set():
-            self.peak = max(self.peak, private_bytes())
-            time.sleep(self.interval)
+class PeakPrivate:
+    """The peak of `private_bytes()` between `start()` and `stop()`, from the kernel's own high-water mark:
+    `start` resets VmHWM to the current RSS (/proc/self/clear_refs), `stop` takes VmHWM less the file-backed and
+    shared-memory pages, which stay as they were meanwhile (libraries; the hand-off, touched before). No sampling
+    thread: reading smaps_rollup takes ~20 ms at a few GB, so a 2 ms sampler kept a core busy and took it from the
+    passes it measured (their times with 2 threads were off by up to 2x)."""
+
+    def start(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
 
     def stop(self) -> int:
-        self._done.set()
-        self.join()
-        self.peak = max(self.peak, private_bytes())
-        return self.peak
+        status = _status_kib()
+        return (status["VmHWM"] - status["RssFile"] - status["RssShmem"]) * 1024
 
 
 def _nbytes(payload: Any) -> int:
@@ -105,7 +107,13 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     from farloco.protocol.tcpstream import tune_malloc
 
     tune_malloc()  # as the agent does
+    # As the agent does (node/daemon/core.py): torch's intra-op threads and the round's passes over `--threads`.
+    from farloco.optim import ranges
+    from farloco.protocol import parallel
+
     torch.set_num_threads(args.threads)
+    parallel.set_threads(args.threads)
+    ranges.set_range_runner(parallel.map_ranges)
     numel = int(float(args.params))
     baseline = private_bytes()
     codec = get_codec(args.codec)
@@ -132,7 +140,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
         overlap = args.strategy == "streaming-diloco"
         samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
-        sampler = PeakSampler()
+        sampler = PeakPrivate()
         sampler.start()
         for round_index in range(args.rounds):
             # The ranks' inner steps (not timed): local = theta_outer + a small step, chunk by chunk so that the
@@ -260,7 +268,12 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=4, help="rounds per configuration (the first is warm-up)"
     )
-    parser.add_argument("--threads", type=int, default=1, help="the agent's torch threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="the agent's threads (node.agent_threads, and torch's intra-op threads)",
+    )
     parser.add_argument(
         "--checkpoint-dir", default=None, help="where the checkpoint is written (default: the temp dir)"
     )

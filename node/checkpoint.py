@@ -6,7 +6,7 @@ Owns the on-disk format under `<run_dir>/checkpoints/` (the `root` of every func
     round-00000042/
         outer.safetensors   "theta" (float32, flat, canonical order) and "strategy.<name>" for each tensor of
                             the outer strategy's state; safetensors metadata (str -> str): format_version,
-                            round_id, run_hash, outer_hash (sha256 hex of theta's bytes), inner_step (data
+                            round_id, run_hash, outer_hash (theta's digest, protocol/digest.py), inner_step (data
                             position), time (unix seconds), and with inner state `inner_sha256` (JSON: file
                             path under inner/ -> sha256 hex)
         inner/              optional: the ranks' FSDP2 model and optimizer state (DTensor shards), written by
@@ -52,11 +52,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from farloco.node.fsutil import fsync_dir, fsync_file
+from farloco.protocol import digest
 from farloco.protocol.types import DTYPES
 
 log = logging.getLogger("farloco.checkpoint")
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+# format_version 1 recorded theta's plain sha256 as outer_hash; 2 the tree hash (farloco.protocol.digest). Both
+# load; a version-1 checkpoint's theta is verified with the hash it recorded.
+_THETA_SCHEME = {"1": "sha256", FORMAT_VERSION: digest.SCHEME}
 STATE_FILE = "outer.safetensors"
 COMMITTED_FILE = "COMMITTED"
 THETA = "theta"
@@ -81,11 +85,17 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def theta_sha256(theta: torch.Tensor) -> str:
-    """sha256 hex of theta's float32 bytes: the same value as the agent's `outer_hash`."""
+def theta_digest(theta: torch.Tensor, *, scheme: str = digest.SCHEME) -> str:
+    """Hex digest of theta's float32 bytes (`farloco.protocol.digest`: a sha256 tree hash over the agent's
+    threads): the same value as the agent's `outer_hash`. `scheme` "sha256" is the plain sha256 that checkpoints of
+    format_version 1 recorded (read only to verify them)."""
     array = theta.detach().cpu().contiguous().numpy()
     # Hash the buffer in place: a 1B-parameter theta is 4 GB, a `.tobytes()` copy would double that.
-    return hashlib.sha256(array.data).hexdigest()
+    if scheme == "sha256":
+        return hashlib.sha256(array.data).hexdigest()
+    if scheme != digest.SCHEME:
+        raise ValueError(f"theta_digest: expected scheme {digest.SCHEME!r} or 'sha256', got {scheme!r}")
+    return digest.digest(array.data)
 
 
 def checkpoint_name(round_id: int) -> str:
@@ -134,11 +144,11 @@ def save_checkpoint(
             shutil.rmtree(staged, ignore_errors=True)
         raise
     theta = tensors[THETA]
-    outer_hash = theta_sha256(theta)
+    outer_hash = theta_digest(theta)
     if "outer_hash" in meta and meta["outer_hash"] != outer_hash:
         raise CheckpointError(
             f"save_checkpoint round {round_id}: meta outer_hash {meta['outer_hash']} does not match "
-            f"theta, whose sha256 is {outer_hash}"
+            f"theta, whose digest is {outer_hash}"
         )
     metadata = {
         **meta,
@@ -852,9 +862,9 @@ def _read_meta(path: Path) -> dict[str, str]:
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {exc}") from exc
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in _THETA_SCHEME:
         raise CheckpointError(
-            f"checkpoint {path}: expected format_version {FORMAT_VERSION}, found {version!r}"
+            f"checkpoint {path}: expected format_version {' or '.join(_THETA_SCHEME)}, found {version!r}"
         )
     missing = [key for key in ("round_id", "outer_hash", *REQUIRED_META) if key not in meta]
     if missing:
@@ -882,10 +892,11 @@ def _check_theta(path: Path, meta: dict[str, str], theta: torch.Tensor | None) -
     if theta is None or theta.dtype != torch.float32 or theta.dim() != 1:
         found = "nothing" if theta is None else f"{theta.dtype} {list(theta.shape)}"
         raise CheckpointError(f"checkpoint {path}: expected a 1-D float32 tensor 'theta', found {found}")
-    found_hash = theta_sha256(theta)
+    scheme = _THETA_SCHEME[meta["format_version"]]
+    found_hash = theta_digest(theta, scheme=scheme)
     if found_hash != meta["outer_hash"]:
         raise CheckpointError(
-            f"checkpoint {path}: theta is corrupt: expected sha256 {meta['outer_hash']} (from its metadata), "
+            f"checkpoint {path}: theta is corrupt: expected {scheme} {meta['outer_hash']} (from its metadata), "
             f"found {found_hash}"
         )
 

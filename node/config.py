@@ -149,6 +149,11 @@ class NodeConfig:
     """'cpu', 'cuda' or 'auto' (cuda when available). The backend follows: NCCL on cuda, gloo on cpu."""
     threads_per_rank: int = 1
     """torch intra-op threads per trainer rank on CPU."""
+    agent_threads: int = 0
+    """Threads for the agent's passes over the model's vectors each round (theta's digest, int8's encode and
+    decode, the contribution, the outer step), each thread on its own contiguous range (torch's intra-op
+    threads cannot split a sha256 or the codec's C kernels). 0: the cores the ranks leave: the cores less
+    num_ranks x threads_per_rank, or less one per rank on cuda; at least 1."""
     max_restarts: int = 3
     """How many times the elastic launcher restarts crashed trainer ranks before the node gives up."""
     eval_batches: int = 4
@@ -204,7 +209,7 @@ class NodeConfig:
             raise ConfigError(
                 f"node.partial_min_fraction: expected a number in (0, 1], got {self.partial_min_fraction!r}"
             )
-        _non_negative(self, "max_restarts", "eval_batches", "island_size")
+        _non_negative(self, "max_restarts", "eval_batches", "island_size", "agent_threads")
         if self.island_backend not in ("gloo", "nccl"):
             raise ConfigError(f"node.island_backend: expected 'gloo' or 'nccl', got {self.island_backend!r}")
         if self.island_backend == "nccl" and self.device == "cpu":

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from farloco.optim.ranges import run_ranges
 from farloco.optim.wire import (
     Codec,
     CodecError,
@@ -47,6 +49,37 @@ def _load_kernels() -> ModuleType | None:
 
 # One-pass quantization: the same bytes and values as the torch path below (tests/test_kernels.py).
 KERNELS = _load_kernels()
+
+
+def _quantize(x: Any, block: int, levels: float, scales: Any, codes: Any) -> int:
+    """KERNELS.quantize over contiguous runs of whole blocks (`farloco.optim.ranges`): the same bytes as one
+    call. -1, or the first block holding a NaN/Inf."""
+    numel, kernels = len(codes), KERNELS
+    assert kernels is not None
+
+    def run(first: int, last: int) -> int:
+        low, high = first * block, min(last * block, numel)
+        bad = kernels.quantize(x[low:high], block, levels, scales[first:last], codes[low:high], None)
+        return int(bad) if bad < 0 else first + int(bad)
+
+    found = [bad for bad in run_ranges(run, ceil_div(numel, block), 4 * numel) if bad >= 0]
+    return min(found, default=-1)
+
+
+def _dequantize(scales: Any, codes: Any, block: int, out: Any) -> int:
+    """KERNELS.dequantize likewise (`scales` and `codes` may be raw bytes): -1, or the first block holding the
+    code -128."""
+    numel, kernels = len(codes), KERNELS
+    assert kernels is not None
+    scale_bytes = memoryview(scales).cast("B")
+
+    def run(first: int, last: int) -> int:
+        low, high = first * block, min(last * block, numel)
+        bad = kernels.dequantize(scale_bytes[4 * first : 4 * last], codes[low:high], block, out[low:high])
+        return int(bad) if bad < 0 else first + int(bad)
+
+    found = [bad for bad in run_ranges(run, ceil_div(numel, block), 5 * numel) if bad >= 0]
+    return min(found, default=-1)
 
 
 class _CastCodec(Codec):
@@ -240,9 +273,7 @@ class Int8Codec(_BlockQuantCodec):
             numel, block = tensor.numel(), self.block_size
             scales = torch.empty(ceil_div(numel, block), dtype=torch.float32)
             codes = torch.empty(numel, dtype=torch.int8)
-            bad = KERNELS.quantize(
-                tensor.numpy(), block, float(self.levels), scales.numpy(), codes.numpy(), None
-            )
+            bad = _quantize(tensor.numpy(), block, float(self.levels), scales.numpy(), codes.numpy())
             if bad >= 0:
                 raise nonfinite_error(f"{self.name} encode input", tensor)
             return [scales, codes]
@@ -256,7 +287,7 @@ class Int8Codec(_BlockQuantCodec):
         scales, codes = sections
         if KERNELS is not None:
             out = torch.empty(numel, dtype=torch.float32) if out is None else out
-            KERNELS.dequantize(scales.numpy(), codes.numpy(), self.block_size, out.numpy())
+            _dequantize(scales.numpy(), codes.numpy(), self.block_size, out.numpy())
             return out
         decoded = self._dequantize(codes, scales, self.block_size)
         return decoded if out is None else out.copy_(decoded)
@@ -269,7 +300,7 @@ class Int8Codec(_BlockQuantCodec):
         self._check_scales(scales)
         if KERNELS is not None:
             out = torch.empty(header.numel, dtype=torch.float32) if out is None else out
-            bad = KERNELS.dequantize(body[:offset], body[offset:], header.block, out.numpy())
+            bad = _dequantize(body[:offset], body[offset:], header.block, out.numpy())
             if bad >= 0:
                 raise CodecError(
                     f"int8 payload codes: expected values in [-127, 127], got -128 in block {bad}"

@@ -32,17 +32,12 @@ from typing import ClassVar
 
 import torch
 
+from farloco.optim.ranges import CHUNK, chunks, run_chunked, run_split
 from farloco.optim.wire import Codec, all_finite
 
 HParam = float | int | bool
 
-# Values per chunk of the chunked passes: 4 x 128K x 4 bytes = 2 MiB of operands, about an L2 cache.
-CHUNK = 1 << 17
-
-
-def chunks(numel: int, size: int = CHUNK) -> list[slice]:
-    """Contiguous slices covering [0, numel) in order, `size` values each (the last one shorter)."""
-    return [slice(start, min(start + size, numel)) for start in range(0, numel, size)]
+__all__ = ["CHUNK", "OuterStrategy", "StrategyError", "available_strategies", "chunks", "make_strategy"]
 
 
 class StrategyError(ValueError):
@@ -207,10 +202,12 @@ class OuterStrategy(abc.ABC):
         if group_size < 1:
             raise StrategyError(f"{self.name} eager_preview: expected group_size >= 1, got {group_size}")
         scale = self.eager_scale() / group_size
-        scratch = torch.empty(min(CHUNK, self.num_params))
-        for part in chunks(self.num_params):
+
+        def preview(part: slice, scratch: torch.Tensor) -> None:
             delta = torch.sub(fresh[part], stale[part], out=scratch[: part.stop - part.start])
             start[part].sub_(delta.mul_(scale))
+
+        run_chunked(preview, self.num_params, 12)
 
     def merge_into_local(self, theta_outer: torch.Tensor, theta_local: torch.Tensor) -> None:
         """After `apply`: set the local parameters the ranks continue from (default: replace by theta_outer)."""
@@ -280,7 +277,10 @@ class OuterStrategy(abc.ABC):
         if out is None:
             return theta_outer - theta_local
         self._check_vector("out", out, self.contribution_numel())
-        return torch.sub(theta_outer, theta_local, out=out)
+        run_split(
+            lambda part: torch.sub(theta_outer[part], theta_local[part], out=out[part]), out.numel(), 12
+        )
+        return out
 
     def _decayed_plus_gradient(
         self,
@@ -298,16 +298,23 @@ class OuterStrategy(abc.ABC):
             contribution = state * decay
             return contribution.add_(theta_outer - theta_local)
         self._check_vector("out", out, self.num_params)
-        scratch = torch.empty(min(CHUNK, self.num_params))
-        for part in chunks(self.num_params):
+
+        def contribute(part: slice, scratch: torch.Tensor) -> None:
             delta = torch.sub(theta_outer[part], theta_local[part], out=scratch[: part.stop - part.start])
             torch.mul(state[part], decay, out=out[part]).add_(delta)
+
+        run_chunked(contribute, self.num_params, 16)
         return out
 
     @staticmethod
     def _residual(contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool) -> torch.Tensor:
         """contribution - transmitted: what the codec lost (in place in a reused contribution)."""
-        return contribution.sub_(transmitted) if reuse else contribution - transmitted
+        if not reuse:
+            return contribution - transmitted
+        if transmitted is contribution:  # a lossless codec: nothing lost (x - x, as sub_ would make it)
+            return contribution.sub_(transmitted)
+        run_split(lambda part: contribution[part].sub_(transmitted[part]), contribution.numel(), 8)
+        return contribution
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in sorted(self.hparams.items()))
@@ -323,14 +330,15 @@ def _nesterov_step(
     chunk by chunk: the five passes over a chunk stay in cache, and the step needs a chunk of scratch, not a
     vector of the model's size.
     """
-    numel = theta.numel()
-    scratch = torch.empty(min(CHUNK, numel))
-    for part in chunks(numel):
+
+    def step_chunk(part: slice, scratch: torch.Tensor) -> None:
         b, g = momentum_buffer[part], gradient[part]
         b.mul_(momentum).add_(g)
         step = torch.mul(b, momentum, out=scratch[: part.stop - part.start])
         step.add_(g).mul_(lr)
         theta[part].sub_(step)
+
+    run_chunked(step_chunk, theta.numel(), 12)
 
 
 class DiLoCo(OuterStrategy):
@@ -355,10 +363,19 @@ class DiLoCo(OuterStrategy):
     def make_contribution(
         self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        contribution = self._pseudo_gradient(theta_outer, theta_local, out)
-        if self.residual is not None:
-            contribution.add_(self.residual)
-        return contribution
+        residual = self.residual
+        if out is None or residual is None:
+            contribution = self._pseudo_gradient(theta_outer, theta_local, out)
+            return contribution if residual is None else contribution.add_(residual)
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        self._check_vector("out", out, self.num_params)
+
+        def contribute(part: slice, scratch: torch.Tensor) -> None:  # (outer - local) + residual, as above
+            torch.sub(theta_outer[part], theta_local[part], out=out[part]).add_(residual[part])
+
+        run_chunked(contribute, self.num_params, 16)
+        return out
 
     def _stage(
         self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
@@ -410,9 +427,11 @@ class SparseLoCo(OuterStrategy):
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr = self._float("lr")
-        scratch = torch.empty(min(CHUNK, self.num_params))
-        for part in chunks(self.num_params):
+
+        def step(part: slice, scratch: torch.Tensor) -> None:
             theta_outer[part].sub_(torch.mul(averaged[part], lr, out=scratch[: part.stop - part.start]))
+
+        run_chunked(step, self.num_params, 8)
 
     def eager_scale(self) -> float:
         return self._float("lr")
@@ -451,12 +470,14 @@ class DeMo(OuterStrategy):
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr, weight_decay = self._float("lr"), self._float("weight_decay")
-        if weight_decay:
-            theta_outer.mul_(1.0 - lr * weight_decay)
-        scratch = torch.empty(min(CHUNK, self.num_params))
-        for part in chunks(self.num_params):
+
+        def step_chunk(part: slice, scratch: torch.Tensor) -> None:
+            if weight_decay:  # theta * (1 - lr * wd), then the sign step: per value, the same two operations
+                theta_outer[part].mul_(1.0 - lr * weight_decay)
             step = torch.sign(averaged[part], out=scratch[: part.stop - part.start])
             theta_outer[part].sub_(step.mul_(lr))
+
+        run_chunked(step_chunk, self.num_params, 8)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum}
@@ -563,11 +584,13 @@ class StreamingDiLoCo(OuterStrategy):
             raise StrategyError(f"{self.name} merge_into_local: expected a preceding apply, got none")
         part, alpha = self._merge_fragment, self._float("alpha")
         start = int(part.start)
-        scratch = torch.empty(min(CHUNK, int(part.stop) - start))
-        for sub in chunks(int(part.stop) - start):  # in place, chunk by chunk: local*alpha + outer*(1-alpha)
+
+        def merge(sub: slice, scratch: torch.Tensor) -> None:  # in place: local*alpha + outer*(1-alpha)
             piece = slice(start + sub.start, start + sub.stop)
             outer = torch.mul(theta_outer[piece], 1.0 - alpha, out=scratch[: sub.stop - sub.start])
             theta_local[piece].mul_(alpha).add_(outer)
+
+        run_chunked(merge, int(part.stop) - start, 8)
         self._merge_fragment = None
 
     def _buffers(self) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ The joiner (`fetch_state`) reads every donor's manifest, keeps the donors of the
 one manifest, checks sizes/dtypes/shapes against its limits *before* allocating, then lets each donor pull
 segments of at most `segment_bytes` from a shared queue (so a fast donor serves more). Every chunk's crc32 is
 checked as it arrives; a donor that fails or sends a bad chunk is dropped and the rest of its segment goes back
-on the queue for the others (resume by byte range). At the end every tensor's sha256 must match the manifest.
+on the queue for the others (resume by byte range). At the end every tensor's digest must match the manifest
+(its `sha256` fields hold `farloco.protocol.digest`'s sha256 tree hash: for theta, the value of `outer_hash`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import msgpack
 import numpy as np
 import torch
 
+from farloco.protocol import digest
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
 from farloco.protocol.tasks import wait_for
 from farloco.protocol.types import DTYPES
@@ -98,10 +100,10 @@ class Manifest:
     @property
     def manifest_id(self) -> str:
         """sha256 over the round, run hash and every tensor's name, dtype, shape and hash."""
-        digest = hashlib.sha256(f"{self.round_id}\0{self.meta.get('run_hash', '')}".encode())
+        summary = hashlib.sha256(f"{self.round_id}\0{self.meta.get('run_hash', '')}".encode())
         for t in self.tensors:
-            digest.update(f"\0{t.name}\0{t.dtype}\0{list(t.shape)}\0{t.sha256}".encode())
-        return digest.hexdigest()
+            summary.update(f"\0{t.name}\0{t.dtype}\0{list(t.shape)}\0{t.sha256}".encode())
+        return summary.hexdigest()
 
     @property
     def total_bytes(self) -> int:
@@ -186,6 +188,12 @@ def _raw_bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """The tensor's bytes as a flat uint8 array (little-endian, row-major), without a copy when contiguous."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
+
+
+def _digests(buffers: Mapping[str, np.ndarray[Any, np.dtype[np.uint8]]]) -> dict[str, str]:
+    """Every buffer's digest (`farloco.protocol.digest`: the value theta's `outer_hash` is), over the agent's
+    threads (`farloco.protocol.parallel`)."""
+    return {name: digest.digest(b.data) for name, b in buffers.items()}
 
 
 # --------------------------------------------------------------------------------------------- donor
@@ -273,9 +281,7 @@ class StateServer:
                 self._cache.used = time.monotonic()
                 return self._cache.manifest, self._cache.raw
             raw = {name: _raw_bytes(t) for name, t in tensors.items()}
-            hashes = await asyncio.to_thread(
-                lambda: {name: hashlib.sha256(b.data).hexdigest() for name, b in raw.items()}
-            )
+            hashes = await asyncio.to_thread(_digests, raw)
             entries = []
             for name, tensor in tensors.items():
                 if tensor.dtype not in _DTYPE_NAMES:
@@ -633,12 +639,11 @@ async def _download(
         raise StateSyncError(
             f"every donor of round {manifest.round_id} failed with {total - done} of {total} bytes missing: {failures}"
         )
-    hashes = await asyncio.to_thread(
-        lambda: {name: hashlib.sha256(b.data).hexdigest() for name, b in buffers.items()}
-    )
+    hashes = await asyncio.to_thread(_digests, buffers)
     bad = [t.name for t in manifest.tensors if hashes[t.name] != t.sha256]
     if bad:
         raise _BadData(
-            f"sha256 of {bad} does not match the manifest of round {manifest.round_id} from {chosen}"
+            f"the digest (sha256 tree hash) of {bad} does not match the manifest of round {manifest.round_id} "
+            f"from {chosen}"
         )
     return tensors

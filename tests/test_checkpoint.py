@@ -24,7 +24,7 @@ from farloco.node.checkpoint import (
     load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
-    theta_sha256,
+    theta_digest,
 )
 
 RUN_HASH = "ab" * 32
@@ -62,7 +62,7 @@ def test_round_trip(tmp_path: Path) -> None:
     state["strategy.view"] = state["strategy.momentum"][10:20]  # a view sharing storage must still save
     path = save_checkpoint(tmp_path, 42, state, {"run_hash": RUN_HASH, "inner_step": "840", "note": "x"})
     assert path == tmp_path / "round-00000042"
-    assert (path / COMMITTED_FILE).read_text().strip() == theta_sha256(state["theta"])
+    assert (path / COMMITTED_FILE).read_text().strip() == theta_digest(state["theta"])
     assert [p.name for p in tmp_path.iterdir()] == ["round-00000042"]  # no .tmp- left behind
 
     meta, tensors = load_checkpoint(path)
@@ -74,8 +74,8 @@ def test_round_trip(tmp_path: Path) -> None:
     assert meta["run_hash"] == RUN_HASH
     assert meta["inner_step"] == "840"
     assert meta["note"] == "x"
-    assert meta["format_version"] == "1"
-    assert meta["outer_hash"] == theta_sha256(state["theta"])
+    assert meta["format_version"] == "2"
+    assert meta["outer_hash"] == theta_digest(state["theta"])
     assert float(meta["time"]) > 0
     assert latest_checkpoint(tmp_path) == path
 
@@ -84,7 +84,7 @@ def test_theta_hash_is_the_agents_outer_hash() -> None:
     from farloco.node.daemon.agent import theta_hash
 
     theta = _state(3)["theta"]
-    assert theta_sha256(theta) == theta_hash(theta)
+    assert theta_digest(theta) == theta_hash(theta)
 
 
 def test_latest_is_newest_loadable_and_skips_tmp_and_uncommitted(tmp_path: Path) -> None:
@@ -112,12 +112,12 @@ def test_latest_is_newest_loadable_and_skips_tmp_and_uncommitted(tmp_path: Path)
 def test_corrupt_theta_is_refused_and_latest_falls_back(tmp_path: Path) -> None:
     previous = _save(tmp_path, 4)
     newest = _save(tmp_path, 5)
-    expected = theta_sha256(_state(5)["theta"])
+    expected = theta_digest(_state(5)["theta"])
     _flip_theta_byte(newest)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(newest)
     message = str(info.value)
-    assert f"expected sha256 {expected}" in message
+    assert f"expected sha256-tree-v1 {expected}" in message
     found = message.rsplit("found ", 1)[1]
     assert len(found) == 64 and found != expected
     assert latest_checkpoint(tmp_path) == previous
@@ -601,3 +601,26 @@ def test_tampered_or_pickled_inner_metadata_is_refused(
     assert "__0_0.distcp is truncated: expected" in caplog.text
     assert load_inner_state(good, fresh_model, fresh_optimizer)  # and the intact copy still loads
     assert optimizer_fingerprint(fresh_optimizer, torch.device("cpu"))[0] == 1
+
+
+def test_a_checkpoint_of_format_1_loads_verified_by_the_plain_sha256_it_recorded(tmp_path: Path) -> None:
+    """Checkpoints written before the tree hash recorded theta's plain sha256 (format_version 1): they load,
+    verified by that hash, and a flipped byte in one is still refused."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    path = _save(tmp_path, 8)
+    meta, tensors = load_checkpoint(path)
+    plain = hashlib.sha256(tensors["theta"].numpy().tobytes()).hexdigest()
+    save_file(tensors, str(path / STATE_FILE), metadata={**meta, "format_version": "1", "outer_hash": plain})
+    (path / COMMITTED_FILE).write_text(plain + "\n")
+    meta, loaded = load_checkpoint(path)
+    assert meta["format_version"] == "1" and meta["outer_hash"] == plain
+    assert torch.equal(loaded["theta"], tensors["theta"])
+    _flip_theta_byte(path)
+    with pytest.raises(CheckpointError, match=f"expected sha256 {plain}"):
+        load_checkpoint(path)
+    save_file(tensors, str(path / STATE_FILE), metadata={**meta, "format_version": "0"})
+    with pytest.raises(CheckpointError, match="expected format_version 1 or 2, found '0'"):
+        load_checkpoint(path)

@@ -46,6 +46,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("network.streams_per_peer=0", "network.streams_per_peer: expected 1..16, got 0"),
         ("network.socket_buffer_bytes=-2", "network.socket_buffer_bytes: expected -1, 0 or a size in bytes"),
         ("node.device=tpu", "node.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
+        ("node.agent_threads=-1", "node.agent_threads: expected a number >= 0, got -1"),
         ("run.name=a/b", "run.name: expected a non-empty name without '/'"),
         ("inner_steps", "expected section.key=value"),
     ],
@@ -174,3 +175,17 @@ def test_an_island_node_config_loads() -> None:
         "10.0.0.1:31339",
         16,
     )
+
+
+def test_the_agent_takes_the_cores_its_ranks_leave_unless_told() -> None:
+    import os
+
+    from farloco.node.daemon.core import agent_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert agent_threads(load_config(None, ["node.agent_threads=7"])) == 7
+    cpu = load_config(None, ["node.device=cpu", "node.num_ranks=1", "node.threads_per_rank=1"])
+    assert agent_threads(cpu) == max(1, cores - 1)
+    assert agent_threads(load_config(None, ["node.device=cpu", "node.threads_per_rank=64"])) == 1  # at least 1
+    gpu = load_config(None, ["node.device=cuda", "node.num_ranks=1", "node.threads_per_rank=8"])
+    assert agent_threads(gpu) == max(1, cores - 1)  # a GPU rank takes one core, whatever threads_per_rank says

@@ -99,3 +99,41 @@ def test_kernel_checks_buffer_sizes() -> None:
         dense.KERNELS.quantize(
             x.numpy(), 4, 127.0, bytes(12), torch.empty(10, dtype=torch.int8).numpy(), None
         )
+
+
+def test_the_kernels_spread_over_threads_give_the_same_bytes_and_name_the_same_block() -> None:
+    """At millions of values the kernels run on the agent's threads, each on a contiguous run of whole blocks
+    (farloco.protocol.parallel, handed to the codec as the agent does): the payload, the decoded values and the block an error names are those of one
+    thread."""
+    from farloco.optim import ranges
+    from farloco.protocol import parallel
+
+    block = 100  # runs of whole blocks that do not fall on powers of two
+    x = torch.randn(12_000_037, generator=torch.Generator().manual_seed(3))
+    codec = get_codec("int8", block_size=block)
+    threads = parallel.get_threads()
+    ranges.set_range_runner(parallel.map_ranges)  # as the agent does
+    try:
+        parallel.set_threads(1)
+        assert parallel.workers_for(4 * x.numel(), x.numel() // block) == 1
+        one, one_decoded = codec.encode_decoded(x)
+        one_values = codec.decode(one)
+        parallel.set_threads(5)
+        assert parallel.workers_for(4 * x.numel(), x.numel() // block) == 5
+        many, many_decoded = codec.encode_decoded(x)
+        assert many == one
+        assert torch.equal(many_decoded.view(torch.int32), one_decoded.view(torch.int32))
+        assert torch.equal(codec.decode(many).view(torch.int32), one_values.view(torch.int32))
+        # A NaN in the last thread's run is found; a -128 code in the fourth run names its block, as one would.
+        bad = x.clone()
+        bad[-5] = float("nan")
+        with pytest.raises(CodecError, match="NaN"):
+            codec.encode(bad)
+        payload = bytearray(one)
+        codes_at = len(payload) - x.numel()
+        payload[codes_at + 7_654_321] = 0x80
+        with pytest.raises(CodecError, match=f"got -128 in block {7_654_321 // block}$"):
+            codec.decode(bytes(payload), checksum=False)
+    finally:
+        parallel.set_threads(threads)
+        ranges.set_range_runner(None)

@@ -3,7 +3,7 @@ strategy API, the chunked passes the same bits as whole-vector ones, and bad inp
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ import torch
 from farloco.node.daemon.outer import OuterError, OuterRound, theta_hash
 from farloco.optim import get_codec, make_strategy
 from farloco.optim.strategies import CHUNK, StrategyError, _nesterov_step
+from farloco.protocol.digest import digest
 
 # Longer than two chunks, and not a multiple of one: the chunked passes' edges are covered.
 NUMEL = 2 * CHUNK + 12_345
@@ -23,6 +24,26 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=[1, 4], ids=["one-range", "four-threads"])
+def agent_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """The passes as the agent runs them: one range on the calling thread, or cut into contiguous ranges over 4
+    threads (protocol/parallel.py; its minimum work per thread lowered so that these short vectors split too)."""
+    from farloco.optim import ranges
+    from farloco.protocol import parallel
+
+    threads = request.param
+    before = parallel.get_threads()
+    monkeypatch.setattr(parallel, "MIN_BYTES_PER_THREAD", 1)
+    parallel.set_threads(threads)
+    ranges.set_range_runner(parallel.map_ranges)
+    assert parallel.workers_for(12 * NUMEL, -(-NUMEL // CHUNK)) == min(threads, 3)  # 3 chunks: 3 ranges
+    try:
+        yield threads
+    finally:
+        ranges.set_range_runner(None)
+        parallel.set_threads(before)
+
+
 def reference_nesterov(theta: torch.Tensor, b: torch.Tensor, g: torch.Tensor, lr: float, mu: float) -> None:
     """The whole-vector form the chunked step must match bit for bit."""
     b.mul_(mu).add_(g)
@@ -31,7 +52,7 @@ def reference_nesterov(theta: torch.Tensor, b: torch.Tensor, g: torch.Tensor, lr
     theta.sub_(step)
 
 
-def test_the_chunked_nesterov_step_gives_the_bits_of_the_whole_vector_step() -> None:
+def test_the_chunked_nesterov_step_gives_the_bits_of_the_whole_vector_step(agent_threads: int) -> None:
     generator = torch.Generator().manual_seed(3)
     theta, b, g = (torch.randn(NUMEL, generator=generator) for _ in range(3))
     theta2, b2 = theta.clone(), b.clone()
@@ -43,10 +64,11 @@ def test_the_chunked_nesterov_step_gives_the_bits_of_the_whole_vector_step() -> 
 
 @pytest.mark.parametrize(("name", "codec_name", "hparams"), CASES)
 def test_the_agents_buffer_reusing_round_matches_the_plain_strategy_api(
-    name: str, codec_name: str, hparams: dict[str, float]
+    name: str, codec_name: str, hparams: dict[str, float], agent_threads: int
 ) -> None:
     """Two peers' worth of rounds through OuterRound (out=, reuse=True, buffer swaps) and through the plain
-    allocating calls: theta, the strategy state and the hash agree bit for bit after every round."""
+    allocating calls: theta, the strategy state and the hash agree bit for bit after every round, whether the
+    agent's passes run as one range or over several threads."""
     codec = get_codec(codec_name)
     generator = torch.Generator().manual_seed(7)
     theta = torch.randn(NUMEL, generator=generator).mul_(0.02)
@@ -66,7 +88,7 @@ def test_the_agents_buffer_reusing_round_matches_the_plain_strategy_api(
         plain.apply(plain_theta, averaged)
         plain.commit()
         assert torch.equal(fast.theta, plain_theta)
-        assert outer_hash == hashlib.sha256(plain_theta.numpy().tobytes()).hexdigest()
+        assert outer_hash == digest(plain_theta.numpy().tobytes())
         fast_state, plain_state = fast.strategy.state_dict(), plain.state_dict()
         assert fast_state.keys() == plain_state.keys()
         for key in plain_state:
@@ -118,7 +140,7 @@ def test_a_rolled_back_round_leaves_the_error_feedback_untouched() -> None:
 
 @pytest.mark.parametrize(("name", "codec", "options"), [CASES[0], CASES[3]])
 def test_the_eager_start_previews_the_fresh_contribution_in_place_of_the_stale_one(
-    name: str, codec: str, options: dict[str, float]
+    name: str, codec: str, options: dict[str, float], agent_threads: int
 ) -> None:
     """The eager start point is theta_outer moved as the outer step would have moved it had this node's fresh
     transmitted contribution replaced its stale one in the mean of `group` members: checked against two real

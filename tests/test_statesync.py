@@ -418,9 +418,10 @@ def with_theta(state: tuple[dict[str, Any], dict[str, torch.Tensor]], theta: tor
 
 
 def theta_sha(theta: torch.Tensor) -> str:
-    import hashlib
+    """What the round's members vouch for: the agent's outer_hash of that theta."""
+    from farloco.node.daemon.outer import theta_hash
 
-    return hashlib.sha256(theta.numpy().data).hexdigest()
+    return theta_hash(theta)
 
 
 def test_a_donor_whose_theta_the_swarm_does_not_vouch_for_is_refused_before_a_byte_is_fetched() -> None:

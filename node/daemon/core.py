@@ -37,6 +37,8 @@ from farloco.node.logs import LauncherFailures, SyncProgress
 from farloco.node.training.model import num_parameters
 from farloco.node.training.models import build_spec
 from farloco.node.training.parallel import check_node_layout
+from farloco.optim import ranges
+from farloco.protocol import parallel
 from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
 
@@ -254,6 +256,10 @@ class AgentCore:
             # them: oversubscribed torch threads were measured 20-100x slower here.
             spare = (os.cpu_count() or 1) - config.node.num_ranks * config.node.threads_per_rank
             torch.set_num_threads(max(1, spare))
+        # The round's large passes (theta's digest, int8's kernels, the contribution, the outer step) are cut
+        # into contiguous ranges over node.agent_threads threads (protocol/parallel.py).
+        parallel.set_threads(agent_threads(config))
+        ranges.set_range_runner(parallel.map_ranges)
 
         check_node_layout(
             config
@@ -452,6 +458,20 @@ class AgentCore:
         self.counters.bytes_sent += sent
         self.counters.bytes_received += received
         self.counters.raw_bytes += fp32_bytes
+
+
+def agent_threads(config: Config) -> int:
+    """node.agent_threads, or (0) the cores the trainer ranks leave the agent: on cpu the process's cores less
+    num_ranks x threads_per_rank, on cuda less one per rank (each drives its GPU); at least 1."""
+    if config.node.agent_threads:
+        return config.node.agent_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    node = config.node
+    taken = node.num_ranks if node.device == "cuda" else node.num_ranks * node.threads_per_rank
+    return max(1, cores - taken)
 
 
 def _version() -> str:

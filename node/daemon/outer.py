@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from farloco.node.checkpoint import theta_sha256
+from farloco.node.checkpoint import theta_digest
 from farloco.optim import Codec, OuterStrategy
 from farloco.optim.wire import all_finite, nonfinite_error
 
@@ -31,9 +31,10 @@ class OuterError(RuntimeError):
     """The ranks handed over something the round cannot use (non-finite values); the message says what."""
 
 
-# sha256 of theta_outer's bytes, read in place: equal on every peer that holds a bit-identical model. One function
-# for the agent's outer_hash and the checkpoint's integrity hash, so the two can never disagree.
-theta_hash = theta_sha256
+# The digest of theta_outer's bytes (a sha256 tree hash over the agent's torch threads, protocol/digest.py), read
+# in place: equal on every peer that holds a bit-identical model. One function for the agent's outer_hash, the
+# state-sync manifest's theta and the checkpoint's integrity hash, so they can never disagree.
+theta_hash = theta_digest
 
 
 class OuterRound:

@@ -395,6 +395,18 @@ class SwarmAgent(ChaosAgent):
             "hash_mismatch", round_id=self.round_id, ours=self.outer_hash, winner=winner, votes=summary
         )
         log.error("round %d: theta_outer hashes disagree within the group: %s", self.round_id, summary)
+        mine = _version()
+        others = {m.peer_id: m.version for m in members if m.peer_id in claims and m.version != mine}
+        if others:
+            # A release that changed theta's digest (0.2.0: the sha256 tree hash) disagrees on every hash.
+            log.error(
+                "round %d: peers of the group run other farloco versions than this node's %s: %s; releases "
+                "whose theta digest differs never agree on a hash: upgrade every node of a run together "
+                "(deploy/OPERATORS.md, Upgrade)",
+                self.round_id,
+                mine,
+                others,
+            )
         if winner == self.outer_hash:
             return False
         log.warning(
