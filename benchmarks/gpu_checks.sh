@@ -4,7 +4,7 @@
 # benchmark.
 #
 #   [BUDGET=SECONDS] benchmarks/gpu_checks.sh [STAGE ...]
-#       stages: env handoff throughput-1b tests throughput-small (default: all, in that order)
+#       stages: env handoff throughput-1b tests throughput-small agent-round (default: all, in that order)
 #
 # On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored),
 # which benchmarks/gpu_deps.sh fills here: .gpu/site (hivemind with its p2pd, pydantic, protobuf, ... copied
@@ -97,9 +97,21 @@ stage_tests() {
     fi
 }
 
+stage_agent_round() {  # the agent's round at 1B on this host's cores: one thread against all it may use
+    local threads=$(($(nproc) - 1))
+    say "agent round: theta's digest (4 GiB) and a 1B diloco int8 round, 1 and $threads threads"
+    timeout -s INT -k 10 $(limit 60) $PY benchmarks/digest.py --gib 4 --threads 1 "$threads" --repeats 3 \
+        >>"$LOG" 2>&1 || say "digest failed: $?"
+    for t in 1 "$threads"; do
+        timeout -s INT -k 10 $(limit 200) $PY benchmarks/round_overhead.py --params 1e9 --strategy diloco \
+            --codec int8 --threads "$t" --rounds 3 --checkpoint-dir /tmp --markdown >>"$LOG" 2>&1 ||
+            say "round_overhead --threads $t failed: $?"
+    done
+}
+
 setup
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env handoff throughput-1b tests throughput-small)
+[ ${#stages[@]} -eq 0 ] && stages=(env handoff throughput-1b tests throughput-small agent-round)
 for stage in "${stages[@]}"; do
     case $stage in
         env) stage_env ;;
@@ -107,6 +119,7 @@ for stage in "${stages[@]}"; do
         throughput-1b) throughput 1b 220 1b ;;
         throughput-small) throughput small 300 125m 350m ;;
         tests) stage_tests ;;
+        agent-round) stage_agent_round ;;
         *) say "unknown stage $stage" ;;
     esac
     cleanup
