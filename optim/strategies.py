@@ -130,6 +130,12 @@ class OuterStrategy(abc.ABC):
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         """The outer update, in place on theta_outer."""
 
+    @property
+    def num_rounds(self) -> int:
+        """Outer steps applied so far: part of the state (state_dict, so checkpoints and state sync carry it). A
+        node that closed a round without an update holds one fewer than the members that applied it."""
+        return self._num_rounds
+
     def contribution_numel(self) -> int:
         """Length of this round's contribution (all parameters, except for fragment-wise strategies)."""
         return self.num_params

@@ -135,11 +135,19 @@ def _check_hash(value: object, where: str) -> str:
     return value
 
 
+def _check_updates(value: object, where: str) -> int:
+    """How many outer steps a declared theta holds: an int >= 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 53:
+        raise ValueError(f"{where} must be an int >= 0 (outer steps applied), got {str(value)[:80]!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ReadyRecord:
     """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`, holding the
-    theta_outer of hash `outer_hash`; if its record opens the round, wait `wait` seconds for stragglers' (0: the
-    configured match_timeout; see `schedule`). The leader copies each member's hash into the group record.'"""
+    theta_outer of hash `outer_hash` with `updates` outer steps applied; if its record opens the round, wait
+    `wait` seconds for stragglers' (0: the configured match_timeout; see `schedule`). The leader copies each
+    member's hash and steps into the group record.'"""
 
     peer_id: str
     address: str
@@ -147,6 +155,7 @@ class ReadyRecord:
     ready_at: float
     wait: float = 0.0
     outer_hash: str = ""
+    updates: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -156,13 +165,14 @@ class ReadyRecord:
             "ready_at": self.ready_at,
             "wait": self.wait,
             "outer_hash": self.outer_hash,
+            "updates": self.updates,
         }
 
     @classmethod
     def from_wire(cls, data: object) -> ReadyRecord:
         where = "ready record"
         fields = _check_fields(
-            data, {"peer_id", "address", "round_id", "ready_at", "wait", "outer_hash"}, where
+            data, {"peer_id", "address", "round_id", "ready_at", "wait", "outer_hash", "updates"}, where
         )
         wait = fields["wait"]
         if not isinstance(wait, float) or not 0.0 <= wait <= MAX_WAIT:
@@ -174,6 +184,7 @@ class ReadyRecord:
             _check_time(fields, "ready_at", where),
             wait,
             _check_hash(fields["outer_hash"], f"{where}.outer_hash"),
+            _check_updates(fields["updates"], f"{where}.updates"),
         )
 
 
@@ -190,7 +201,7 @@ class GroupRecord:
             "leader": self.leader,
             "round_id": self.group.round_id,
             "group_id": self.group.group_id,
-            "members": [[m.peer_id, m.address, m.outer_hash] for m in self.group.members],
+            "members": [[m.peer_id, m.address, m.outer_hash, m.updates] for m in self.group.members],
             "frozen_at": self.frozen_at,
         }
 
@@ -202,20 +213,22 @@ class GroupRecord:
         members_raw = fields["members"]
         if not isinstance(members_raw, list) or not 0 < len(members_raw) <= 4096:
             raise ValueError(
-                f"{where}.members must be a non-empty list of [peer_id, address, outer_hash], got "
+                f"{where}.members must be a non-empty list of [peer_id, address, outer_hash, updates], got "
                 f"{str(members_raw)[:200]}"
             )
         members = []
         for item in members_raw:
-            if not isinstance(item, list | tuple) or len(item) != 3:
+            if not isinstance(item, list | tuple) or len(item) != 4:
                 raise ValueError(
-                    f"{where}.members entries must be [peer_id, address, outer_hash], got {str(item)[:200]}"
+                    f"{where}.members entries must be [peer_id, address, outer_hash, updates], got "
+                    f"{str(item)[:200]}"
                 )
             members.append(
                 GroupMember(
                     _check_str({"p": item[0]}, "p", where),
                     _check_str({"a": item[1]}, "a", where),
                     _check_hash(item[2], f"{where}.members' outer_hash"),
+                    _check_updates(item[3], f"{where}.members' updates"),
                 )
             )
         group = Group.make(_check_round(fields, where), members)
@@ -370,7 +383,7 @@ def decide(
         if start <= now < end:
             skipped = set(plan.candidates[:rank])
             members = [
-                GroupMember(record.peer_id, record.address, record.outer_hash)
+                GroupMember(record.peer_id, record.address, record.outer_hash, record.updates)
                 for record in view.ready.values()
                 if record.peer_id not in skipped and record.peer_id not in view.leaving
             ]
@@ -1023,7 +1036,7 @@ class DHTMatchmaker:
                 # swarm of short rounds fetched round r, found the swarm at r+2, fetched again, forever.
                 wait = match_timeout
         self.last_wait = wait or match_timeout
-        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait, me.outer_hash)
+        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait, me.outer_hash, me.updates)
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
         linked = self.client is not None

@@ -24,13 +24,16 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True, order=True)
 class GroupMember:
-    """One peer of a round's group: its hivemind peer id, the gRPC address it serves on, and the hash of the
-    theta_outer it declared itself ready with (its ready record's; "" where no hash is known). Every member reads
-    the same hashes from the group record, so the hash check's healing rule decides the same on every member."""
+    """One peer of a round's group: its hivemind peer id, the gRPC address it serves on, the hash of the
+    theta_outer it declared itself ready with (its ready record's; "" where no hash is known) and how many outer
+    steps that theta holds (`updates`: the strategy's applied rounds, carried by checkpoints and state sync; a
+    member that closed a round without an update holds one fewer). Every member reads the same claims from the
+    group record, so the hash check's healing rule decides the same on every member."""
 
     peer_id: str
     address: str
     outer_hash: str = ""
+    updates: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,22 @@ class Group:
         ordered = tuple(sorted(members, key=lambda m: m.peer_id))
         return Group(
             round_id,
-            group_id_of(round_id, [m.peer_id for m in ordered], [m.outer_hash for m in ordered]),
+            group_id_of(
+                round_id,
+                [m.peer_id for m in ordered],
+                [m.outer_hash for m in ordered],
+                [m.updates for m in ordered],
+            ),
             ordered,
         )
 
     def hashes(self) -> dict[str, str]:
         """Member peer id -> the theta hash it declared for this round (members that declared one)."""
         return {m.peer_id: m.outer_hash for m in self.members if m.outer_hash}
+
+    def updates(self) -> dict[str, int]:
+        """Member peer id -> the outer steps its declared theta holds (members that declared a hash)."""
+        return {m.peer_id: m.updates for m in self.members if m.outer_hash}
 
     def index_of(self, peer_id: str) -> int:
         """Position of `peer_id` in the group; ValueError naming the members if it is not one."""
@@ -67,13 +79,16 @@ class Group:
         )
 
 
-def group_id_of(round_id: int, peer_ids: list[str], hashes: list[str] | None = None) -> str:
-    """sha256 over the round id, the sorted member ids and each member's declared theta hash (where it has one):
-    equal on every peer that agrees on the group."""
+def group_id_of(
+    round_id: int, peer_ids: list[str], hashes: list[str] | None = None, updates: list[int] | None = None
+) -> str:
+    """sha256 over the round id, the sorted member ids and each member's declared theta hash and outer steps
+    (where it declared a hash): equal on every peer that agrees on the group."""
     digest = hashlib.sha256(f"round={round_id}".encode())
     declared = dict(zip(peer_ids, hashes, strict=True)) if hashes is not None else {}
+    steps = dict(zip(peer_ids, updates, strict=True)) if updates is not None else {}
     for peer_id in sorted(peer_ids):
         digest.update(b"\0" + peer_id.encode())
         if declared.get(peer_id):
-            digest.update(b"#" + declared[peer_id].encode())
+            digest.update(b"#" + declared[peer_id].encode() + b"@" + str(steps.get(peer_id, 0)).encode())
     return digest.hexdigest()

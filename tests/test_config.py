@@ -186,6 +186,10 @@ def test_the_agent_takes_the_cores_its_ranks_leave_unless_told() -> None:
     assert agent_threads(load_config(None, ["node.agent_threads=7"])) == 7
     cpu = load_config(None, ["node.device=cpu", "node.num_ranks=1", "node.threads_per_rank=1"])
     assert agent_threads(cpu) == max(1, cores - 1)
-    assert agent_threads(load_config(None, ["node.device=cpu", "node.threads_per_rank=64"])) == 1  # at least 1
+    assert (
+        agent_threads(load_config(None, ["node.device=cpu", "node.threads_per_rank=64"])) == 1
+    )  # at least 1
     gpu = load_config(None, ["node.device=cuda", "node.num_ranks=1", "node.threads_per_rank=8"])
-    assert agent_threads(gpu) == max(1, cores - 1)  # a GPU rank takes one core, whatever threads_per_rank says
+    assert agent_threads(gpu) == max(
+        1, cores - 1
+    )  # a GPU rank takes one core, whatever threads_per_rank says

@@ -150,36 +150,48 @@ def test_ready_records_refuse_a_bad_wait() -> None:
             ReadyRecord.from_wire(dict(wire, wait=bad))
 
 
-def test_ready_records_carry_a_theta_hash_and_refuse_a_bad_one() -> None:
-    wire = ReadyRecord("p1", "a:1", 7, 1.0, outer_hash="ab" * 32).to_wire()
-    assert ReadyRecord.from_wire(wire).outer_hash == "ab" * 32
+def test_ready_records_carry_a_theta_hash_and_its_outer_steps_and_refuse_bad_ones() -> None:
+    wire = ReadyRecord("p1", "a:1", 7, 1.0, outer_hash="ab" * 32, updates=6).to_wire()
+    parsed = ReadyRecord.from_wire(wire)
+    assert parsed.outer_hash == "ab" * 32 and parsed.updates == 6
     for bad in ("XYZ", "a" * 129, 5, None):
         with pytest.raises(ValueError, match="hex theta hash"):
             ReadyRecord.from_wire(dict(wire, outer_hash=bad))
+    for bad in (-1, 1.5, True, "6", None, 1 << 60):
+        with pytest.raises(ValueError, match=r"ready record.updates must be an int >= 0"):
+            ReadyRecord.from_wire(dict(wire, updates=bad))
+    with pytest.raises(ValueError, match="must be a dict with fields"):  # a record of 0.1, without updates
+        ReadyRecord.from_wire({k: v for k, v in wire.items() if k != "updates"})
 
 
 def test_the_group_record_carries_each_members_declared_hash() -> None:
     """The leader copies every member's declared theta hash into the group: the hash check of every member then
     decides on the same claims (a partial view of the others' hashes once forked a round)."""
     hashes = {"p1": "aa", "p2": "bb", "p3": "aa"}
+    steps = {"p1": 5, "p2": 4, "p3": 5}
     records = {
-        p: ReadyRecord(p, member(p).address, 7, t, outer_hash=hashes[p])
+        p: ReadyRecord(p, member(p).address, 7, t, outer_hash=hashes[p], updates=steps[p])
         for p, t in {"p1": 10.0, "p2": 10.01, "p3": 10.02}.items()
     }
     seen = RoundView(now=10.03, ready=records, groups=[], expected=frozenset(records))
     decision = decide(7, member("p1"), seen, match_timeout=M, leader_timeout=L)
     assert isinstance(decision, Publish)
-    assert decision.record.group.hashes() == hashes
+    assert decision.record.group.hashes() == hashes and decision.record.group.updates() == steps
     parsed = GroupRecord.from_wire(decision.record.to_wire())
-    assert parsed == decision.record and parsed.group.hashes() == hashes
-    # the same members with other hashes are another group (so no two members can act on different claims)
-    other = Group.make(7, [GroupMember(p, member(p).address, "cc") for p in hashes])
+    assert parsed == decision.record and parsed.group.hashes() == hashes and parsed.group.updates() == steps
+    # the same members with other hashes, or other steps, are another group (so no two members can act on
+    # different claims)
+    other = Group.make(7, [GroupMember(p, member(p).address, "cc", steps[p]) for p in hashes])
     assert other.group_id != decision.record.group.group_id
-    # a member entry without its hash, or with a bad one, is refused
+    fewer = Group.make(7, [GroupMember(p, member(p).address, hashes[p], 4) for p in hashes])
+    assert fewer.group_id != decision.record.group.group_id
+    # a member entry without its hash or steps, or with a bad one, is refused
     wire = decision.record.to_wire()
-    for entry in (["p1", "a:1"], ["p1", "a:1", "not hex"]):
+    for entry in (["p1", "a:1"], ["p1", "a:1", "aa"], ["p1", "a:1", "not hex", 5]):
         with pytest.raises(ValueError, match="outer_hash"):
             GroupRecord.from_wire({**wire, "members": [entry]})
+    with pytest.raises(ValueError, match="members' updates must be an int >= 0"):
+        GroupRecord.from_wire({**wire, "members": [["p1", "a:1", "aa", -1]]})
 
 
 # --------------------------------------------------------------------------------------------- the rule

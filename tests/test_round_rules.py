@@ -124,3 +124,23 @@ def test_invariants_over_every_combination_of_facts() -> None:
             and contributors >= min_peers
         ):
             assert decision.action is Action.COMMIT, facts
+
+
+def test_the_healing_rule_prefers_the_larger_side_then_more_outer_steps_then_the_lowest_peer_id() -> None:
+    from farloco.node.daemon.rules import healing_winner
+
+    # The larger side wins, whatever its steps.
+    assert healing_winner({"p1": "aa", "p2": "bb", "p3": "bb"}, {"p1": 9, "p2": 4, "p3": 4}) == "bb"
+    # 1:1: the theta that holds the round's update beats one closed without it, whichever id is lower (peer id
+    # alone threw the update away when the member without it had the lower id).
+    assert healing_winner({"p1": "aa", "p2": "bb"}, {"p1": 6, "p2": 7}) == "bb"
+    assert healing_winner({"p1": "aa", "p2": "bb"}, {"p1": 7, "p2": 6}) == "aa"
+    # Equal sides, equal steps: the lowest peer id, as before; a side's steps are its most declared.
+    assert healing_winner({"p1": "aa", "p2": "bb"}, {"p1": 5, "p2": 5}) == "aa"
+    assert (
+        healing_winner({"p1": "aa", "p2": "aa", "p3": "bb", "p4": "bb"}, {"p1": 3, "p2": 3, "p3": 2, "p4": 4})
+        == "bb"
+    )
+    assert healing_winner({"p2": "bb", "p1": "aa"}, {}) == "aa"  # nothing declared: steps count as 0
+    with pytest.raises(ValueError, match="at least one claim"):
+        healing_winner({}, {})

@@ -334,7 +334,7 @@ class RoundAgent(SwarmAgent):
         try:
             group = await self.matchmaker.form_group(
                 self.round_id,
-                GroupMember(self.peer_id, self.grpc_address, self.outer_hash),
+                GroupMember(self.peer_id, self.grpc_address, self.outer_hash, self.strategy.num_rounds),
                 match_timeout=timeouts.match_timeout,
                 leader_timeout=timeouts.leader_timeout,
                 match_timeout_min=timeouts.match_timeout_min,

@@ -114,3 +114,17 @@ def decide(facts: RoundFacts) -> Decision:
             num_peers=facts.contributors,
         )
     return Decision(Action.COMMIT)
+
+
+def healing_winner(claims: dict[str, str], updates: dict[str, int]) -> str:
+    """The theta hash a group heals to when its members' declared hashes differ (the hash check; every member
+    computes it from the same group record): the hash held by the most members; between sides of equal size the
+    theta with more outer steps applied (`updates`: member -> its declared count; a member that closed a round
+    without an update holds one fewer), then the side holding the lowest peer id."""
+    holders: dict[str, set[str]] = {}
+    for peer_id, outer_hash in claims.items():
+        holders.setdefault(outer_hash, set()).add(peer_id)
+    if not holders:
+        raise ValueError("healing_winner: expected at least one claim, got none")
+    steps = {h: max(updates.get(p, 0) for p in ids) for h, ids in holders.items()}
+    return min(holders, key=lambda h: (-len(holders[h]), -steps[h], min(holders[h])))

@@ -20,6 +20,7 @@ from farloco.node.daemon.core import (
 )
 from farloco.node.daemon.dhtnode import daemon_alive
 from farloco.node.daemon.outer import theta_hash
+from farloco.node.daemon.rules import healing_winner
 from farloco.node.logs import SyncProgress
 from farloco.protocol.tasks import cancel_and_wait
 
@@ -361,7 +362,11 @@ class SwarmAgent(ChaosAgent):
         Returns whether we resynced.
 
         Healing rule (every member computes the same from the same group record): the hash held by the most
-        members wins; between sides of equal size, the side holding the lowest peer id wins. Every member of a
+        members wins; between sides of equal size, the theta with more outer steps applied (each member declares
+        its count with its hash), then the side holding the lowest peer id. (Peer id alone used to settle a 1:1
+        tie: when one member had closed the round before without an update, say a straggler that saw the others'
+        ready records but not their group, the tie went to whichever id was lower, and half the time the round's
+        update was thrown away.) Every member of a
         losing side fetches the winning side's state before it contributes, so after this round the group holds
         one theta. (A tie used to only log: two halves of a partition that each committed a round alone stayed
         forked for good, averaging the same updates into two different models. And the claims used to be read
@@ -383,18 +388,31 @@ class SwarmAgent(ChaosAgent):
                 f"we hold {self.outer_hash[:12]}"
             )
         claims[self.peer_id] = self.outer_hash
+        updates = group.updates()
+        updates.setdefault(self.peer_id, self.strategy.num_rounds)
         holders: dict[str, set[str]] = {}
         for peer_id, outer_hash in claims.items():
             holders.setdefault(outer_hash, set()).add(peer_id)
         if len(holders) <= 1:
             return False
         self.counters.hash_mismatches += 1
-        winner = min(holders, key=lambda h: (-len(holders[h]), min(holders[h])))
+        winner = healing_winner(claims, updates)
         summary = {h[:12]: sorted(ids) for h, ids in holders.items()}
+        applied = {h[:12]: max(updates.get(p, 0) for p in ids) for h, ids in holders.items()}
         self.events.write(
-            "hash_mismatch", round_id=self.round_id, ours=self.outer_hash, winner=winner, votes=summary
+            "hash_mismatch",
+            round_id=self.round_id,
+            ours=self.outer_hash,
+            winner=winner,
+            votes=summary,
+            steps=applied,
         )
-        log.error("round %d: theta_outer hashes disagree within the group: %s", self.round_id, summary)
+        log.error(
+            "round %d: theta_outer hashes disagree within the group: %s (outer steps applied: %s)",
+            self.round_id,
+            summary,
+            applied,
+        )
         mine = _version()
         others = {m.peer_id: m.version for m in members if m.peer_id in claims and m.version != mine}
         if others:
@@ -410,7 +428,8 @@ class SwarmAgent(ChaosAgent):
         if winner == self.outer_hash:
             return False
         log.warning(
-            "round %d: taking the state of %s (healing rule: larger side, then lowest peer id)",
+            "round %d: taking the state of %s (healing rule: larger side, then more outer steps, then lowest "
+            "peer id)",
             self.round_id,
             sorted(holders[winner]),
         )

@@ -1344,7 +1344,8 @@ SCENARIOS: dict[str, Scenario] = {
                     signal="partition=60",
                     expected="neither side is alone, so each trains on apart (no fork within a side); after the "
                     "heal the sides meet, the hash check (or the round ids) finds two states, one side takes the "
-                    "other's (the healing rule: the larger side, then the lowest peer id; or the side ahead), and "
+                    "other's (the healing rule: the larger side, then more outer steps, then the lowest peer id; or "
+                    "the side ahead), and "
                     "no round after that has two hashes",
                     checks=("one_state_after_heal", "left_out", "back"),
                 ),
