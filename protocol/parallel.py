@@ -33,6 +33,7 @@ _R = TypeVar("_R")
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _threads = 1
+_local = threading.local()  # `in_pool` is set in the pool's own threads
 
 
 def set_threads(threads: int) -> None:
@@ -52,12 +53,16 @@ def _executor() -> ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(
-                max_workers=MAX_THREADS,
-                thread_name_prefix="farloco-parallel",
-                initializer=torch.set_num_threads,
-                initargs=(1,),  # per thread: each range runs its torch ops inline, the caller keeps its own
+                max_workers=MAX_THREADS, thread_name_prefix="farloco-parallel", initializer=_pool_thread
             )
         return _pool
+
+
+def _pool_thread() -> None:
+    # Per thread: each range runs its torch ops inline (the caller keeps its own intra-op threads), and a pass
+    # started inside a range runs there too instead of waiting on the pool it occupies.
+    torch.set_num_threads(1)
+    _local.in_pool = True
 
 
 def workers_for(nbytes: int, units: int, threads: int | None = None) -> int:
@@ -73,7 +78,7 @@ def map_ranges(
     """`work(first, last)` for contiguous ranges of units [0, units) (one per thread, in order; one range
     [0, units) on the calling thread when one thread does it), results in range order."""
     workers = workers_for(nbytes, units, threads)
-    if workers <= 1:
+    if workers <= 1 or getattr(_local, "in_pool", False):
         return [work(0, units)]
     bounds = [units * i // workers for i in range(workers + 1)]
     futures = [_executor().submit(work, first, last) for first, last in itertools.pairwise(bounds)]

@@ -92,3 +92,11 @@ def test_map_ranges_covers_every_unit_once_in_order_and_waits_for_every_range() 
     with pytest.raises(RuntimeError, match="range 0 failed"):
         map_ranges(work, 4, 100 * MIN_BYTES_PER_THREAD, threads=4)
     assert sorted(finished) == [1, 2, 3]  # the others ran to their end before the error was raised
+
+
+def test_a_pass_started_inside_a_range_runs_there_instead_of_waiting_on_the_pool() -> None:
+    from farloco.protocol.parallel import MIN_BYTES_PER_THREAD, map_ranges
+
+    big = 100 * MIN_BYTES_PER_THREAD
+    inner = map_ranges(lambda a, b: map_ranges(lambda c, d: (c, d), 8, big, threads=64), 64, big, threads=64)
+    assert inner == [[(0, 8)]] * 64  # 64 ranges on 64 threads, each running its own pass inline
