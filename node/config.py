@@ -152,8 +152,8 @@ class NodeConfig:
     agent_threads: int = 0
     """Threads for the agent's passes over the model's vectors each round (theta's digest, int8's encode and
     decode, the contribution, the outer step), each thread on its own contiguous range (torch's intra-op
-    threads cannot split a sha256 or the codec's C kernels). 0: the cores the ranks leave: the cores less
-    num_ranks x threads_per_rank, or less one per rank on cuda; at least 1."""
+    threads cannot split a sha256 or the codec's C kernels); on cpu also the agent's torch threads. 0: the cores
+    the ranks leave: the cores less num_ranks x threads_per_rank, or less one per rank on cuda; at least 1."""
     max_restarts: int = 3
     """How many times the elastic launcher restarts crashed trainer ranks before the node gives up."""
     eval_batches: int = 4

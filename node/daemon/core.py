@@ -251,14 +251,14 @@ class AgentCore:
         self._trainer_error: BaseException | None = None
         self._trainers_exited = threading.Event()
         self.started_at = time.time()
+        # The agent's share of the cores (node.agent_threads: by default what the ranks leave). The round's large
+        # passes (theta's digest, int8's kernels, the contribution, the outer step) are cut into contiguous
+        # ranges over that many threads (protocol/parallel.py); on CPU its torch ops take no more, since the
+        # trainer ranks own the other cores (oversubscribed torch threads were measured 20-100x slower here).
+        threads = agent_threads(config)
         if config.node.device != "cuda":
-            # The trainer ranks own the cores; the agent's tensor work (outer step, codecs) must not fight
-            # them: oversubscribed torch threads were measured 20-100x slower here.
-            spare = (os.cpu_count() or 1) - config.node.num_ranks * config.node.threads_per_rank
-            torch.set_num_threads(max(1, spare))
-        # The round's large passes (theta's digest, int8's kernels, the contribution, the outer step) are cut
-        # into contiguous ranges over node.agent_threads threads (protocol/parallel.py).
-        parallel.set_threads(agent_threads(config))
+            torch.set_num_threads(threads)
+        parallel.set_threads(threads)
         ranges.set_range_runner(parallel.map_ranges)
 
         check_node_layout(
