@@ -1,6 +1,7 @@
 """Only the optional C extension lives here; everything else is in pyproject.toml.
 
-`farloco.optim._kernels` (optim/_kernels.c) does the int8 / int4 codecs' blockwise quantization in one pass.
+`farloco.optim._kernels` (optim/_kernels.c) does the int8 / int4 codecs' blockwise quantization, and DiLoCo's
+contribution and outer step, in one pass each.
 It is optional: where no C compiler is found the build goes on without it and the codecs use torch (same bytes,
 same values, slower)."""
 
@@ -11,7 +12,8 @@ setup(
         Extension(
             "farloco.optim._kernels",
             ["optim/_kernels.c"],
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            # -ffp-contract=off: no multiply-add is fused, so the bits are those of the torch ops they replace.
+            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )
     ]

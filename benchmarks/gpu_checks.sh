@@ -74,17 +74,20 @@ stage_handoff() {
         --repeats 3 --json "$OUT/handoff.json" >>"$LOG" 2>&1 || say "handoff failed: $?"
 }
 
-throughput() {  # NAME TIMEOUT PRESET...
-    local name=$1 limit=$2
-    shift 2
+throughput() {  # NAME TIMEOUT ROUNDS PRESET...
+    local name=$1 limit=$2 rounds=$3
+    shift 3
     say "throughput $name: $*"
     rm -rf "/tmp/nt-$name"
     if ! timeout -s INT -k 10 "$(limit "$limit")" $PY benchmarks/node_throughput.py --presets "$@" --batch-size 8 --seq-len 2048 \
-        --precision bf16 --compile --rounds 3 --inner-steps 10 --bare-steps 10 --json "$OUT/throughput-$name.json" \
+        --precision bf16 --compile --rounds "$rounds" --inner-steps 10 --bare-steps 10 --json "$OUT/throughput-$name.json" \
         --work "/tmp/nt-$name" >>"$LOG" 2>&1; then
         say "throughput $name failed"
         tails "/tmp/nt-$name"
     fi
+    for events in /tmp/nt-"$name"/daemon-*/node/logs/agent.jsonl; do  # each round's phases, for a closer look
+        [ -f "$events" ] && cp "$events" "$OUT/agent-$name-$(basename "$(dirname "$(dirname "$(dirname "$events")")")").jsonl"
+    done
 }
 
 stage_tests() {
@@ -98,10 +101,13 @@ stage_tests() {
 }
 
 stage_agent_round() {  # the agent's round at 1B on this host's cores: one thread against all it may use
+    # (theta's digest, DiLoCo's contribution and outer step with and without the C kernels, a whole round)
     local threads=$(($(nproc) - 1))
     say "agent round: theta's digest (4 GiB) and a 1B diloco int8 round, 1 and $threads threads"
     timeout -s INT -k 10 $(limit 60) $PY benchmarks/digest.py --gib 4 --threads 1 "$threads" --repeats 3 \
         >>"$LOG" 2>&1 || say "digest failed: $?"
+    timeout -s INT -k 10 $(limit 120) $PY benchmarks/outer_step.py --params 1e9 --threads 1 "$threads" --repeats 3 \
+        >>"$LOG" 2>&1 || say "outer_step failed: $?"
     for t in 1 "$threads"; do
         timeout -s INT -k 10 $(limit 200) $PY benchmarks/round_overhead.py --params 1e9 --strategy diloco \
             --codec int8 --threads "$t" --rounds 3 --checkpoint-dir /tmp --markdown >>"$LOG" 2>&1 ||
@@ -116,8 +122,8 @@ for stage in "${stages[@]}"; do
     case $stage in
         env) stage_env ;;
         handoff) stage_handoff ;;
-        throughput-1b) throughput 1b 220 1b ;;
-        throughput-small) throughput small 300 125m 350m ;;
+        throughput-1b) throughput 1b 260 6 1b ;;
+        throughput-small) throughput small 300 3 125m 350m ;;
         tests) stage_tests ;;
         agent-round) stage_agent_round ;;
         *) say "unknown stage $stage" ;;

@@ -14,7 +14,10 @@ For each preset, in the same run:
   training `--rounds` rounds of `--inner-steps` steps on the bundled corpus. Its ranks time each inner step
   (`inner_step_seconds` of the round events; compile's warm-up steps left out), the first round is skipped;
   the table also gives the node's tokens/s over whole rounds (hand-off, held-out evaluation off, the agent's
-  round: what the ranks lose to everything that is not an inner step, with run.outer_update as given).
+  round: what the ranks lose to everything that is not an inner step, with run.outer_update as given): the wall
+  time between commits from the first round's on, without the last round where the update is delayed or eager
+  (that one is exchanged while the ranks wait). A per-round table (stderr, and `rounds` in the JSON) says where
+  each round's time went: the ranks' inner steps and waits, the agent's round and its phases.
 
 MFU = model FLOPs per token x tokens/s / peak FLOP/s. Model FLOPs per token, from the config, as PaLM and
 torchtitan count them: 6 x (the matmul parameters: per block 2 d^2 + 2 d kv + 3 d ffn, and the head's d V) +
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -174,9 +178,50 @@ def run_daemon(preset: str, args: argparse.Namespace, work: Path) -> dict[str, f
         run_dir, config, args.ranks, what=f"{preset}, {args.rounds} rounds", max_seconds=args.max_seconds
     )
     timed = [e["inner_step_seconds"] for e in events[1:] if e.get("inner_step_seconds")]
-    wall = events[-1]["time"] - events[0]["time"]
-    tokens = (len(events) - 1) * args.inner_steps * args.batch_size * args.seq_len
-    return {"step_seconds": sum(timed) / len(timed), "round_tokens_per_second": tokens / wall}
+    # The wall time between commits, from the first round's on. With a delayed or eager update the last round is
+    # exchanged while the ranks wait (nothing trains after run.max_rounds): it is left out where another remains.
+    intervals = [b["time"] - a["time"] for a, b in itertools.pairwise(events)]
+    steady = intervals[:-1] if args.outer_update != "sync" and len(intervals) >= 2 else intervals
+    tokens = len(steady) * args.inner_steps * args.batch_size * args.seq_len
+    rounds = []
+    idle_before = events[0].get("ranks_idle_seconds") or 0.0
+    for event, interval in zip(events[1:], intervals, strict=True):
+        idle = event.get("ranks_idle_seconds") or 0.0
+        rounds.append(
+            {
+                "round_id": event["round_id"],
+                "interval": interval,
+                "agent_seconds": event.get("seconds"),
+                "phases": event.get("phases", {}),
+                "ranks_idle": idle - idle_before,
+                "inner_steps_seconds": (event.get("inner_step_seconds") or 0.0) * args.inner_steps,
+            }
+        )
+        idle_before = idle
+    return {
+        "step_seconds": sum(timed) / len(timed),
+        "round_tokens_per_second": tokens / sum(steady),
+        "rounds": rounds,
+    }
+
+
+def rounds_table(preset: str, rounds: list[dict[str, Any]]) -> str:
+    """Where each round's wall time went: the agent's round (its phases) and the ranks' steps and waits."""
+    phases = sorted({name for r in rounds for name in r["phases"]})
+    lines = [
+        f"{preset}: per round (seconds; the agent's round runs while the ranks train on, except the last)",
+        "",
+        "| round | between commits | inner steps | ranks idle | agent's round | " + " | ".join(phases) + " |",
+        "|---|---|---|---|---|" + "---|" * len(phases),
+    ]
+    for r in rounds:
+        lines.append(
+            f"| {r['round_id']} | {r['interval']:.2f} | {r['inner_steps_seconds']:.2f} | {r['ranks_idle']:.2f} | "
+            f"{r['agent_seconds'] or 0:.2f} | "
+            + " | ".join(f"{r['phases'].get(name, 0.0):.2f}" for name in phases)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(results: list[dict[str, Any]], args: argparse.Namespace, peak: str) -> str:
@@ -255,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                     "bare_mfu": bare * flops / peak,
                     "daemon_mfu": inner * flops / peak,
                     "round_tokens_per_second": daemon["round_tokens_per_second"],
+                    "rounds": daemon["rounds"],
                 }
             )
+            print(rounds_table(preset, daemon["rounds"]), file=sys.stderr, flush=True)
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
             if args.json is not None:  # after each preset: a run cut short keeps what it measured
                 args.json.write_text(

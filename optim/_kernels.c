@@ -1,4 +1,5 @@
-/* farloco.optim._kernels: one-pass blockwise absmax quantization for the int8 / int4 codecs.
+/* farloco.optim._kernels: one-pass blockwise absmax quantization for the int8 / int4 codecs, and DiLoCo's
+   contribution and outer step in one pass each (see nesterov_all below).
 
    The eager-torch path in optim/dense.py takes about six memory passes per value (amin, amax, divide, round,
    clamp, cast) and two more to rebuild the decoded values; these loops do it in one pass per block, in L1.
@@ -104,6 +105,34 @@ static Py_ssize_t dequantize_all(const float *restrict scales, const int8_t *res
         }
     }
     return first_bad;
+}
+
+/* DiLoCo's outer step, torch.optim.SGD(nesterov=True), in one pass (optim/strategies.py `_nesterov_step` does
+   the same operations as separate torch ops, chunk by chunk): b <- b*mu + g; theta <- theta - (b*mu + g)*lr,
+   each multiply and add rounded to float32 on its own, in that order (no fused multiply-add: setup.py builds
+   with -ffp-contract=off), so the bits are the torch path's. */
+FARLOCO_CLONES
+static void nesterov_all(float *theta, float *buf, const float *grad, Py_ssize_t n, float lr, float mu) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float g = grad[i];
+        float b = buf[i] * mu;
+        b = b + g;
+        buf[i] = b;
+        float step = b * mu;
+        step = step + g;
+        step = step * lr;
+        theta[i] = theta[i] - step;
+    }
+}
+
+/* out <- (a - b) + c, two float32 roundings (DiLoCo's contribution with its error-feedback residual: (theta_outer
+   - theta_local) + residual). out may be any of the inputs. */
+FARLOCO_CLONES
+static void sub_add_all(const float *a, const float *b, const float *c, float *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float d = a[i] - b[i];
+        out[i] = d + c[i];
+    }
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
@@ -229,17 +258,111 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(bad);
 }
 
+/* The float32 buffers of an elementwise kernel: `count` of them (the first `writable` writable), all of one
+   length; 0, or -1 with an exception set and nothing held. */
+static int get_vectors(PyObject **objs, Py_buffer *views, int count, int writable, const char *what) {
+    for (int i = 0; i < count; i++) {
+        if (get_buffer(objs[i], &views[i], i < writable, what) < 0) {
+            for (int j = 0; j < i; j++) {
+                PyBuffer_Release(&views[j]);
+            }
+            return -1;
+        }
+    }
+    for (int i = 0; i < count; i++) {
+        if (views[i].len % 4 || views[i].len != views[0].len) {
+            PyErr_Format(PyExc_ValueError, "%s: expected %d float32 vectors of one length, got %zd and %zd bytes",
+                         what, count, views[0].len, views[i].len);
+            for (int j = 0; j < count; j++) {
+                PyBuffer_Release(&views[j]);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* nesterov(theta, buf, grad, lr, mu) -> None: theta and buf updated in place. theta and buf must not overlap
+   each other or grad (the step would read what it wrote). */
+static PyObject *nesterov(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    float lr, mu;
+    if (!PyArg_ParseTuple(args, "OOOff", &objs[0], &objs[1], &objs[2], &lr, &mu)) {
+        return NULL;
+    }
+    Py_buffer views[3];
+    if (get_vectors(objs, views, 3, 2, "nesterov") < 0) {
+        return NULL;
+    }
+    char *t = views[0].buf, *b = views[1].buf, *g = views[2].buf;
+    Py_ssize_t len = views[0].len;
+    int overlap = (t < b + len && b < t + len) || (t < g + len && g < t + len) || (b < g + len && g < b + len);
+    if (overlap && len > 0) {
+        PyErr_SetString(PyExc_ValueError, "nesterov: expected theta, buf and grad in three separate buffers");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        nesterov_all((float *)t, (float *)b, (const float *)g, len / 4, lr, mu);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < 3; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    if (overlap && len > 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* sub_add(a, b, c, out) -> None: out <- (a - b) + c; out may be a, b or c itself (each value is read before
+   its own is written), not part of one shifted. */
+static PyObject *sub_add(PyObject *self, PyObject *args) {
+    PyObject *objs[4]; /* out first: get_vectors takes the writable ones first */
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[1], &objs[2], &objs[3], &objs[0])) {
+        return NULL;
+    }
+    Py_buffer views[4];
+    if (get_vectors(objs, views, 4, 1, "sub_add") < 0) {
+        return NULL;
+    }
+    char *out = views[0].buf;
+    Py_ssize_t len = views[0].len;
+    int shifted = 0;
+    for (int i = 1; i < 4; i++) {
+        char *in = views[i].buf;
+        shifted |= in != out && in < out + len && out < in + len;
+    }
+    if (shifted) {
+        PyErr_SetString(PyExc_ValueError, "sub_add: expected out to be an input or apart from every input");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        sub_add_all((const float *)views[1].buf, (const float *)views[2].buf, (const float *)views[3].buf,
+                    (float *)out, len / 4);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < 4; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    if (shifted) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS,
      "quantize(x, block, levels, scales, codes, decoded) -> -1 or the first block holding NaN/Inf"},
     {"dequantize", dequantize, METH_VARARGS,
      "dequantize(scales, codes, block, out) -> -1 or the first block holding the code -128"},
+    {"nesterov", nesterov, METH_VARARGS,
+     "nesterov(theta, buf, grad, lr, mu) -> None: b <- b*mu + g; theta <- theta - (b*mu + g)*lr, in place"},
+    {"sub_add", sub_add, METH_VARARGS, "sub_add(a, b, c, out) -> None: out <- (a - b) + c"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "farloco.optim._kernels",
-    "One-pass blockwise absmax quantization for farloco's int8 / int4 codecs (see optim/dense.py).", -1,
+    "One-pass blockwise absmax quantization for farloco's int8 / int4 codecs (see optim/dense.py), and DiLoCo's "
+    "contribution and outer step (optim/strategies.py).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

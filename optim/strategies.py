@@ -28,10 +28,11 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from farloco.optim import dense
 from farloco.optim.ranges import CHUNK, chunks, run_chunked, run_split
 from farloco.optim.wire import Codec, all_finite
 
@@ -327,6 +328,23 @@ class OuterStrategy(abc.ABC):
         return f"{type(self).__name__}(num_params={self.num_params}, codec={self.codec!r}, {options})"
 
 
+def _kernels_for(*tensors: torch.Tensor) -> Any:
+    """The C kernels (`farloco.optim.dense.KERNELS`) where they are built and every tensor is a contiguous
+    float32 CPU vector outside autograd, else None (the torch ops do it, with the same bits)."""
+    kernels = dense.KERNELS
+    if kernels is None:
+        return None
+    for tensor in tensors:
+        if (
+            tensor.dtype != torch.float32
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.requires_grad
+        ):
+            return None
+    return kernels
+
+
 def _nesterov_step(
     theta: torch.Tensor, momentum_buffer: torch.Tensor, gradient: torch.Tensor, lr: float, momentum: float
 ) -> None:
@@ -336,6 +354,12 @@ def _nesterov_step(
     chunk by chunk: the five passes over a chunk stay in cache, and the step needs a chunk of scratch, not a
     vector of the model's size.
     """
+
+    kernels = _kernels_for(theta, momentum_buffer, gradient)
+    if kernels is not None:  # the same operations in one pass, with no GIL held (optim/_kernels.c)
+        t, b, g = theta.numpy(), momentum_buffer.numpy(), gradient.numpy()
+        run_split(lambda part: kernels.nesterov(t[part], b[part], g[part], lr, momentum), theta.numel(), 20)
+        return
 
     def step_chunk(part: slice, scratch: torch.Tensor) -> None:
         b, g = momentum_buffer[part], gradient[part]
@@ -376,6 +400,12 @@ class DiLoCo(OuterStrategy):
         self._check_vector("theta_outer", theta_outer, self.num_params)
         self._check_vector("theta_local", theta_local, self.num_params)
         self._check_vector("out", out, self.num_params)
+
+        kernels = _kernels_for(theta_outer, theta_local, residual, out)
+        if kernels is not None:  # in one pass, with no GIL held (optim/_kernels.c)
+            a, b, c, o = theta_outer.numpy(), theta_local.numpy(), residual.numpy(), out.numpy()
+            run_split(lambda part: kernels.sub_add(a[part], b[part], c[part], o[part]), self.num_params, 16)
+            return out
 
         def contribute(part: slice, scratch: torch.Tensor) -> None:  # (outer - local) + residual, as above
             torch.sub(theta_outer[part], theta_local[part], out=out[part]).add_(residual[part])

@@ -137,3 +137,61 @@ def test_the_kernels_spread_over_threads_give_the_same_bytes_and_name_the_same_b
     finally:
         parallel.set_threads(threads)
         ranges.set_range_runner(None)
+
+
+def _awkward(n: int, seed: int) -> torch.Tensor:
+    """Values over many magnitudes, signs and exact zeros, and subnormals: where a fused multiply-add or a
+    reordered sum would round differently from the torch ops."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+    x[::97] = 0.0
+    x[5::101] = 1e-42
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 1_000_003])
+def test_outer_step_and_contribution_kernels_give_the_torch_bits(
+    monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """DiLoCo's Nesterov step and its contribution with the error-feedback residual: the kernels' bits are the
+    torch ops' (both run as the strategy runs them, the torch path with the kernels switched off)."""
+    from farloco.optim.strategies import DiLoCo, _nesterov_step
+
+    theta, buf, grad = _awkward(n, 1), _awkward(n, 2), _awkward(n, 3)
+    results = {}
+    for name, kernels in (("c", dense.KERNELS), ("torch", None)):
+        with monkeypatch.context() as m:
+            m.setattr(dense, "KERNELS", kernels)
+            t, b = theta.clone(), buf.clone()
+            for lr, mu in ((0.7, 0.9), (1.0, 0.0), (0.123456789, 0.987654321)):
+                _nesterov_step(t, b, grad, lr, mu)
+            strategy = DiLoCo(n, get_codec("int8"))
+            assert strategy.residual is not None
+            strategy.residual.copy_(_awkward(n, 4))
+            out = torch.empty(n)
+            contribution = strategy.make_contribution(theta, grad, out=out)
+            assert contribution.data_ptr() == out.data_ptr()
+            results[name] = (t, b, out)
+    for fast, slow in zip(results["c"], results["torch"], strict=True):
+        assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
+
+
+def test_outer_step_kernels_refuse_overlap_and_mismatched_lengths() -> None:
+    kernels = dense.KERNELS
+    assert kernels is not None
+    kernels.nesterov(torch.empty(0).numpy(), torch.empty(0).numpy(), torch.empty(0).numpy(), 0.7, 0.9)
+    a, b, c = torch.randn(10), torch.randn(10), torch.randn(10)
+    with pytest.raises(ValueError, match="three separate buffers"):
+        kernels.nesterov(a.numpy(), a.numpy(), b.numpy(), 0.7, 0.9)
+    with pytest.raises(ValueError, match="three separate buffers"):
+        kernels.nesterov(a.numpy()[1:], a.numpy()[:-1], b.numpy()[:-1], 0.7, 0.9)
+    with pytest.raises(ValueError, match="one length, got 40 and 36 bytes"):
+        kernels.nesterov(a.numpy(), b.numpy(), c.numpy()[1:], 0.7, 0.9)
+    with pytest.raises(TypeError, match="writable"):
+        kernels.nesterov(a.numpy(), bytes(40), c.numpy(), 0.7, 0.9)
+    with pytest.raises(ValueError, match="apart from every input"):
+        kernels.sub_add(a.numpy()[1:], b.numpy()[1:], c.numpy()[1:], a.numpy()[:-1])
+    # out may be one of its inputs exactly: each value is read before it is written.
+    expected = (a - b).add_(c)
+    kernels.sub_add(a.numpy(), b.numpy(), c.numpy(), c.numpy())
+    assert torch.equal(c, expected)

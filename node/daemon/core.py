@@ -189,6 +189,9 @@ class Prepared:
     trained_from: str = ""
     """run.outer_update delayed/eager: the outer_hash of the theta_outer the ranks' sequence started from (with
     eager, the one their preview was built on); the round event reports it."""
+    seconds: float = 0.0
+    """How long reading the ranks' weights and making the contribution took (the round event's phase
+    `prepare`)."""
 
 
 class AgentCore:

@@ -237,6 +237,7 @@ class RoundAgent(SwarmAgent):
         """Read sequence `seq`'s reports (unless read already) and the ranks' weights (a copy when they train
         on meanwhile and would overwrite them) and make the round's contribution, measured from `reference`
         (default: theta_outer)."""
+        started = time.monotonic()
         if reports:
             self._read_reports(seq)
         theta_local = self.outer.read_local(self.handoff.local, copy=copy)
@@ -247,6 +248,7 @@ class RoundAgent(SwarmAgent):
             fixed_reference=reference is not None,
             inner_step=self._seq_inner_step,
             weight=self._seq_weight,
+            seconds=time.monotonic() - started,
         )
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
@@ -262,12 +264,13 @@ class RoundAgent(SwarmAgent):
             self._left_out(shares.ISOLATED)
             return isolated
         facts = RoundFacts(self.round_id, self.config.run.min_peers, fixed_reference=prepared.fixed_reference)
-        # Where the round's time went (the round event's `phases`): forming the group (waiting for the others
-        # included), the hash check, the exchange.
+        # Where the round's time went (the round event's `phases`): the contribution (made before the round
+        # began where the ranks train on), forming the group (waiting for the others included), the hash check,
+        # the exchange, the commit (the outer step and theta's digest).
         phase_started = time.monotonic()
         await self._phase_faults("match")
         group, facts = await self._match(facts)
-        self._phases = {"match": time.monotonic() - phase_started}
+        self._phases = {"prepare": prepared.seconds, "match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
             return await self._close(decision, island_out=True)
         phase_started = time.monotonic()
@@ -466,7 +469,9 @@ class RoundAgent(SwarmAgent):
         self.counters.last_contributors = len(contributors)
         fragment = getattr(self.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.num_params)
+        phase_started = time.monotonic()
         self.outer_hash = self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
+        self._phases["commit"] = time.monotonic() - phase_started
         self._merge_pending = True
         self.round_id += 1
         self._snapshot = None
