@@ -1,5 +1,5 @@
-/* farloco.optim._kernels: one-pass blockwise absmax quantization for the int8 / int4 codecs, and DiLoCo's
-   contribution and outer step in one pass each (see nesterov_all below).
+/* farloco.optim._kernels: one-pass blockwise absmax quantization for the int8 / int4 codecs, and the outer
+   strategies' elementwise passes (contributions, outer steps, merge, preview) in one pass each (`elementwise`).
 
    The eager-torch path in optim/dense.py takes about six memory passes per value (amin, amax, divide, round,
    clamp, cast) and two more to rebuild the decoded values; these loops do it in one pass per block, in L1.
@@ -107,10 +107,12 @@ static Py_ssize_t dequantize_all(const float *restrict scales, const int8_t *res
     return first_bad;
 }
 
-/* DiLoCo's outer step, torch.optim.SGD(nesterov=True), in one pass (optim/strategies.py `_nesterov_step` does
-   the same operations as separate torch ops, chunk by chunk): b <- b*mu + g; theta <- theta - (b*mu + g)*lr,
-   each multiply and add rounded to float32 on its own, in that order (no fused multiply-add: setup.py builds
-   with -ffp-contract=off), so the bits are the torch path's. */
+/* The outer strategies' elementwise passes, one pass each (optim/strategies.py runs the same operations as
+   separate torch ops, chunk by chunk, where these are not built). Each multiply and add is rounded to float32 on
+   its own, in the torch path's order (no fused multiply-add: setup.py builds with -ffp-contract=off; an add is
+   commutative, a product of two roundings is not reassociated), so the bits are the torch path's. */
+
+/* DiLoCo's Nesterov step, torch.optim.SGD(nesterov=True): b <- b*mu + g; theta <- theta - (b*mu + g)*lr. */
 FARLOCO_CLONES
 static void nesterov_all(float *theta, float *buf, const float *grad, Py_ssize_t n, float lr, float mu) {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -125,13 +127,52 @@ static void nesterov_all(float *theta, float *buf, const float *grad, Py_ssize_t
     }
 }
 
-/* out <- (a - b) + c, two float32 roundings (DiLoCo's contribution with its error-feedback residual: (theta_outer
-   - theta_local) + residual). out may be any of the inputs. */
+/* out <- (a - b) + c: DiLoCo's contribution with its error-feedback residual. */
 FARLOCO_CLONES
-static void sub_add_all(const float *a, const float *b, const float *c, float *out, Py_ssize_t n) {
+static void sub_add_all(float *out, const float *a, const float *b, const float *c, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         float d = a[i] - b[i];
         out[i] = d + c[i];
+    }
+}
+
+/* out <- state*decay + (a - b): SparseLoCo's and DeMo's contribution. */
+FARLOCO_CLONES
+static void decay_add_all(float *out, const float *state, const float *a, const float *b, Py_ssize_t n,
+                          float decay) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float d = a[i] - b[i];
+        float kept = state[i] * decay;
+        out[i] = kept + d;
+    }
+}
+
+/* x <- x*alpha + y*beta: Streaming DiLoCo's merge of theta_outer (y) into the ranks' weights (x). */
+FARLOCO_CLONES
+static void blend_all(float *x, const float *y, Py_ssize_t n, float alpha, float beta) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float other = y[i] * beta;
+        float own = x[i] * alpha;
+        x[i] = own + other;
+    }
+}
+
+/* x <- x - (a - b)*scale: the eager update's preview (a: the fresh contribution, b: the stale one). */
+FARLOCO_CLONES
+static void sub_diff_all(float *x, const float *a, const float *b, Py_ssize_t n, float scale) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float d = a[i] - b[i];
+        d = d * scale;
+        x[i] = x[i] - d;
+    }
+}
+
+/* x <- x - y*scale: SparseLoCo's outer step. */
+FARLOCO_CLONES
+static void sub_scaled_all(float *x, const float *y, Py_ssize_t n, float scale) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float step = y[i] * scale;
+        x[i] = x[i] - step;
     }
 }
 
@@ -258,91 +299,98 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(bad);
 }
 
-/* The float32 buffers of an elementwise kernel: `count` of them (the first `writable` writable), all of one
-   length; 0, or -1 with an exception set and nothing held. */
-static int get_vectors(PyObject **objs, Py_buffer *views, int count, int writable, const char *what) {
+/* The elementwise kernels by number (optim/strategies.py `_Op`): buffers (the written ones first), scalars. */
+enum { OP_NESTEROV, OP_SUB_ADD, OP_DECAY_ADD, OP_BLEND, OP_SUB_DIFF, OP_SUB_SCALED, OP_COUNT };
+static const struct {
+    const char *name;
+    int buffers, written, scalars;
+} OPS[OP_COUNT] = {
+    {"nesterov", 3, 2, 2}, {"sub_add", 4, 1, 0}, {"decay_add", 4, 1, 1},
+    {"blend", 2, 1, 2},    {"sub_diff", 3, 1, 1}, {"sub_scaled", 2, 1, 1},
+};
+
+/* Whether two buffers of `len` bytes share some bytes without being the same buffer. */
+static int shifted(const char *a, const char *b, Py_ssize_t len) {
+    return a != b && a < b + len && b < a + len;
+}
+
+/* elementwise(op, buffers, scalars) -> None: the float32 vectors of one length in `buffers` (a tuple, the
+   written ones first) updated by kernel `op`. A written buffer is either another buffer itself (each value is read
+   before its own is written) or apart from it; Nesterov's three are apart. */
+static PyObject *elementwise(PyObject *self, PyObject *args) {
+    int op;
+    PyObject *buffers, *scalars;
+    if (!PyArg_ParseTuple(args, "iO!O!", &op, &PyTuple_Type, &buffers, &PyTuple_Type, &scalars)) {
+        return NULL;
+    }
+    if (op < 0 || op >= OP_COUNT) {
+        PyErr_Format(PyExc_ValueError, "elementwise: expected an op in [0, %d), got %d", OP_COUNT, op);
+        return NULL;
+    }
+    const char *name = OPS[op].name;
+    int count = OPS[op].buffers, written = OPS[op].written;
+    if (PyTuple_GET_SIZE(buffers) != count || PyTuple_GET_SIZE(scalars) != OPS[op].scalars) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d buffers and %d scalars, got %zd and %zd", name, count,
+                     OPS[op].scalars, PyTuple_GET_SIZE(buffers), PyTuple_GET_SIZE(scalars));
+        return NULL;
+    }
+    float k[2] = {0.0f, 0.0f};
+    for (int i = 0; i < OPS[op].scalars; i++) {
+        double value = PyFloat_AsDouble(PyTuple_GET_ITEM(scalars, i));
+        if (value == -1.0 && PyErr_Occurred()) {
+            return NULL;
+        }
+        k[i] = (float)value; /* as torch casts a Python scalar for a float32 tensor */
+    }
+    Py_buffer views[4];
     for (int i = 0; i < count; i++) {
-        if (get_buffer(objs[i], &views[i], i < writable, what) < 0) {
+        if (get_buffer(PyTuple_GET_ITEM(buffers, i), &views[i], i < written, name) < 0) {
             for (int j = 0; j < i; j++) {
                 PyBuffer_Release(&views[j]);
             }
-            return -1;
+            return NULL;
         }
+    }
+    Py_ssize_t len = views[0].len;
+    const char *problem = NULL;
+    for (int i = 0; i < count && !problem; i++) {
+        if (views[i].len % 4 || views[i].len != len) {
+            PyErr_Format(PyExc_ValueError, "%s: expected %d float32 vectors of one length, got %zd and %zd bytes",
+                         name, count, len, views[i].len);
+            problem = name;
+        }
+    }
+    for (int i = 0; i < written && !problem; i++) {
+        for (int j = 0; j < count && !problem; j++) {
+            const char *a = views[i].buf, *b = views[j].buf;
+            if (i != j && len > 0 && (shifted(a, b, len) || (op == OP_NESTEROV && a == b))) {
+                PyErr_Format(PyExc_ValueError, "%s: expected buffer %d %s buffer %d", name, i,
+                             op == OP_NESTEROV ? "apart from" : "to be or be apart from", j);
+                problem = name;
+            }
+        }
+    }
+    if (!problem) {
+        float *v[4];
+        for (int i = 0; i < count; i++) {
+            v[i] = views[i].buf;
+        }
+        Py_ssize_t n = len / 4;
+        Py_BEGIN_ALLOW_THREADS
+        switch (op) {
+        case OP_NESTEROV: nesterov_all(v[0], v[1], v[2], n, k[0], k[1]); break;
+        case OP_SUB_ADD: sub_add_all(v[0], v[1], v[2], v[3], n); break;
+        case OP_DECAY_ADD: decay_add_all(v[0], v[1], v[2], v[3], n, k[0]); break;
+        case OP_BLEND: blend_all(v[0], v[1], n, k[0], k[1]); break;
+        case OP_SUB_DIFF: sub_diff_all(v[0], v[1], v[2], n, k[0]); break;
+        case OP_SUB_SCALED: sub_scaled_all(v[0], v[1], n, k[0]); break;
+        }
+        Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < count; i++) {
-        if (views[i].len % 4 || views[i].len != views[0].len) {
-            PyErr_Format(PyExc_ValueError, "%s: expected %d float32 vectors of one length, got %zd and %zd bytes",
-                         what, count, views[0].len, views[i].len);
-            for (int j = 0; j < count; j++) {
-                PyBuffer_Release(&views[j]);
-            }
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* nesterov(theta, buf, grad, lr, mu) -> None: theta and buf updated in place. theta and buf must not overlap
-   each other or grad (the step would read what it wrote). */
-static PyObject *nesterov(PyObject *self, PyObject *args) {
-    PyObject *objs[3];
-    float lr, mu;
-    if (!PyArg_ParseTuple(args, "OOOff", &objs[0], &objs[1], &objs[2], &lr, &mu)) {
-        return NULL;
-    }
-    Py_buffer views[3];
-    if (get_vectors(objs, views, 3, 2, "nesterov") < 0) {
-        return NULL;
-    }
-    char *t = views[0].buf, *b = views[1].buf, *g = views[2].buf;
-    Py_ssize_t len = views[0].len;
-    int overlap = (t < b + len && b < t + len) || (t < g + len && g < t + len) || (b < g + len && g < b + len);
-    if (overlap && len > 0) {
-        PyErr_SetString(PyExc_ValueError, "nesterov: expected theta, buf and grad in three separate buffers");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        nesterov_all((float *)t, (float *)b, (const float *)g, len / 4, lr, mu);
-        Py_END_ALLOW_THREADS
-    }
-    for (int i = 0; i < 3; i++) {
         PyBuffer_Release(&views[i]);
     }
-    if (overlap && len > 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-/* sub_add(a, b, c, out) -> None: out <- (a - b) + c; out may be a, b or c itself (each value is read before
-   its own is written), not part of one shifted. */
-static PyObject *sub_add(PyObject *self, PyObject *args) {
-    PyObject *objs[4]; /* out first: get_vectors takes the writable ones first */
-    if (!PyArg_ParseTuple(args, "OOOO", &objs[1], &objs[2], &objs[3], &objs[0])) {
-        return NULL;
-    }
-    Py_buffer views[4];
-    if (get_vectors(objs, views, 4, 1, "sub_add") < 0) {
-        return NULL;
-    }
-    char *out = views[0].buf;
-    Py_ssize_t len = views[0].len;
-    int shifted = 0;
-    for (int i = 1; i < 4; i++) {
-        char *in = views[i].buf;
-        shifted |= in != out && in < out + len && out < in + len;
-    }
-    if (shifted) {
-        PyErr_SetString(PyExc_ValueError, "sub_add: expected out to be an input or apart from every input");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        sub_add_all((const float *)views[1].buf, (const float *)views[2].buf, (const float *)views[3].buf,
-                    (float *)out, len / 4);
-        Py_END_ALLOW_THREADS
-    }
-    for (int i = 0; i < 4; i++) {
-        PyBuffer_Release(&views[i]);
-    }
-    if (shifted) {
+    if (problem) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -353,16 +401,15 @@ static PyMethodDef methods[] = {
      "quantize(x, block, levels, scales, codes, decoded) -> -1 or the first block holding NaN/Inf"},
     {"dequantize", dequantize, METH_VARARGS,
      "dequantize(scales, codes, block, out) -> -1 or the first block holding the code -128"},
-    {"nesterov", nesterov, METH_VARARGS,
-     "nesterov(theta, buf, grad, lr, mu) -> None: b <- b*mu + g; theta <- theta - (b*mu + g)*lr, in place"},
-    {"sub_add", sub_add, METH_VARARGS, "sub_add(a, b, c, out) -> None: out <- (a - b) + c"},
+    {"elementwise", elementwise, METH_VARARGS,
+     "elementwise(op, buffers, scalars) -> None: an outer strategy's elementwise pass (see OPS)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "farloco.optim._kernels",
-    "One-pass blockwise absmax quantization for farloco's int8 / int4 codecs (see optim/dense.py), and DiLoCo's "
-    "contribution and outer step (optim/strategies.py).", -1,
+    "One-pass blockwise absmax quantization for farloco's int8 / int4 codecs (see optim/dense.py), and the outer "
+    "strategies' elementwise passes (optim/strategies.py).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -26,9 +26,10 @@ pass over the whole vector, at a fraction of the memory traffic.
 from __future__ import annotations
 
 import abc
+import enum
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -209,6 +210,8 @@ class OuterStrategy(abc.ABC):
         if group_size < 1:
             raise StrategyError(f"{self.name} eager_preview: expected group_size >= 1, got {group_size}")
         scale = self.eager_scale() / group_size
+        if _in_one_pass(_Op.SUB_DIFF, (start, fresh, stale), (scale,)):
+            return
 
         def preview(part: slice, scratch: torch.Tensor) -> None:
             delta = torch.sub(fresh[part], stale[part], out=scratch[: part.stop - part.start])
@@ -305,6 +308,8 @@ class OuterStrategy(abc.ABC):
             contribution = state * decay
             return contribution.add_(theta_outer - theta_local)
         self._check_vector("out", out, self.num_params)
+        if _in_one_pass(_Op.DECAY_ADD, (out, state, theta_outer, theta_local), (decay,)):
+            return out
 
         def contribute(part: slice, scratch: torch.Tensor) -> None:
             delta = torch.sub(theta_outer[part], theta_local[part], out=scratch[: part.stop - part.start])
@@ -328,21 +333,41 @@ class OuterStrategy(abc.ABC):
         return f"{type(self).__name__}(num_params={self.num_params}, codec={self.codec!r}, {options})"
 
 
-def _kernels_for(*tensors: torch.Tensor) -> Any:
-    """The C kernels (`farloco.optim.dense.KERNELS`) where they are built and every tensor is a contiguous
-    float32 CPU vector outside autograd, else None (the torch ops do it, with the same bits)."""
+class _Op(enum.IntEnum):
+    """The C kernels' elementwise passes (optim/_kernels.c `OPS`): each is the torch path's operations, in its
+    order, in one pass with no GIL held; the written buffers come first."""
+
+    NESTEROV = 0  # theta, buf <- (theta, buf, grad; lr, mu)
+    SUB_ADD = 1  # out <- (a - b) + c
+    DECAY_ADD = 2  # out <- state*decay + (a - b)
+    BLEND = 3  # x <- x*alpha + y*beta
+    SUB_DIFF = 4  # x <- x - (a - b)*scale
+    SUB_SCALED = 5  # x <- x - y*scale
+
+
+def _in_one_pass(op: _Op, tensors: tuple[torch.Tensor, ...], scalars: tuple[float, ...]) -> bool:
+    """Run `op` over the vectors `tensors` in the C kernels, one call per range of the range runner, and say so;
+    False where the kernels are not built or a tensor is not a contiguous float32 CPU vector outside autograd
+    (the caller's torch ops then do it, with the same bits: tests/test_kernels.py)."""
     kernels = dense.KERNELS
     if kernels is None:
-        return None
+        return False
     for tensor in tensors:
         if (
             tensor.dtype != torch.float32
             or tensor.device.type != "cpu"
+            or tensor.dim() != 1
             or not tensor.is_contiguous()
             or tensor.requires_grad
         ):
-            return None
-    return kernels
+            return False
+    arrays = [tensor.numpy() for tensor in tensors]
+    run_split(
+        lambda part: kernels.elementwise(int(op), tuple(a[part] for a in arrays), scalars),
+        tensors[0].numel(),
+        4 * len(tensors),
+    )
+    return True
 
 
 def _nesterov_step(
@@ -355,10 +380,7 @@ def _nesterov_step(
     vector of the model's size.
     """
 
-    kernels = _kernels_for(theta, momentum_buffer, gradient)
-    if kernels is not None:  # the same operations in one pass, with no GIL held (optim/_kernels.c)
-        t, b, g = theta.numpy(), momentum_buffer.numpy(), gradient.numpy()
-        run_split(lambda part: kernels.nesterov(t[part], b[part], g[part], lr, momentum), theta.numel(), 20)
+    if _in_one_pass(_Op.NESTEROV, (theta, momentum_buffer, gradient), (lr, momentum)):
         return
 
     def step_chunk(part: slice, scratch: torch.Tensor) -> None:
@@ -401,10 +423,7 @@ class DiLoCo(OuterStrategy):
         self._check_vector("theta_local", theta_local, self.num_params)
         self._check_vector("out", out, self.num_params)
 
-        kernels = _kernels_for(theta_outer, theta_local, residual, out)
-        if kernels is not None:  # in one pass, with no GIL held (optim/_kernels.c)
-            a, b, c, o = theta_outer.numpy(), theta_local.numpy(), residual.numpy(), out.numpy()
-            run_split(lambda part: kernels.sub_add(a[part], b[part], c[part], o[part]), self.num_params, 16)
+        if _in_one_pass(_Op.SUB_ADD, (out, theta_outer, theta_local, residual), ()):
             return out
 
         def contribute(part: slice, scratch: torch.Tensor) -> None:  # (outer - local) + residual, as above
@@ -463,6 +482,8 @@ class SparseLoCo(OuterStrategy):
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr = self._float("lr")
+        if _in_one_pass(_Op.SUB_SCALED, (theta_outer, averaged), (lr,)):
+            return
 
         def step(part: slice, scratch: torch.Tensor) -> None:
             theta_outer[part].sub_(torch.mul(averaged[part], lr, out=scratch[: part.stop - part.start]))
@@ -620,6 +641,9 @@ class StreamingDiLoCo(OuterStrategy):
             raise StrategyError(f"{self.name} merge_into_local: expected a preceding apply, got none")
         part, alpha = self._merge_fragment, self._float("alpha")
         start = int(part.start)
+        if _in_one_pass(_Op.BLEND, (theta_local[part], theta_outer[part]), (alpha, 1.0 - alpha)):
+            self._merge_fragment = None
+            return
 
         def merge(sub: slice, scratch: torch.Tensor) -> None:  # in place: local*alpha + outer*(1-alpha)
             piece = slice(start + sub.start, start + sub.stop)

@@ -149,49 +149,95 @@ def _awkward(n: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("n", [1, 7, 1000, 1_000_003])
-def test_outer_step_and_contribution_kernels_give_the_torch_bits(
-    monkeypatch: pytest.MonkeyPatch, n: int
-) -> None:
-    """DiLoCo's Nesterov step and its contribution with the error-feedback residual: the kernels' bits are the
-    torch ops' (both run as the strategy runs them, the torch path with the kernels switched off)."""
-    from farloco.optim.strategies import DiLoCo, _nesterov_step
+def _strategy_passes(n: int) -> list[torch.Tensor]:
+    """Every outer-strategy pass the C kernels do, run through the strategies' own methods on awkward values:
+    the tensors they wrote."""
+    from farloco.optim.strategies import DiLoCo, SparseLoCo, StreamingDiLoCo, _nesterov_step
 
     theta, buf, grad = _awkward(n, 1), _awkward(n, 2), _awkward(n, 3)
-    results = {}
-    for name, kernels in (("c", dense.KERNELS), ("torch", None)):
-        with monkeypatch.context() as m:
-            m.setattr(dense, "KERNELS", kernels)
-            t, b = theta.clone(), buf.clone()
-            for lr, mu in ((0.7, 0.9), (1.0, 0.0), (0.123456789, 0.987654321)):
-                _nesterov_step(t, b, grad, lr, mu)
-            strategy = DiLoCo(n, get_codec("int8"))
-            assert strategy.residual is not None
-            strategy.residual.copy_(_awkward(n, 4))
-            out = torch.empty(n)
-            contribution = strategy.make_contribution(theta, grad, out=out)
-            assert contribution.data_ptr() == out.data_ptr()
-            results[name] = (t, b, out)
-    for fast, slow in zip(results["c"], results["torch"], strict=True):
-        assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
+    written = []
+    for lr, mu in ((0.7, 0.9), (1.0, 0.0), (0.123456789, 0.987654321)):
+        _nesterov_step(theta, buf, grad, lr, mu)
+    written += [theta, buf]
+    diloco = DiLoCo(n, get_codec("int8"))
+    assert diloco.residual is not None
+    diloco.residual.copy_(_awkward(n, 4))
+    out = torch.empty(n)
+    assert diloco.make_contribution(theta, grad, out=out).data_ptr() == out.data_ptr()
+    written.append(out)
+    sparse = SparseLoCo(n, get_codec("int8"), beta=0.95)
+    sparse.error_buffer.copy_(_awkward(n, 5))
+    out = torch.empty(n)
+    sparse.make_contribution(theta, grad, out=out)
+    written.append(out)
+    start = _awkward(n, 6)
+    sparse.apply(start, _awkward(n, 7))  # SparseLoCo's outer step: theta - lr*mean
+    written.append(start)
+    start = _awkward(n, 8)
+    diloco.eager_preview(start, _awkward(n, 9), _awkward(n, 10), 3)
+    written.append(start)
+    streaming = StreamingDiLoCo(n, get_codec("fp32"), num_fragments=min(n, 3), alpha=0.3)
+    outer, local = _awkward(n, 11), _awkward(n, 12)
+    fragment = streaming.current_fragment()
+    streaming.apply(outer, _awkward(int(fragment.stop) - int(fragment.start), 13))
+    streaming.merge_into_local(outer, local)
+    written += [outer, local]
+    return written
 
 
-def test_outer_step_kernels_refuse_overlap_and_mismatched_lengths() -> None:
+@pytest.mark.parametrize("n", [1, 7, 1000, 1_000_003])
+def test_strategy_kernels_give_the_torch_bits(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Contributions, outer steps, the eager preview and the streaming merge: the kernels' bits are the torch
+    ops' (the same calls with the kernels switched off)."""
+    fast = _strategy_passes(n)
+    with monkeypatch.context() as m:
+        m.setattr(dense, "KERNELS", None)
+        slow = _strategy_passes(n)
+    for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"pass {i} differs"
+
+
+def test_strategy_kernels_run_on_threads_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from farloco.optim import ranges
+    from farloco.protocol import parallel
+
+    one = _strategy_passes(3_000_017)
+    threads = parallel.get_threads()
+    ranges.set_range_runner(parallel.map_ranges)  # as the agent does
+    try:
+        parallel.set_threads(3)
+        many = _strategy_passes(3_000_017)
+    finally:
+        parallel.set_threads(threads)
+        ranges.set_range_runner(None)
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_strategy_kernels_refuse_overlap_bad_ops_and_mismatched_lengths() -> None:
     kernels = dense.KERNELS
     assert kernels is not None
-    kernels.nesterov(torch.empty(0).numpy(), torch.empty(0).numpy(), torch.empty(0).numpy(), 0.7, 0.9)
+    empty = torch.empty(0).numpy()
+    kernels.elementwise(0, (empty, empty, empty), (0.7, 0.9))
     a, b, c = torch.randn(10), torch.randn(10), torch.randn(10)
-    with pytest.raises(ValueError, match="three separate buffers"):
-        kernels.nesterov(a.numpy(), a.numpy(), b.numpy(), 0.7, 0.9)
-    with pytest.raises(ValueError, match="three separate buffers"):
-        kernels.nesterov(a.numpy()[1:], a.numpy()[:-1], b.numpy()[:-1], 0.7, 0.9)
+    an, bn, cn = a.numpy(), b.numpy(), c.numpy()
+    with pytest.raises(ValueError, match="nesterov: expected buffer 0 apart from buffer 1"):
+        kernels.elementwise(0, (an, an, bn), (0.7, 0.9))
+    with pytest.raises(ValueError, match="nesterov: expected buffer 0 apart from buffer 1"):
+        kernels.elementwise(0, (an[1:], an[:-1], bn[:-1]), (0.7, 0.9))
     with pytest.raises(ValueError, match="one length, got 40 and 36 bytes"):
-        kernels.nesterov(a.numpy(), b.numpy(), c.numpy()[1:], 0.7, 0.9)
+        kernels.elementwise(0, (an, bn, cn[1:]), (0.7, 0.9))
     with pytest.raises(TypeError, match="writable"):
-        kernels.nesterov(a.numpy(), bytes(40), c.numpy(), 0.7, 0.9)
-    with pytest.raises(ValueError, match="apart from every input"):
-        kernels.sub_add(a.numpy()[1:], b.numpy()[1:], c.numpy()[1:], a.numpy()[:-1])
-    # out may be one of its inputs exactly: each value is read before it is written.
+        kernels.elementwise(0, (an, bytes(40), cn), (0.7, 0.9))
+    with pytest.raises(ValueError, match="expected 3 buffers and 2 scalars, got 2 and 2"):
+        kernels.elementwise(0, (an, bn), (0.7, 0.9))
+    with pytest.raises(ValueError, match=r"expected an op in \[0, 6\), got 6"):
+        kernels.elementwise(6, (an,), ())
+    with pytest.raises(TypeError, match="must be real number"):
+        kernels.elementwise(5, (an, bn), ("x",))
+    with pytest.raises(ValueError, match="sub_add: expected buffer 0 to be or be apart from buffer 1"):
+        kernels.elementwise(1, (an[:-1], an[1:], bn[1:], cn[1:]), ())
+    # A written buffer may be one of the inputs itself: each value is read before it is written.
     expected = (a - b).add_(c)
-    kernels.sub_add(a.numpy(), b.numpy(), c.numpy(), c.numpy())
+    kernels.elementwise(1, (cn, an, bn, cn), ())
     assert torch.equal(c, expected)
