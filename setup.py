@@ -1,7 +1,8 @@
 """Only the optional C extension lives here; everything else is in pyproject.toml.
 
-`farloco.optim._kernels` (optim/_kernels.c) does the int8 / int4 codecs' blockwise quantization, and DiLoCo's
-contribution and outer step, in one pass each.
+`farloco.optim._kernels` (optim/_kernels.c) does the int8 / int4 codecs' blockwise quantization, and the outer
+strategies' elementwise passes (contributions, outer steps, the eager preview, the streaming merge), in one pass
+each.
 It is optional: where no C compiler is found the build goes on without it and the codecs use torch (same bytes,
 same values, slower)."""
 
