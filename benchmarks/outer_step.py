@@ -6,7 +6,8 @@ without the C kernels) and with the C kernels (one pass, no GIL held), on 1..N o
     python benchmarks/outer_step.py                          # 128M parameters, 1 and all cores
     python benchmarks/outer_step.py --params 1e9 --threads 1 4 8 15
 
-Each figure is the median of `--repeats` passes over buffers written once before (resident, no page faults).
+Each figure is the median of `--repeats` passes, after one that is not counted, over buffers written once before
+(resident, no page faults).
 Both paths give the same bits (tests/test_kernels.py); `x torch` is the torch path's time over the kernel's at
 the same thread count.
 """
@@ -15,25 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from digest import timed  # benchmarks/digest.py (this script's folder is on sys.path)
 
 from farloco.optim import dense, get_codec, ranges
 from farloco.optim.strategies import DiLoCo, _nesterov_step
 from farloco.protocol import parallel
-
-
-def timed(work: Callable[[], object], repeats: int) -> float:
-    work()  # warm: the pool's threads, the scratch
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -69,13 +59,17 @@ def main() -> None:
     }
     for threads in args.threads:
         parallel.set_threads(threads)
+        for work in passes.values():
+            work()  # the pool's threads started, their scratch touched: not in the times
         memcpy = timed(
             lambda: ranges.run_split(lambda part: copy[part].copy_(theta[part]), n, 8), args.repeats
         )
         for name, work in passes.items():
             dense.KERNELS = None
+            work()
             slow = timed(work, args.repeats)
             dense.KERNELS = kernels
+            work()
             fast = timed(work, args.repeats)
             print(
                 f"| {name} | {threads} | {slow / n * 1e9:.2f} | {fast / n * 1e9:.2f} | {slow / fast:.2f} "
