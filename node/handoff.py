@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import struct
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ R_OPT_FINGERPRINT = 12  # float64 bits: sum of |first moment| over the node's sh
 R_SEQ_STEPS = (
     13  # inner steps the rank ran in the sequence it reported done (fewer than asked when cut short)
 )
+R_DONE_NS = 14  # time.time_ns() when the rank reported that sequence done (from then on it waits for the agent)
 
 
 def _f2i(value: float) -> int:
@@ -125,6 +127,7 @@ class RankReport:
     optimizer_step: int = 0
     optimizer_fingerprint: float = 0.0
     seq_steps: int = 0
+    done_ns: int = 0
 
 
 STALE_NAME = re.compile(r"farloco-handoff-(\d+)-[0-9a-f]{8}\.bin(\.inner)?")
@@ -263,6 +266,7 @@ class Handoff:
             optimizer_step=block[R_OPT_STEP],
             optimizer_fingerprint=_i2f(block[R_OPT_FINGERPRINT]),
             seq_steps=block[R_SEQ_STEPS],
+            done_ns=block[R_DONE_NS],
         )
 
     @property
@@ -353,6 +357,7 @@ class Handoff:
         self._set(rank, R_TRAIN_LOSS, _f2i(train_loss))
         self._set(rank, R_STEP_MICROS, int(step_seconds * 1e6))
         self._set(rank, R_SEQ_STEPS, steps)
+        self._set(rank, R_DONE_NS, time.time_ns())
         self._set(rank, R_DONE_SEQ, seq)  # written last: the agent reads `local` only after seeing it
 
 

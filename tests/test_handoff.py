@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,14 @@ def test_sequence_protocol_across_processes(tmp_path: Path) -> None:
     for p in procs:
         p.start()
     theta = torch.arange(8, dtype=torch.float32)
+    published_ns = time.time_ns()
     seq = handoff.publish(theta, round_id=3, step_base=60, inner_steps=20)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     assert handoff.all_done(seq)
+    # When each rank reported done: from then on it waits for the agent (the round event's ranks_idle_seconds).
+    assert all(published_ns <= handoff.report(r).done_ns <= time.time_ns() for r in range(2))
     expected = theta * 2 + torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.float32)
     assert torch.equal(handoff.local, expected)
     assert [handoff.report(r).train_loss for r in range(2)] == [1.5, 2.5]

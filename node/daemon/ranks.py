@@ -175,5 +175,9 @@ class RanksAgent(AgentCore):
                 await wait_for(self._leave_event.wait(), timeout=0.01)
             self._leave_event.clear()
         if self._idle_since is None:
-            self._idle_since = time.monotonic()  # the ranks wait for us from here to the next publish
+            # The ranks wait for us from when the last of them reported done to the next publish; we may see it
+            # late (a pass of the round in flight holds the event loop), so the time is theirs.
+            done_ns = max(self.handoff.report(r).done_ns for r in range(self.handoff.world_size))
+            late = time.time() - done_ns / 1e9 if done_ns else 0.0
+            self._idle_since = time.monotonic() - min(max(late, 0.0), 3600.0)
         return True
