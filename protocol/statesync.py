@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import math
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,9 @@ MAX_MANIFEST_BYTES = 6 << 20  # must fit in one gRPC message (8 MiB by default)
 # Wire dtype names; only plain numeric types travel (no object/complex/quantised tensors).
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-StateProvider = Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+_State = tuple[dict[str, Any], dict[str, torch.Tensor]]
+StateProvider = Callable[[], _State | Awaitable[_State]]
+"""What `StateServer` serves: (meta, tensors), or a coroutine giving them (an agent waits out a commit)."""
 
 if sys.byteorder != "little":  # raw tensor bytes travel as they sit in memory
     raise ImportError("farloco.protocol.statesync needs a little-endian host")
@@ -210,7 +213,8 @@ class _Served:
 
 
 class StateServer:
-    """Serves the node's outer state on `GetState`; `provider()` returns `(meta, tensors)`.
+    """Serves the node's outer state on `GetState`; `provider()` returns `(meta, tensors)`, or a coroutine that
+    does.
 
     meta must hold `round_id` (int) and `run_hash` (str) plus anything msgpack-able (the run config...).
     The provider must return a snapshot that stays unchanged for as long as its round_id does, and a new one
@@ -269,7 +273,8 @@ class StateServer:
     async def snapshot(self) -> tuple[Manifest, dict[str, np.ndarray[Any, np.dtype[np.uint8]]]]:
         """The current manifest and raw bytes (hashes cached per round_id)."""
         async with self._lock:
-            meta, tensors = self.provider()
+            provided = self.provider()
+            meta, tensors = await provided if inspect.isawaitable(provided) else provided
             round_id = meta.get("round_id")
             if not isinstance(round_id, int) or not isinstance(meta.get("run_hash"), str):
                 raise Reject(

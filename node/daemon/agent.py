@@ -94,6 +94,8 @@ class Agent(RoundAgent):
             log.exception("node failed")
             self.events.write("failed", error=self.error)
         finally:
+            if self._outer_executor is not None:
+                self._outer_executor.shutdown(wait=True)  # a commit under way is seen through
             self.events.close()
         return 0 if self.status is Status.STOPPED else 1
 

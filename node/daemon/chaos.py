@@ -87,11 +87,13 @@ class ChaosAgent(SnapshotAgent):
             self._drop_task = asyncio.ensure_future(self.client.close())  # every gRPC channel: calls fail
             log.warning("fault injected: dropped %d data-plane connections and every gRPC channel", dropped)
 
-    def _served_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """FARLOCO_FAULTS 'poison-state': a donor that serves joiners a wrong theta (its own, nudged) under a
-        manifest and meta consistent with it, while its own rounds, records and checkpoints stay honest: what the joiner's
-        check against the hashes the swarm vouches for must refuse."""
-        meta, tensors = self._state_snapshot()
+    async def _served_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The committed state donors serve (`_state_snapshot`, built between commits: a commit runs off the
+        event loop under `_outer_lock`). FARLOCO_FAULTS 'poison-state': a donor that serves joiners a wrong theta
+        (its own, nudged) under a manifest and meta consistent with it, while its own rounds, records and
+        checkpoints stay honest: what the joiner's check against the hashes the swarm vouches for must refuse."""
+        async with self._outer_lock:
+            meta, tensors = self._state_snapshot()
         if not self.faults.poison_state:
             return meta, tensors
         theta = tensors["theta"].clone()

@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,9 @@ class AgentCore:
         self.outer = OuterRound(self.theta, self.strategy, self.codec)
         # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
         self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        # Held while a commit changes the outer state off the event loop (rounds.py `_outer_commit`).
+        self._outer_lock = asyncio.Lock()
+        self._outer_executor: ThreadPoolExecutor | None = None
         self._overlap_steps = overlap_steps(config)
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
         self._phases: dict[str, float] = {}  # the current round's phase times (rounds.py `_round`)
@@ -311,6 +315,18 @@ class AgentCore:
         self.shares = RoundShares()
         self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
         self.known_peers = KnownPeers(self.run_dir, self.run_hash)  # for a restart without the bootstrap
+
+    def _outer_thread(self) -> ThreadPoolExecutor:
+        """The one thread commits run on (made on first use: no thread may start before the DHT forks), with
+        the event loop thread's torch thread count."""
+        if self._outer_executor is None:
+            self._outer_executor = ThreadPoolExecutor(
+                1,
+                thread_name_prefix="farloco-outer",
+                initializer=_outer_thread_init,
+                initargs=(torch.get_num_threads(),),
+            )
+        return self._outer_executor
 
     def status_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -461,6 +477,10 @@ class AgentCore:
         self.counters.bytes_sent += sent
         self.counters.bytes_received += received
         self.counters.raw_bytes += fp32_bytes
+
+
+def _outer_thread_init(torch_threads: int) -> None:
+    torch.set_num_threads(torch_threads)  # per thread, like the event loop's own (see AgentCore.__init__)
 
 
 def agent_threads(config: Config) -> int:

@@ -470,12 +470,8 @@ class RoundAgent(SwarmAgent):
         fragment = getattr(self.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.num_params)
         phase_started = time.monotonic()
-        self.outer_hash = self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
+        await self._outer_commit(prepared, averaged)
         self._phases["commit"] = time.monotonic() - phase_started
-        self._merge_pending = True
-        self.round_id += 1
-        self._snapshot = None
-        self.exchange.advance(self.round_id)
         self._inject_faults()
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:
@@ -530,6 +526,39 @@ class RoundAgent(SwarmAgent):
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).
         if self._record_task is None or self._record_task.done():
             self._record_task = asyncio.create_task(self._publish(), name="farloco-record")
+
+    async def _outer_commit(self, prepared: Prepared, averaged: Averaged) -> None:
+        """`OuterRound.commit` (the outer step and theta's digest: seconds at 10B) on the agent's outer thread, so
+        the event loop goes on serving the swarm meanwhile; then round r+1. Under `_outer_lock`, which the state
+        donors serve is built under too (never from a theta half-way through its step). Once the step has begun
+        it is seen through and the round advanced even if this round is cancelled meanwhile (a leave): theta
+        moved, so round_id must."""
+        async with self._outer_lock:
+            loop = asyncio.get_running_loop()
+            done = loop.run_in_executor(
+                self._outer_thread(),
+                self.outer.commit,
+                prepared.contribution,
+                averaged.transmitted,
+                averaged.mean,
+            )
+            cancelled = False
+            while not done.done():
+                try:
+                    await asyncio.shield(done)
+                except asyncio.CancelledError:
+                    cancelled = True
+            self.outer_hash = done.result()
+            self._merge_pending = True
+            self.round_id += 1
+            self._snapshot = None
+            exchange = getattr(
+                self, "exchange", None
+            )  # none before the node serves (tests drive rounds bare)
+            if exchange is not None:
+                exchange.advance(self.round_id)
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
         """A committed round: record who took part; as its leader, name each live member left out and why."""

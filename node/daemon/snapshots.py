@@ -28,9 +28,9 @@ class SnapshotAgent(RanksAgent):
         return None
 
     def _state_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The committed state as donors serve it: copies, made on the first request for this state (on the
-        event loop, between rounds, so never half-way through a commit) and kept until the state changes. A
-        node no joiner asks costs no copy per round."""
+        """The committed state as donors serve it: copies, made on the first request for this state and kept
+        until the state changes. A node no joiner asks costs no copy per round. Called on the event loop, never
+        while a commit runs off it: by the commit itself, after the step, or under `_outer_lock`."""
         if self._snapshot is None or self._snapshot[0]["round_id"] != self.round_id:
             meta = {
                 "round_id": self.round_id,
