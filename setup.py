@@ -14,7 +14,14 @@ setup(
             "farloco.optim._kernels",
             ["optim/_kernels.c"],
             # -ffp-contract=off: no multiply-add is fused, so the bits are those of the torch ops they replace.
-            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=[
+                "-O3",
+                "-std=c11",
+                "-ffp-contract=off",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+            ],
             optional=True,
         )
     ]

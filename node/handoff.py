@@ -93,9 +93,7 @@ R_OPT_FINGERPRINT = 12  # float64 bits: sum of |first moment| over the node's sh
 R_SEQ_STEPS = (
     13  # inner steps the rank ran in the sequence it reported done (fewer than asked when cut short)
 )
-R_DONE_NS = (
-    14  # time.time_ns() when the rank reported that sequence done (from then on it waits for the agent)
-)
+R_DONE_NS = 14  # time.time_ns() when the rank reported that sequence done (then it waits for the agent)
 
 
 def _f2i(value: float) -> int:
