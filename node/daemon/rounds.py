@@ -5,10 +5,11 @@ is decided by node/daemon/rules.py (a pure function of the round's facts); this 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +27,8 @@ from farloco.node.daemon.swarm import SwarmAgent
 from farloco.protocol import shares
 from farloco.protocol.shares import left_out_reason
 from farloco.protocol.tasks import cancel_and_wait, wait_for
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,15 @@ class RoundAgent(SwarmAgent):
                 )
                 # The ranks train on from here; the rest of the hand-off is off their path.
                 if prepared is None:
-                    prepared = self._prepare_round(round_seq, copy=False, reference=reference, reports=False)
+                    # Off the event loop: the contribution takes seconds at 10B while the ranks train on.
+                    made, cancelled = await self._on_outer_thread(
+                        functools.partial(
+                            self._prepare_round, round_seq, copy=False, reference=reference, reports=False
+                        )
+                    )
+                    if cancelled:
+                        raise asyncio.CancelledError
+                    prepared = made
                 prepared.trained_from = trained_from
                 reference.copy_(self.handoff.theta)  # the start of the sequence just published
                 pending = asyncio.create_task(
@@ -534,21 +545,9 @@ class RoundAgent(SwarmAgent):
         it is seen through and the round advanced even if this round is cancelled meanwhile (a leave): theta
         moved, so round_id must."""
         async with self._outer_lock:
-            loop = asyncio.get_running_loop()
-            done = loop.run_in_executor(
-                self._outer_thread(),
-                self.outer.commit,
-                prepared.contribution,
-                averaged.transmitted,
-                averaged.mean,
+            self.outer_hash, cancelled = await self._on_outer_thread(
+                self.outer.commit, prepared.contribution, averaged.transmitted, averaged.mean
             )
-            cancelled = False
-            while not done.done():
-                try:
-                    await asyncio.shield(done)
-                except asyncio.CancelledError:
-                    cancelled = True
-            self.outer_hash = done.result()
             self._merge_pending = True
             self.round_id += 1
             self._snapshot = None
@@ -559,6 +558,19 @@ class RoundAgent(SwarmAgent):
                 exchange.advance(self.round_id)
         if cancelled:
             raise asyncio.CancelledError
+
+    async def _on_outer_thread(self, work: Callable[..., _T], *args: Any) -> tuple[_T, bool]:
+        """`work(*args)` on the agent's outer thread (`_outer_thread`), the event loop free meanwhile; seen
+        through even if we are cancelled while it runs (it writes the outer state or its buffers): its result,
+        and whether we were (the caller re-raises CancelledError once its own state is consistent)."""
+        done = asyncio.get_running_loop().run_in_executor(self._outer_thread(), work, *args)
+        cancelled = False
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                cancelled = True
+        return done.result(), cancelled
 
     def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
         """A committed round: record who took part; as its leader, name each live member left out and why."""
