@@ -284,7 +284,7 @@ class AgentCore:
         self.outer = OuterRound(self.theta, self.strategy, self.codec)
         # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
         self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
-        # Held while a commit changes the outer state off the event loop (rounds.py `_outer_commit`).
+        # Held while a commit changes the outer state on the outer thread (rounds.py `_outer_commit`).
         self._outer_lock = asyncio.Lock()
         self._outer_executor: ThreadPoolExecutor | None = None
         self._overlap_steps = overlap_steps(config)
@@ -317,8 +317,9 @@ class AgentCore:
         self.known_peers = KnownPeers(self.run_dir, self.run_hash)  # for a restart without the bootstrap
 
     def _outer_thread(self) -> ThreadPoolExecutor:
-        """The one thread commits run on (made on first use: no thread may start before the DHT forks), with
-        the event loop thread's torch thread count."""
+        """The one thread the outer state's long passes run on, off the event loop (a commit, a delayed
+        update's contribution: rounds.py `_on_outer_thread`), made on first use (no thread may start before the
+        DHT forks), with the event loop thread's torch thread count."""
         if self._outer_executor is None:
             self._outer_executor = ThreadPoolExecutor(
                 1,

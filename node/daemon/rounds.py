@@ -551,9 +551,8 @@ class RoundAgent(SwarmAgent):
             self._merge_pending = True
             self.round_id += 1
             self._snapshot = None
-            exchange = getattr(
-                self, "exchange", None
-            )  # none before the node serves (tests drive rounds bare)
+            # No exchange before the node serves (tests drive rounds on a bare agent).
+            exchange = getattr(self, "exchange", None)
             if exchange is not None:
                 exchange.advance(self.round_id)
         if cancelled:
