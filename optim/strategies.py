@@ -18,9 +18,11 @@ so a checkpoint always holds a committed round.
 At 100M+ parameters the round is bound by memory traffic, not arithmetic, so the agent's path allocates nothing
 of the model's size: `make_contribution(..., out=buffer)` writes into a buffer the caller keeps,
 `propose(..., reuse=True)` turns that buffer into the staged error-feedback state in place, and `commit()`
-installs it by swapping buffers and hands back the one it replaced (the caller's next `out`). Multi-pass updates
-(the Nesterov step) run in cache-sized chunks with the same operations in the same order: the same bits as one
-pass over the whole vector, at a fraction of the memory traffic.
+installs it by swapping buffers and hands back the one it replaced (the caller's next `out`). The elementwise
+passes (contributions, outer steps, the eager preview, the streaming merge) run in one pass per range in the
+optional C kernels (`_in_one_pass`, optim/_kernels.c: no GIL held, so the agent's threads scale); without them,
+multi-pass updates run in cache-sized chunks of torch ops. Both do the same operations in the same order: the
+same bits.
 """
 
 from __future__ import annotations
@@ -641,16 +643,14 @@ class StreamingDiLoCo(OuterStrategy):
             raise StrategyError(f"{self.name} merge_into_local: expected a preceding apply, got none")
         part, alpha = self._merge_fragment, self._float("alpha")
         start = int(part.start)
-        if _in_one_pass(_Op.BLEND, (theta_local[part], theta_outer[part]), (alpha, 1.0 - alpha)):
-            self._merge_fragment = None
-            return
 
         def merge(sub: slice, scratch: torch.Tensor) -> None:  # in place: local*alpha + outer*(1-alpha)
             piece = slice(start + sub.start, start + sub.stop)
             outer = torch.mul(theta_outer[piece], 1.0 - alpha, out=scratch[: sub.stop - sub.start])
             theta_local[piece].mul_(alpha).add_(outer)
 
-        run_chunked(merge, int(part.stop) - start, 8)
+        if not _in_one_pass(_Op.BLEND, (theta_local[part], theta_outer[part]), (alpha, 1.0 - alpha)):
+            run_chunked(merge, int(part.stop) - start, 8)
         self._merge_fragment = None
 
     def _buffers(self) -> dict[str, torch.Tensor]:
