@@ -9,6 +9,7 @@ fragment schedule travels with the strategy state, so a joiner or a resumed node
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import tomllib
@@ -129,8 +130,8 @@ def test_joiner_and_resumed_node_sync_the_same_fragment(tmp_path: Path) -> None:
     # a joiner installs what a donor serves over state sync
     joiner = Agent(config, tmp_path / "joiner")
     assert joiner.strategy.current_fragment() == joiner.strategy.fragments[0]
-    meta, tensors = donor._state_snapshot()
-    joiner._install_state(meta, tensors)
+    meta, tensors = asyncio.run(donor._state_snapshot())
+    asyncio.run(joiner._install(meta, tensors))
     assert joiner.strategy.current_fragment() == expected
     assert joiner.outer_hash == donor.outer_hash
     assert torch.equal(joiner.strategy.residual, donor.strategy.residual)
@@ -141,7 +142,7 @@ def test_joiner_and_resumed_node_sync_the_same_fragment(tmp_path: Path) -> None:
     save_checkpoint(root, donor.round_id, tensors, {"run_hash": donor.run_hash, "inner_step": "0"})
     assert load_checkpoint(root / checkpoint_name(donor.round_id))[0]["round_id"] == str(donor.round_id)
     resumed = Agent(config, resumed_dir)
-    resumed._resume_from_checkpoint()
+    asyncio.run(resumed._resume_from_checkpoint())
     assert resumed.round_id == 5
     assert resumed.strategy.current_fragment() == expected
     assert torch.equal(resumed.theta, donor.theta)

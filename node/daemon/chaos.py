@@ -88,12 +88,11 @@ class ChaosAgent(SnapshotAgent):
             log.warning("fault injected: dropped %d data-plane connections and every gRPC channel", dropped)
 
     async def _served_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The committed state donors serve (`_state_snapshot`, built between commits: a commit runs off the
-        event loop under `_outer_lock`). FARLOCO_FAULTS 'poison-state': a donor that serves joiners a wrong theta
+        """The committed state donors serve (`_state_snapshot`: copies made under `_outer_lock`, never from a
+        state half-way through a commit or an install). FARLOCO_FAULTS 'poison-state': a donor that serves joiners a wrong theta
         (its own, nudged) under a manifest and meta consistent with it, while its own rounds, records and
         checkpoints stay honest: what the joiner's check against the hashes the swarm vouches for must refuse."""
-        async with self._outer_lock:
-            meta, tensors = self._state_snapshot()
+        meta, tensors = await self._state_snapshot()
         if not self.faults.poison_state:
             return meta, tensors
         theta = tensors["theta"].clone()
@@ -155,10 +154,12 @@ class ChaosAgent(SnapshotAgent):
         self._byzantine_stale = contribution.clone()  # "stale" sends the round before's
         return sent
 
-    def _inject_faults(self) -> None:
+    async def _inject_faults(self) -> None:
         """FARLOCO_FAULTS 'corrupt-theta@R': after committing round R, nudge theta_outer so this node silently
         diverges and the hash check has to repair it."""
-        if self.round_id in self.faults.corrupt_theta:
+        if self.round_id not in self.faults.corrupt_theta:
+            return
+        async with self._outer_lock:  # never while a donor's snapshot copies theta
             self.theta[0] += 1e-3
             self.outer_hash = theta_hash(self.theta)
             self._snapshot = None

@@ -21,10 +21,11 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +45,8 @@ from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
 
 log = logging.getLogger("farloco.agent")
+
+_T = TypeVar("_T")
 
 
 class Status(enum.Enum):
@@ -284,7 +287,8 @@ class AgentCore:
         self.outer = OuterRound(self.theta, self.strategy, self.codec)
         # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
         self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
-        # Held while a commit changes the outer state on the outer thread (rounds.py `_outer_commit`).
+        # Held while the outer state is changed (a commit, an install) or copied (the served snapshot) on the
+        # outer thread: none of them ever sees another half-way through.
         self._outer_lock = asyncio.Lock()
         self._outer_executor: ThreadPoolExecutor | None = None
         self._overlap_steps = overlap_steps(config)
@@ -318,7 +322,7 @@ class AgentCore:
 
     def _outer_thread(self) -> ThreadPoolExecutor:
         """The one thread the outer state's long passes run on, off the event loop (a commit, a delayed
-        update's contribution: rounds.py `_on_outer_thread`), made on first use (no thread may start before the
+        update's contribution, the served state's copies, an install: `_on_outer_thread`), made on first use (no thread may start before the
         DHT forks), with the event loop thread's torch thread count."""
         if self._outer_executor is None:
             self._outer_executor = ThreadPoolExecutor(
@@ -328,6 +332,19 @@ class AgentCore:
                 initargs=(torch.get_num_threads(),),
             )
         return self._outer_executor
+
+    async def _on_outer_thread(self, work: Callable[..., _T], *args: Any) -> tuple[_T, bool]:
+        """`work(*args)` on the agent's outer thread (`_outer_thread`), the event loop free meanwhile; seen
+        through even if we are cancelled while it runs (it writes the outer state or its buffers): its result,
+        and whether we were (the caller re-raises CancelledError once its own state is consistent)."""
+        done = asyncio.get_running_loop().run_in_executor(self._outer_thread(), work, *args)
+        cancelled = False
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                cancelled = True
+        return done.result(), cancelled
 
     def status_dict(self) -> dict[str, Any]:
         with self._lock:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -27,8 +27,6 @@ from farloco.node.daemon.swarm import SwarmAgent
 from farloco.protocol import shares
 from farloco.protocol.shares import left_out_reason
 from farloco.protocol.tasks import cancel_and_wait, wait_for
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -483,14 +481,14 @@ class RoundAgent(SwarmAgent):
         phase_started = time.monotonic()
         await self._outer_commit(prepared, averaged)
         self._phases["commit"] = time.monotonic() - phase_started
-        self._inject_faults()
+        await self._inject_faults()
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:
             if self._checkpoint_task is not None:
                 await self._checkpoint_task  # one at a time, in round order (and its prune before staging)
             staged, inner_seq = self._stage_inner()
             # The copies donors would be served: later rounds never touch them while the write goes on.
-            _, tensors = self._state_snapshot()
+            _, tensors = await self._state_snapshot()
             self._checkpoint_task = asyncio.create_task(self._checkpoint(tensors, staged, inner_seq))
         ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
         self.counters.ddp_bytes += ddp
@@ -557,19 +555,6 @@ class RoundAgent(SwarmAgent):
                 exchange.advance(self.round_id)
         if cancelled:
             raise asyncio.CancelledError
-
-    async def _on_outer_thread(self, work: Callable[..., _T], *args: Any) -> tuple[_T, bool]:
-        """`work(*args)` on the agent's outer thread (`_outer_thread`), the event loop free meanwhile; seen
-        through even if we are cancelled while it runs (it writes the outer state or its buffers): its result,
-        and whether we were (the caller re-raises CancelledError once its own state is consistent)."""
-        done = asyncio.get_running_loop().run_in_executor(self._outer_thread(), work, *args)
-        cancelled = False
-        while not done.done():
-            try:
-                await asyncio.shield(done)
-            except asyncio.CancelledError:
-                cancelled = True
-        return done.result(), cancelled
 
     def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
         """A committed round: record who took part; as its leader, name each live member left out and why."""

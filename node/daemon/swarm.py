@@ -155,9 +155,9 @@ class SwarmAgent(ChaosAgent):
             # whole swarm restarted from the same round, ours a moment after the others) resumes it from disk,
             # with its inner state and data position, instead of fetching the same theta over the network.
             held = {m.outer_hash for m in others if m.round_id == target and m.outer_hash}
-            own = self._checkpoint_holding(target, held)
+            own = await asyncio.to_thread(self._checkpoint_holding, target, held)
             if own is not None:
-                self._resume_from_checkpoint(own)
+                await self._resume_from_checkpoint(own)
             else:
                 self.events.write("catching_up", round_id=target)
                 try:
@@ -176,8 +176,8 @@ class SwarmAgent(ChaosAgent):
                         f"joining: no member reached round {target} within timeouts.sync_timeout"
                     )
         if not others:
-            self._resume_from_checkpoint()
-            self.outer_hash = theta_hash(self.theta)
+            await self._resume_from_checkpoint()
+            self.outer_hash = await asyncio.to_thread(theta_hash, self.theta)
         self.status = Status.TRAINING
         await self._publish()
         self.events.write("joined", round_id=self.round_id, slot=self.slot, num_peers=len(members))
@@ -229,7 +229,7 @@ class SwarmAgent(ChaosAgent):
         finally:
             self.sync_progress.close()
             self.sync_progress = None
-        self._install_state(meta, tensors)
+        await self._install(meta, tensors)
         self.counters.resyncs += 1
         self.events.write(
             "synced", why=why, round_id=self.round_id, donors=donors, seconds=time.monotonic() - started
