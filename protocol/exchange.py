@@ -243,7 +243,8 @@ class _Plan:
                 {*range(start, end, self.chunk_elems)}
                 | {b for g in range(1, self.slices) if start < (b := self.slice_start(g)) < end}
             )
-            cached = [(a, b) for a, b in zip(cuts, [*cuts[1:], end], strict=True)]
+            # An empty part (fewer elements than members) has no chunks.
+            cached = list(zip(cuts, [*cuts[1:], end], strict=True)) if cuts else []
             self._chunks[index] = cached
         return cached
 
