@@ -52,6 +52,12 @@ def stdlib_dataset(cache_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print(stdlib_dataset(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/farloco-bench-data")))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "cache_dir", nargs="?", type=Path, default=Path("/tmp/farloco-bench-data"), help="where to build it"
+    )
+    print(stdlib_dataset(parser.parse_args().cache_dir))
