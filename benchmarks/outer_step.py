@@ -1,5 +1,6 @@
 """Benchmark of DiLoCo's two largest per-round passes, as the agent runs them: the contribution ((theta_outer -
-theta_local) + residual) and the Nesterov outer step, each with the torch ops chunk by chunk (optim's path
+theta_local) + residual) and the Nesterov outer step, and DeMo's sign step (theta*(1 - lr*wd) - lr*sign(mean)),
+each with the torch ops chunk by chunk (optim's path
 without the C kernels) and with the C kernels (one pass, no GIL held), on 1..N of the agent's threads
 (farloco.protocol.parallel), beside a memcpy of theta on as many threads. In one process.
 
@@ -22,7 +23,7 @@ import torch
 from digest import timed  # benchmarks/digest.py (this script's folder is on sys.path)
 
 from farloco.optim import dense, get_codec, ranges
-from farloco.optim.strategies import DiLoCo, _nesterov_step
+from farloco.optim.strategies import DeMo, DiLoCo, _nesterov_step
 from farloco.protocol import parallel
 
 
@@ -45,6 +46,7 @@ def main() -> None:
     assert strategy.residual is not None
     strategy.residual.normal_(generator=g)
     momentum = torch.randn(n, generator=g)
+    demo = DeMo(n, get_codec("fp32"), weight_decay=0.1)
     out, copy = torch.empty(n), torch.empty(n)
     ranges.set_range_runner(parallel.map_ranges)  # as the agent does
     torch.set_num_threads(1)
@@ -56,6 +58,7 @@ def main() -> None:
     passes: dict[str, Callable[[], object]] = {
         "contribution": lambda: strategy.make_contribution(theta, local, out=out),
         "outer step": lambda: _nesterov_step(theta, momentum, grad, 0.7, 0.9),
+        "demo sign step": lambda: demo._outer_step(theta, grad),
     }
     for threads in args.threads:
         parallel.set_threads(threads)

@@ -176,6 +176,18 @@ static void sub_scaled_all(float *x, const float *y, Py_ssize_t n, float scale) 
     }
 }
 
+/* x <- x*keep - sign(y)*lr: DeMo's sign step with decoupled weight decay (keep = 1 - lr*wd; 1 multiplies
+   exactly, as the torch path's skipped multiply). sign is torch.sign's: +0 for either zero. */
+FARLOCO_CLONES
+static void sign_step_all(float *x, const float *y, Py_ssize_t n, float keep, float lr) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float kept = x[i] * keep;
+        float sign = (float)((y[i] > 0.0f) - (y[i] < 0.0f));
+        float step = sign * lr;
+        x[i] = kept - step;
+    }
+}
+
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Format(PyExc_TypeError, "%s: expected a contiguous%s buffer", what, writable ? " writable" : "");
@@ -300,13 +312,14 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
 }
 
 /* The elementwise kernels by number (optim/strategies.py `_Op`): buffers (the written ones first), scalars. */
-enum { OP_NESTEROV, OP_SUB_ADD, OP_DECAY_ADD, OP_BLEND, OP_SUB_DIFF, OP_SUB_SCALED, OP_COUNT };
+enum { OP_NESTEROV, OP_SUB_ADD, OP_DECAY_ADD, OP_BLEND, OP_SUB_DIFF, OP_SUB_SCALED, OP_SIGN_STEP, OP_COUNT };
 static const struct {
     const char *name;
     int buffers, written, scalars;
 } OPS[OP_COUNT] = {
     {"nesterov", 3, 2, 2}, {"sub_add", 4, 1, 0}, {"decay_add", 4, 1, 1},
     {"blend", 2, 1, 2},    {"sub_diff", 3, 1, 1}, {"sub_scaled", 2, 1, 1},
+    {"sign_step", 2, 1, 2},
 };
 
 /* Whether two buffers of `len` bytes share some bytes without being the same buffer. */
@@ -384,6 +397,7 @@ static PyObject *elementwise(PyObject *self, PyObject *args) {
         case OP_BLEND: blend_all(v[0], v[1], n, k[0], k[1]); break;
         case OP_SUB_DIFF: sub_diff_all(v[0], v[1], v[2], n, k[0]); break;
         case OP_SUB_SCALED: sub_scaled_all(v[0], v[1], n, k[0]); break;
+        case OP_SIGN_STEP: sign_step_all(v[0], v[1], n, k[0], k[1]); break;
         }
         Py_END_ALLOW_THREADS
     }

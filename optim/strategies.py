@@ -19,7 +19,7 @@ At 100M+ parameters the round is bound by memory traffic, not arithmetic, so the
 of the model's size: `make_contribution(..., out=buffer)` writes into a buffer the caller keeps,
 `propose(..., reuse=True)` turns that buffer into the staged error-feedback state in place, and `commit()`
 installs it by swapping buffers and hands back the one it replaced (the caller's next `out`). The elementwise
-passes (contributions, outer steps, the eager preview, the streaming merge) run in one pass per range in the
+passes (contributions, outer steps, DeMo's sign step, the eager preview, the streaming merge) run in one pass per range in the
 optional C kernels (`_in_one_pass`, optim/_kernels.c: no GIL held, so the agent's threads scale); without them,
 multi-pass updates run in cache-sized chunks of torch ops. Both do the same operations in the same order: the
 same bits.
@@ -345,6 +345,7 @@ class _Op(enum.IntEnum):
     BLEND = 3  # x <- x*alpha + y*beta
     SUB_DIFF = 4  # x <- x - (a - b)*scale
     SUB_SCALED = 5  # x <- x - y*scale
+    SIGN_STEP = 6  # x <- x*keep - sign(y)*lr
 
 
 def _in_one_pass(op: _Op, tensors: tuple[torch.Tensor, ...], scalars: tuple[float, ...]) -> bool:
@@ -529,6 +530,8 @@ class DeMo(OuterStrategy):
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr, weight_decay = self._float("lr"), self._float("weight_decay")
+        if _in_one_pass(_Op.SIGN_STEP, (theta_outer, averaged), (1.0 - lr * weight_decay, lr)):
+            return
 
         def step_chunk(part: slice, scratch: torch.Tensor) -> None:
             if weight_decay:  # theta * (1 - lr * wd), then the sign step: per value, the same two operations

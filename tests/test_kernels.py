@@ -152,7 +152,7 @@ def _awkward(n: int, seed: int) -> torch.Tensor:
 def _strategy_passes(n: int) -> list[torch.Tensor]:
     """Every outer-strategy pass the C kernels do, run through the strategies' own methods on awkward values:
     the tensors they wrote."""
-    from farloco.optim.strategies import DiLoCo, SparseLoCo, StreamingDiLoCo, _nesterov_step
+    from farloco.optim.strategies import DeMo, DiLoCo, SparseLoCo, StreamingDiLoCo, _nesterov_step
 
     theta, buf, grad = _awkward(n, 1), _awkward(n, 2), _awkward(n, 3)
     written = []
@@ -182,6 +182,13 @@ def _strategy_passes(n: int) -> list[torch.Tensor]:
     streaming.apply(outer, _awkward(int(fragment.stop) - int(fragment.start), 13))
     streaming.merge_into_local(outer, local)
     written += [outer, local]
+    for weight_decay in (0.0, 0.1):  # DeMo's sign step, with and without its decoupled weight decay
+        demo = DeMo(n, get_codec("fp32"), lr=0.0123, weight_decay=weight_decay)
+        start, mean = _awkward(n, 14), _awkward(n, 15)
+        mean[3::89] = -0.0  # sign(-0.0) is +0.0, as sign(0.0)
+        start[4::83] = -0.0
+        demo.apply(start, mean)
+        written.append(start)
     return written
 
 
@@ -231,8 +238,8 @@ def test_strategy_kernels_refuse_overlap_bad_ops_and_mismatched_lengths() -> Non
         kernels.elementwise(0, (an, bytes(40), cn), (0.7, 0.9))
     with pytest.raises(ValueError, match="expected 3 buffers and 2 scalars, got 2 and 2"):
         kernels.elementwise(0, (an, bn), (0.7, 0.9))
-    with pytest.raises(ValueError, match=r"expected an op in \[0, 6\), got 6"):
-        kernels.elementwise(6, (an,), ())
+    with pytest.raises(ValueError, match=r"expected an op in \[0, 7\), got 7"):
+        kernels.elementwise(7, (an,), ())
     with pytest.raises(TypeError, match="must be real number"):
         kernels.elementwise(5, (an, bn), ("x",))
     with pytest.raises(ValueError, match="sub_add: expected buffer 0 to be or be apart from buffer 1"):
