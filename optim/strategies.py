@@ -238,8 +238,23 @@ class OuterStrategy(abc.ABC):
         state["num_rounds"] = torch.tensor(self._num_rounds, dtype=torch.int64)
         return state
 
+    def state_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every tensor `state_dict` returns: what a donor's state must hold."""
+        layout = {key: (tensor.dtype, tuple(tensor.shape)) for key, tensor in self._buffers().items()}
+        layout["num_rounds"] = (torch.int64, ())
+        return layout
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Install a state from `state_dict` (e.g. a donor's); keys, shapes, dtypes and finiteness are checked."""
+        """Install a state from `state_dict` (e.g. a donor's); keys, shapes, dtypes and finiteness are checked
+        first (`check_state_dict`): a state that fails them changes nothing."""
+        self.check_state_dict(state)
+        for key, live in self._buffers().items():
+            live.copy_(state[key])
+        self._num_rounds = int(state["num_rounds"])
+
+    def check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Raise StrategyError, naming what was expected and what came, unless `state` is one `load_state_dict`
+        installs: its keys, dtypes and shapes those of `state_dict`, every value finite, num_rounds >= 0."""
         buffers = self._buffers()
         expected_keys = {*buffers, "num_rounds"}
         if set(state) != expected_keys:
@@ -264,11 +279,8 @@ class OuterStrategy(abc.ABC):
                 raise StrategyError(
                     f"{self.name} state {key}: expected {live.dtype} {list(live.shape)}, got {got}"
                 )
-            if not bool(torch.isfinite(value).all()):
+            if not all_finite(value):
                 raise StrategyError(f"{self.name} state {key}: expected only finite values, got NaN/Inf")
-        for key, live in buffers.items():
-            live.copy_(state[key])
-        self._num_rounds = int(rounds)
         self._staged = None
 
     # ---- helpers --------------------------------------------------------------------------------------------

@@ -417,6 +417,8 @@ async def fetch_state(
     expect_run_hash: str | None = None,
     vouched: Mapping[int, Collection[str]] | None = None,
     on_refused: Callable[[str, str, str], None] | None = None,
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+    check: Callable[[dict[str, Any], dict[str, torch.Tensor]], str | None] | None = None,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
     segment_bytes: int = SEGMENT_BYTES,
@@ -438,6 +440,14 @@ async def fetch_state(
     serving wrong bytes under the right manifest cannot stop a join. `on_refused(donor, reason, detail)` hears
     of every refusal. Raises StateSyncError when no donor can serve a consistent, verified state within
     `timeout` seconds.
+
+    What the state must be for the caller to install it: `layout` (tensor name -> (dtype, shape)) is checked
+    against each manifest before a byte is fetched (`WRONG_LAYOUT`); `check(meta, tensors)` on the verified
+    tensors (in a worker thread: it may read them all, for finiteness say) returns None or what is wrong with
+    them, which refuses every donor that served that manifest (`BAD_STATE_VALUES`: their bytes were its bytes)
+    and the next manifest's donors are asked. A theta the swarm vouches for does not vouch for the strategy
+    state beside it: without these a donor could serve a NaN momentum the joiner's install would refuse only
+    after the fetch, with no other donor tried.
     """
     if not donors:
         raise StateSyncError("fetch_state needs at least one donor address, got none")
@@ -490,9 +500,58 @@ async def fetch_state(
                     "UNVOUCHED_ROUND",
                     f"serves round {candidate.round_id}, for which no member vouches yet",
                 )
-    if not manifests:
-        raise StateSyncError(f"no donor answered with a usable manifest: {failures}")
-    manifest, chosen = _choose(manifests, expect_run_hash)
+    if layout is not None:
+        for donor, candidate in list(manifests.items()):
+            problem = _layout_problem(candidate, layout)
+            if problem is not None:
+                del manifests[donor]
+                refuse(donor, "WRONG_LAYOUT", problem)
+    while True:
+        if not manifests:
+            raise StateSyncError(f"no donor answered with a usable manifest: {failures}")
+        manifest, chosen = _choose(manifests, expect_run_hash)
+        tensors = await _download_verified(
+            client, manifest, chosen, deadline, failures, refuse, on_progress, segment_bytes
+        )
+        meta = dict(manifest.meta)
+        problem = None if check is None else await asyncio.to_thread(check, meta, tensors)
+        if problem is None:
+            return meta, tensors
+        for donor in chosen:
+            del manifests[donor]
+            refuse(donor, "BAD_STATE_VALUES", problem)
+
+
+def _layout_problem(
+    manifest: Manifest, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> str | None:
+    """What in `manifest` differs from the expected tensor layout (name -> (dtype, shape)), or None."""
+    served = {t.name: (DTYPES[t.dtype], tuple(t.shape)) for t in manifest.tensors}
+    if served.keys() != layout.keys():
+        return (
+            f"expected tensors {sorted(layout)}, got {sorted(served)} (missing {sorted(layout.keys() - served)}, "
+            f"unexpected {sorted(served.keys() - layout)})"
+        )
+    for name, (dtype, shape) in layout.items():
+        if served[name] != (dtype, tuple(shape)):
+            got_dtype, got_shape = served[name]
+            return f"tensor {name}: expected {dtype} {list(shape)}, got {got_dtype} {list(got_shape)}"
+    return None
+
+
+async def _download_verified(
+    client: RpcClient,
+    manifest: Manifest,
+    chosen: list[str],
+    deadline: float,
+    failures: dict[str, str],
+    refuse: Callable[[str, str, str], None],
+    on_progress: Callable[[int, int], None] | None,
+    segment_bytes: int,
+) -> dict[str, torch.Tensor]:
+    """The tensors of `manifest` from `chosen`, hash-verified. When they do not hash to the manifest and several
+    donors served them, each is asked alone in turn, and the first whose own transfer verifies gives them; a
+    donor whose does not is refused (`BAD_STATE_DATA`). StateSyncError when none does."""
 
     async def download(donors: list[str]) -> dict[str, torch.Tensor]:
         return await _download(
@@ -500,7 +559,7 @@ async def fetch_state(
         )
 
     try:
-        tensors = await download(chosen)
+        return await download(chosen)
     except _BadData as bad:
         if len(chosen) == 1:
             refuse(chosen[0], "BAD_STATE_DATA", str(bad))
@@ -508,17 +567,14 @@ async def fetch_state(
         logger.warning("%s: asking each donor alone", bad)
         for donor in chosen:
             try:
-                tensors = await download([donor])
+                return await download([donor])
             except _BadData as alone:
                 refuse(donor, "BAD_STATE_DATA", str(alone))
             except StateSyncError as error:
                 failures[donor] = str(error)
-            else:
-                return dict(manifest.meta), tensors
         raise StateSyncError(
             f"no donor of round {manifest.round_id} served data matching its manifest: {failures}"
         ) from None
-    return dict(manifest.meta), tensors
 
 
 class _BadData(StateSyncError):

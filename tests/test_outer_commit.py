@@ -148,6 +148,14 @@ def test_an_install_that_fails_its_checks_changes_nothing(tmp_path: Path) -> Non
     bad_shape = {**state, "theta": torch.zeros(agent.num_params + 1)}
     with pytest.raises(AgentError, match=rf"expected theta float32\[{agent.num_params}\], got torch.float32"):
         asyncio.run(agent._install({"round_id": 9, "run_hash": agent.run_hash}, bad_shape))
+    nan_momentum = {
+        **state,
+        "strategy.momentum_buffer": torch.full_like(state["strategy.momentum_buffer"], 1.0),
+    }
+    nan_momentum["strategy.momentum_buffer"][-1] = float("nan")
+    with pytest.raises(AgentError, match="donor state: .*momentum_buffer: expected only finite values"):
+        asyncio.run(agent._install({"round_id": 9, "run_hash": agent.run_hash}, nan_momentum))
+    assert not agent.strategy.state_dict()["momentum_buffer"].any()  # not half-installed either
     with pytest.raises(AgentError, match="donor serves another run"):
         asyncio.run(
             agent._install({"round_id": 9, "run_hash": "0" * 64}, {**state, "theta": state["theta"] + 1})

@@ -509,3 +509,73 @@ def test_a_donor_serving_wrong_bytes_under_the_agreed_manifest_is_found_and_the_
             await good_server.stop(0)
 
     run(body)
+
+
+def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor_gives_it(
+    tmp_path: Any,
+) -> None:
+    """The swarm vouches for theta only. A donor serving the vouched theta beside a strategy state of another
+    layout is refused before a byte is fetched (WRONG_LAYOUT); one serving it beside a NaN momentum under a
+    manifest consistent with it is refused once the bytes verify (BAD_STATE_VALUES), and the honest donor's
+    state is fetched and installed. Checked with a real agent's layout and checks (what `_sync_from` passes)."""
+    from farloco.node.config import load_config
+    from farloco.node.daemon.agent import Agent
+
+    agent = Agent(load_config(None, []), tmp_path / "joiner")
+    honest = agent.outer.snapshot()
+    honest["theta"] += 0.25  # the swarm's theta, a few rounds on
+    meta = {"round_id": 5, "run_hash": agent.run_hash}
+    nan_momentum = {**honest, "strategy.momentum_buffer": honest["strategy.momentum_buffer"].clone()}
+    nan_momentum["strategy.momentum_buffer"][123] = float("nan")
+    wrong_layout = {**honest, "strategy.momentum_buffer": torch.zeros(7)}
+    theta_hash = theta_sha(honest["theta"])
+
+    async def body() -> None:
+        servers = [
+            await donor((meta, state), name)
+            for name, state in (("layout", wrong_layout), ("nan", nan_momentum), ("honest", honest))
+        ]
+        (s_layout, ss_layout, layout_addr), (s_nan, ss_nan, nan_addr), (s_ok, ss_ok, ok_addr) = servers
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        refused: list[tuple[str, str, str]] = []
+        try:
+            # The NaN donor alone: refused after its bytes verified, and nobody else to ask.
+            with pytest.raises(StateSyncError, match="no donor answered with a usable manifest"):
+                await fetch_state(
+                    client,
+                    [layout_addr, nan_addr],
+                    timeout=30,
+                    vouched={5: {theta_hash}},
+                    on_refused=lambda *r: refused.append(r),
+                    layout=agent._state_layout(),
+                    check=agent._state_problem,
+                )
+            assert [(d, reason) for d, reason, _ in refused] == [
+                (layout_addr, "WRONG_LAYOUT"),
+                (nan_addr, "BAD_STATE_VALUES"),
+            ]
+            assert "strategy.momentum_buffer: expected torch.float32" in refused[0][2]
+            assert "momentum_buffer: expected only finite values, got NaN/Inf" in refused[1][2]
+            assert ss_layout.bytes_served == 0
+            refused.clear()
+            # With an honest donor beside them (a manifest of its own): its state, installed as it came.
+            got_meta, got = await fetch_state(
+                client,
+                [layout_addr, nan_addr, ok_addr],
+                timeout=30,
+                vouched={5: {theta_hash}},
+                on_refused=lambda *r: refused.append(r),
+                layout=agent._state_layout(),
+                check=agent._state_problem,
+            )
+            assert {reason for _, reason, _ in refused} == {"WRONG_LAYOUT", "BAD_STATE_VALUES"}
+            assert_same(got, honest)
+            await agent._install(got_meta, got)
+            assert agent.round_id == 5 and agent.outer_hash == theta_hash
+        finally:
+            await client.close()
+            for server, _, _ in servers:
+                await server.stop(0)
+
+    run(body)
+    agent._outer_thread().shutdown()

@@ -18,6 +18,7 @@ from farloco.node.daemon.core import (
 )
 from farloco.node.daemon.outer import theta_hash
 from farloco.node.daemon.ranks import RanksAgent
+from farloco.optim.strategies import StrategyError
 
 
 class SnapshotAgent(RanksAgent):
@@ -60,11 +61,30 @@ class SnapshotAgent(RanksAgent):
         if theta is None or theta.shape != self.theta.shape or theta.dtype != torch.float32:
             got = None if theta is None else f"{theta.dtype}{list(theta.shape)}"
             raise AgentError(f"donor state: expected theta float32[{self.num_params}], got {got}")
+        try:
+            self.strategy.load_state_dict(_strategy_part(tensors))  # checks everything before it writes
+        except StrategyError as exc:
+            raise AgentError(f"donor state: {exc}") from None
         self.theta.copy_(theta)
-        self.strategy.load_state_dict(
-            {k.removeprefix("strategy."): v for k, v in tensors.items() if k.startswith("strategy.")}
-        )
         return theta_hash(self.theta)
+
+    def _state_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every tensor of the state we serve and install (`outer.snapshot`)."""
+        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            "theta": (torch.float32, (self.num_params,))
+        }
+        layout.update({f"strategy.{k}": v for k, v in self.strategy.state_layout().items()})
+        return layout
+
+    def _state_problem(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str | None:
+        """What keeps a fetched state from being installed (`_load_state` would refuse it), or None: a donor's
+        strategy state of the wrong layout, with NaN/Inf or a negative round count. Reads every value: called
+        in a worker thread (statesync.fetch_state's `check`)."""
+        try:
+            self.strategy.check_state_dict(_strategy_part(tensors))
+        except StrategyError as exc:
+            return str(exc)
+        return None
 
     async def _install(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Make `tensors` (a donor's, or a checkpoint's) our outer state at round `meta['round_id']`. The copies
@@ -281,3 +301,8 @@ class SnapshotAgent(RanksAgent):
             data_slot=self.slot,
             data_step=self.round_id * self.config.run.inner_steps,
         )
+
+
+def _strategy_part(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The strategy's state in a served or saved state (its `strategy.` tensors, without the prefix)."""
+    return {k.removeprefix("strategy."): v for k, v in tensors.items() if k.startswith("strategy.")}

@@ -225,6 +225,8 @@ class SwarmAgent(ChaosAgent):
                 vouched=vouched,
                 on_refused=self._state_refused,
                 on_progress=self.sync_progress.update,
+                layout=self._state_layout(),
+                check=self._state_problem,
             )
         finally:
             self.sync_progress.close()
