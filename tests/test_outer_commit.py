@@ -153,7 +153,7 @@ def test_an_install_that_fails_its_checks_changes_nothing(tmp_path: Path) -> Non
         "strategy.momentum_buffer": torch.full_like(state["strategy.momentum_buffer"], 1.0),
     }
     nan_momentum["strategy.momentum_buffer"][-1] = float("nan")
-    with pytest.raises(AgentError, match="donor state: .*momentum_buffer: expected only finite values"):
+    with pytest.raises(AgentError, match=r"donor state: .*momentum_buffer: expected only finite values"):
         asyncio.run(agent._install({"round_id": 9, "run_hash": agent.run_hash}, nan_momentum))
     assert not agent.strategy.state_dict()["momentum_buffer"].any()  # not half-installed either
     with pytest.raises(AgentError, match="donor serves another run"):

@@ -535,7 +535,7 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
             await donor((meta, state), name)
             for name, state in (("layout", wrong_layout), ("nan", nan_momentum), ("honest", honest))
         ]
-        (s_layout, ss_layout, layout_addr), (s_nan, ss_nan, nan_addr), (s_ok, ss_ok, ok_addr) = servers
+        (_, ss_layout, layout_addr), (_, _, nan_addr), (_, _, ok_addr) = servers
         client = RpcClient(Authenticator("run", SECRET, "joiner"))
         refused: list[tuple[str, str, str]] = []
         try:
