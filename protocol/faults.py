@@ -152,14 +152,20 @@ class FaultPlan:
     die_serving_state: int | None = None  # SIGKILL once this many bytes of state were served
     corrupt_theta: set[int] = field(default_factory=set)  # nudge theta_outer after committing these rounds
     poison_state: bool = False  # serve joiners a wrong theta under a manifest consistent with it
+    poison_strategy: bool = False  # serve joiners the right theta beside a NaN strategy state, consistently
 
     def at(self, phase: str, round_id: int) -> list[PhaseFault]:
         return [f for f in self.phase if f.applies(phase, round_id)]
 
     def __bool__(self) -> bool:
-        return bool(self.dht or self.phase or self.slow_steps or self.corrupt_theta or self.poison_state) or (
-            self.die_serving_state is not None
-        )
+        return bool(
+            self.dht
+            or self.phase
+            or self.slow_steps
+            or self.corrupt_theta
+            or self.poison_state
+            or self.poison_strategy
+        ) or (self.die_serving_state is not None)
 
 
 FAULT_GRAMMAR = (
@@ -168,7 +174,8 @@ FAULT_GRAMMAR = (
     + ", ".join(PHASES)
     + "; ROUNDS N, N-M or N+ (default: every round); "
     "or dht-refuse-stores=N, dht-refuse-stores-for=SECONDS, dht-silent-after=SECONDS, slow-steps=SECONDS, "
-    "die-serving-state@BYTES, corrupt-theta@ROUND, poison-state, byzantine=ATTACK (wrong=ATTACK@exchange)"
+    "die-serving-state@BYTES, corrupt-theta@ROUND, poison-state, poison-strategy-state, byzantine=ATTACK "
+    "(wrong=ATTACK@exchange)"
 )
 
 
@@ -247,6 +254,8 @@ def parse_faults(spec: str, attacks: Collection[str] | None = None) -> FaultPlan
             continue
         if entry == "poison-state":
             plan.poison_state = True
+        elif entry == "poison-strategy-state":
+            plan.poison_strategy = True
         elif name == "slow-steps":
             plan.slow_steps = _seconds(rest, entry)
         elif name == "byzantine":

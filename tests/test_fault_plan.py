@@ -41,6 +41,7 @@ def test_the_older_entries_keep_their_meaning() -> None:
         "dht-refuse-stores=3,slow-steps=0.5,die-serving-state@4096,corrupt-theta@2,byzantine=noise,poison-state"
     )
     assert plan.poison_state and not parse_faults("slow-steps=1").poison_state
+    assert parse_faults("poison-strategy-state").poison_strategy and not plan.poison_strategy
     assert plan.dht == {"refuse_stores": 3}
     assert plan.slow_steps == 0.5 and plan.die_serving_state == 4096 and plan.corrupt_theta == {2}
     # byzantine=KIND is a wrong update in every round's exchange

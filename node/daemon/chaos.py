@@ -89,18 +89,26 @@ class ChaosAgent(SnapshotAgent):
 
     async def _served_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The committed state donors serve (`_state_snapshot`: copies made under `_outer_lock`, never from a
-        state half-way through a commit or an install). FARLOCO_FAULTS 'poison-state': a donor that serves joiners a wrong theta
-        (its own, nudged) under a manifest and meta consistent with it, while its own rounds, records and
-        checkpoints stay honest: what the joiner's check against the hashes the swarm vouches for must refuse."""
+        state half-way through a commit or an install). FARLOCO_FAULTS 'poison-state': a donor that serves joiners
+        a wrong theta (its own, nudged) under a manifest and meta consistent with it, while its own rounds, records
+        and checkpoints stay honest: what the joiner's check against the hashes the swarm vouches for must refuse.
+        'poison-strategy-state': the swarm's theta beside a strategy state with a NaN (the same NaN on every such
+        donor, so their manifests agree): what the joiner's check of what it would install must refuse."""
         meta, tensors = await self._state_snapshot()
-        if not self.faults.poison_state:
+        if not (self.faults.poison_state or self.faults.poison_strategy):
             return meta, tensors
-        theta = tensors["theta"].clone()
-        theta += 1e-2
+        fault = "poison-state" if self.faults.poison_state else "poison-strategy-state"
         if self._poisoned_round != meta["round_id"]:
             self._poisoned_round = meta["round_id"]
-            self.events.write("fault", round_id=meta["round_id"], phase="serve", fault="poison-state")
-            log.warning("fault injected: serving a poisoned state of round %d", meta["round_id"])
+            self.events.write("fault", round_id=meta["round_id"], phase="serve", fault=fault)
+            log.warning("fault injected: serving a poisoned state of round %d (%s)", meta["round_id"], fault)
+        if self.faults.poison_strategy:
+            name = next(k for k, t in tensors.items() if k.startswith("strategy.") and t.is_floating_point())
+            poisoned = tensors[name].clone()
+            poisoned.view(-1)[0] = float("nan")
+            return meta, {**tensors, name: poisoned}
+        theta = tensors["theta"].clone()
+        theta += 1e-2
         return {**meta, "outer_hash": theta_hash(theta)}, {**tensors, "theta": theta}
 
     def _save_fault(self, round_id: int) -> Any:

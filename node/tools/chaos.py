@@ -1241,6 +1241,44 @@ SCENARIOS: dict[str, Scenario] = {
             rounds=14,  # a joiner starts its ranks and trains its first round while the swarm goes on
         ),
         Scenario(
+            "poisoned-strategy-donor",
+            "4 nodes; nodes 1 and 2 serve joiners the swarm's theta beside the same strategy state with a NaN in "
+            "its momentum, under a manifest consistent with it (the theta the swarm vouches for: only the install "
+            "would refuse it), their own rounds honest; node 3 joins once round 3 committed, nodes 0-2 its donors: "
+            "the poisoned manifest outvotes the honest one 2 to 1",
+            (
+                Fault(
+                    "poisoned strategy state (node 1)",
+                    1,
+                    0,
+                    plan="poison-strategy-state",
+                    expected="serves its poisoned state to whoever asks; its own rounds go on",
+                    checks=("fired",),
+                ),
+                Fault(
+                    "poisoned strategy state (node 2)",
+                    2,
+                    0,
+                    plan="poison-strategy-state",
+                    expected="the same",
+                    checks=("fired",),
+                ),
+                Fault(
+                    "a node joins",
+                    3,
+                    3,
+                    signal="join",
+                    expected="it fetches the poisoned manifest (the vouched theta, two donors), finds the NaN before "
+                    "installing anything (BAD_STATE_VALUES), fetches node 0's state and contributes from its next "
+                    "round; no fork, no crash",
+                    checks=("strategy_poison_refused", "synced", "back"),
+                ),
+            ),
+            peers=4,
+            late_peers=(3,),
+            rounds=14,
+        ),
+        Scenario(
             "bootstrap-lost",
             "3 nodes; once round 3 committed the bootstrap node (the only initial peer) is SIGKILLed for good, "
             "then node 2, restarted 1 s after",
@@ -1502,12 +1540,11 @@ def _check(
             if outcome.ignored.get("BAD_MEMBER_PROOF")
             else f"no node counted the forged proof: {outcome.ignored}"
         )
-    if check == "poison_refused":
-        refused = [
-            e for e in outcome.events[name] if e["event"] == "state_refused" and e["reason"] == "WRONG_STATE"
-        ]
+    if check in ("poison_refused", "strategy_poison_refused"):
+        reason = "WRONG_STATE" if check == "poison_refused" else "BAD_STATE_VALUES"
+        refused = [e for e in outcome.events[name] if e["event"] == "state_refused" and e["reason"] == reason]
         if not refused:
-            return "the joiner refused no state as WRONG_STATE"
+            return f"the joiner refused no state as {reason}"
         synced = [e for e in outcome.events[name] if e["event"] == "synced"]
         poisoned = {e["donor"] for e in refused}
         only_poisoned = [e for e in synced if set(e.get("donors", [])) <= poisoned]
