@@ -19,7 +19,8 @@ from farloco.node.daemon.rounds import Averaged
 from farloco.protocol.statesync import StateServer
 
 
-def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) -> None:
+def committable(tmp_path: Path) -> tuple[Agent, StateServer, Prepared, Averaged]:
+    """A bare agent (int8) with the state server it registers, and a round's contribution ready to commit."""
     agent = Agent(load_config(None, ['run.codec="int8"']), tmp_path / "node")
     server = StateServer(agent._served_state)  # what the node serves joiners, as Agent._serve registers it
     generator = torch.Generator().manual_seed(0)
@@ -27,7 +28,11 @@ def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) ->
     contribution = agent.outer.contribution(theta_local)
     transmitted = agent.codec.decode(agent.codec.encode(contribution))
     prepared = Prepared(theta_local, contribution, fixed_reference=False)
-    averaged = Averaged(transmitted, transmitted, ("self",), 0, 0, 0)
+    return agent, server, prepared, Averaged(transmitted, transmitted, ("self",), 0, 0, 0)
+
+
+def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) -> None:
+    agent, server, prepared, averaged = committable(tmp_path)
     before, theta_before = agent.round_id, agent.theta.clone()
 
     # The commit, held inside its thread until the test lets it go.
@@ -81,14 +86,7 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
     """A donor's snapshot (12 bytes per parameter of copies with diloco: 12 GB at 1B) is copied on the outer
     thread while the loop serves; a commit and an install (a fork healed, a catch-up) that come meanwhile wait
     for the copy, so the bytes served are the state the manifest names; then both go through in order."""
-    agent = Agent(load_config(None, ['run.codec="int8"']), tmp_path / "node")
-    server = StateServer(agent._served_state)
-    generator = torch.Generator().manual_seed(1)
-    theta_local = agent.theta + 1e-3 * torch.randn(agent.theta.shape, generator=generator)
-    contribution = agent.outer.contribution(theta_local)
-    transmitted = agent.codec.decode(agent.codec.encode(contribution))
-    prepared = Prepared(theta_local, contribution, fixed_reference=False)
-    averaged = Averaged(transmitted, transmitted, ("self",), 0, 0, 0)
+    agent, server, prepared, averaged = committable(tmp_path)
     other = agent.outer.snapshot()
     other["theta"] += 0.5  # the state a donor of round 7 serves us
     other_meta = {"round_id": 7, "run_hash": agent.run_hash}
