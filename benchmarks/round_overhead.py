@@ -21,7 +21,8 @@ flat theta of `--params` float32 values; the network is left out. Each round, as
 
 Reported apart, because they do not happen every round: `snapshot` (the copies a donor serves, built on a
 joiner's first request) and `checkpoint` (the same copies, written atomically by `save_checkpoint` in a worker
-thread every `checkpoint.every_rounds`).
+thread every `checkpoint.every_rounds`), and `prefault` (the round's buffers written once, as a joining agent
+does before its first round; `--no-prefault` leaves their page faults to the first round, `first_round`).
 
 Memory: the peak of the process's private memory (the kernel's high-water mark VmHWM, reset before the rounds,
 less the file-backed and shared pages) above what it held after imports (RssAnon), less the stand-in peer's
@@ -139,6 +140,11 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         handoff.publish(theta, round_id=0, step_base=0, inner_steps=1)
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
         overlap = args.strategy == "streaming-diloco"
+        prefault_s = 0.0
+        if args.prefault:  # as a joining agent does on its outer thread, before its first round
+            started = time.perf_counter()
+            outer.prefault(False)
+            prefault_s = time.perf_counter() - started
         samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
         sampler = PeakPrivate()
         sampler.start()
@@ -224,6 +230,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         "ns_per_param": ns,
         "round_ns_per_param": round(sum(steady.values()) * 1e9 / numel, 2),
         "first_round_ns_per_param": round(sum(v[0] for v in samples.values()) * 1e9 / numel, 2),
+        "prefault_ns_per_param": round(prefault_s * 1e9 / numel, 2),
         "snapshot_ns_per_param": round(snapshot_s * 1e9 / numel, 2),
         "checkpoint_ns_per_param": round(checkpoint_s * 1e9 / numel, 2),
         "memcpy_ns_per_param": round(memcpy_ns_per_param(numel), 2),
@@ -278,6 +285,12 @@ def main() -> None:
         "--checkpoint-dir", default=None, help="where the checkpoint is written (default: the temp dir)"
     )
     parser.add_argument("--markdown", action="store_true", help="also print a table for BENCHMARKS.md")
+    parser.add_argument(
+        "--no-prefault",
+        dest="prefault",
+        action="store_false",
+        help="leave the round's buffers to be paged in by the first round (the agent writes them at join)",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -296,6 +309,8 @@ def main() -> None:
                     sys.executable, __file__, "--one", "--params", params, "--strategy", strategy,
                     "--codec", codec, "--rounds", str(args.rounds), "--threads", str(args.threads),
                 ]  # fmt: skip
+                if not args.prefault:
+                    command.append("--no-prefault")
                 if args.checkpoint_dir:
                     command += ["--checkpoint-dir", args.checkpoint_dir]
                 result = subprocess.run(command, capture_output=True, text=True)

@@ -3,6 +3,7 @@ strategy API, the chunked passes the same bits as whole-vector ones, and bad inp
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 
 import pytest
@@ -113,6 +114,40 @@ def test_a_round_alone_sends_nothing_loses_nothing_and_keeps_the_work_buffer_apa
     assert torch.equal(outer.strategy.state_dict()["residual"], torch.zeros(1000))
     assert torch.allclose(outer.theta, torch.full((1000,), -0.5 * 0.7 * 1.9))
     assert outer.rehash() == theta_hash(outer.theta)
+
+
+def _resident_pages(tensor: torch.Tensor) -> int:
+    """Pages of `tensor`'s memory the process has touched (mincore on an anonymous mapping: resident)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_prefault_writes_the_round_buffers_the_round_then_uses(reference: bool) -> None:
+    """A joining agent has the outer thread write every page of the round's buffers once: the round uses those
+    very buffers (no allocation of the model's size after), and their pages are resident before it starts."""
+    numel = 3 * (1 << 20)  # 12 MiB each: far above malloc's mmap threshold, so fresh pages until written
+    codec = get_codec("int8")
+    outer = OuterRound(torch.zeros(numel), make_strategy("diloco", numel, codec), codec)
+    outer.prefault(reference)
+    work, (mean, sent) = outer._work, outer.exchange_buffers(numel)
+    assert work is not None
+    buffers = [work, mean, sent] + ([outer.reference(outer.theta)] if reference else [])
+    assert (outer._reference is not None) == reference
+    for buffer in buffers:
+        assert _resident_pages(buffer) >= buffer.numel() * 4 // mmap.PAGESIZE - 1
+    contribution = outer.contribution(torch.full((numel,), -0.5))
+    assert contribution.data_ptr() == work.data_ptr()
+    again = outer.exchange_buffers(numel)
+    assert (again[0].data_ptr(), again[1].data_ptr()) == (mean.data_ptr(), sent.data_ptr())
 
 
 def test_non_finite_weights_from_the_ranks_are_named() -> None:

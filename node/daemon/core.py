@@ -313,6 +313,8 @@ class AgentCore:
         self._inner_resume: Path | None = None  # verified inner/ of the checkpoint resumed from
         self._inner_load_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        # While a joining node writes its round buffers' pages once (swarm.py `_join`).
+        self._prefault_task: asyncio.Task[tuple[None, bool]] | None = None
         # A member-record store after a round, while in flight.
         self._record_task: asyncio.Task[None] | None = None
         self.isolation = IsolationWatch()

@@ -20,10 +20,13 @@ faults and zeroing), and a round that touches each value a few times is bound by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from farloco.node.checkpoint import theta_digest
 from farloco.optim import Codec, OuterStrategy
+from farloco.optim.ranges import run_split
 from farloco.optim.wire import all_finite, nonfinite_error
 
 
@@ -70,6 +73,23 @@ class OuterRound:
         publish_buffer.copy_(self.theta)
         self.theta = publish_buffer
         return publish_buffer
+
+    def prefault(self, reference: bool) -> None:
+        """Allocate the round's buffers now and write every page of them once (zeros, over the agent's threads):
+        the work buffer, the exchange's mean and transmitted, and with `reference` (run.outer_update delayed or
+        eager) the copy of where the ranks' sequence began. Their first write otherwise fell on the first round,
+        page fault by page fault: 2.1 s of the first contribution at 1B on the H200 host. The agent runs this on
+        its outer thread while a joining node waits for its ranks and the swarm's state; never during a round
+        (it overwrites the buffers)."""
+        if self._work is None:
+            self._work = torch.empty(self.max_numel, dtype=torch.float32)
+        buffers = [self._work, *self.exchange_buffers(self.max_numel)]
+        if reference:
+            if self._reference is None:
+                self._reference = torch.empty(self.strategy.num_params, dtype=torch.float32)
+            buffers.append(self._reference)
+        for buffer in buffers:
+            run_split(functools.partial(_zero, buffer), buffer.numel(), 4)
 
     # ---- the round's phases -------------------------------------------------------------------------------------
     def read_local(self, local: torch.Tensor, *, copy: bool) -> torch.Tensor:
@@ -179,3 +199,7 @@ class OuterRound:
         for name, tensor in self.strategy.state_dict().items():  # state_dict() returns copies
             tensors[f"strategy.{name}"] = tensor
         return tensors
+
+
+def _zero(buffer: torch.Tensor, part: slice) -> None:
+    buffer[part].zero_()

@@ -108,7 +108,17 @@ class SwarmAgent(ChaosAgent):
                 log.warning("heartbeat failed: %s", exc)
 
     async def _join(self) -> None:
-        """Refuse a mismatched run, claim a data slot, and fetch the swarm's state if it is already training."""
+        """Refuse a mismatched run, claim a data slot, and fetch the swarm's state if it is already training.
+        Meanwhile the outer thread writes every page of the round's buffers once (`OuterRound.prefault`): the
+        first round does not pay their page faults, and it starts only once that is done."""
+        try:
+            await self._join_swarm()
+        finally:
+            if self._prefault_task is not None:
+                await self._prefault_task
+                self._prefault_task = None
+
+    async def _join_swarm(self) -> None:
         from farloco.protocol.membership import MembershipError
 
         self.status = Status.SYNCING
@@ -140,6 +150,10 @@ class SwarmAgent(ChaosAgent):
         # it. A restarted node that started them after its sync spent seconds past the round it had fetched, the
         # swarm froze that round without it, and it fetched again.
         self._start_trainers()
+        self._prefault_task = asyncio.create_task(
+            self._on_outer_thread(self.outer.prefault, self.config.run.outer_update != "sync"),
+            name="farloco-prefault",
+        )
         # Heartbeats from now on: during a long state fetch our record must stay live and say `syncing`, which
         # is what makes the others wait for us (protocol/matchmaking.py, catching up).
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="farloco-heartbeat")
