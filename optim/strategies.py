@@ -19,10 +19,10 @@ At 100M+ parameters the round is bound by memory traffic, not arithmetic, so the
 of the model's size: `make_contribution(..., out=buffer)` writes into a buffer the caller keeps,
 `propose(..., reuse=True)` turns that buffer into the staged error-feedback state in place, and `commit()`
 installs it by swapping buffers and hands back the one it replaced (the caller's next `out`). The elementwise
-passes (contributions, outer steps, DeMo's sign step, the eager preview, the streaming merge) run in one pass per range in the
-optional C kernels (`_in_one_pass`, optim/_kernels.c: no GIL held, so the agent's threads scale); without them,
-multi-pass updates run in cache-sized chunks of torch ops. Both do the same operations in the same order: the
-same bits.
+passes (contributions, outer steps, DeMo's sign step, the eager preview, the streaming merge) run in one pass
+per range in the optional C kernels (`_in_one_pass`, optim/_kernels.c: no GIL held, so the agent's threads
+scale); without them, multi-pass updates run in cache-sized chunks of torch ops. Both do the same operations in
+the same order: the same bits.
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ class OuterStrategy(abc.ABC):
         for key, live in self._buffers().items():
             live.copy_(state[key])
         self._num_rounds = int(state["num_rounds"])
+        self._staged = None
 
     def check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Raise StrategyError, naming what was expected and what came, unless `state` is one `load_state_dict`
@@ -281,7 +282,6 @@ class OuterStrategy(abc.ABC):
                 )
             if not all_finite(value):
                 raise StrategyError(f"{self.name} state {key}: expected only finite values, got NaN/Inf")
-        self._staged = None
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def _check_vector(self, what: str, tensor: object, numel: int) -> None:

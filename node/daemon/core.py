@@ -324,8 +324,9 @@ class AgentCore:
 
     def _outer_thread(self) -> ThreadPoolExecutor:
         """The one thread the outer state's long passes run on, off the event loop (a commit, a delayed
-        update's contribution, the served state's copies, an install: `_on_outer_thread`), made on first use (no thread may start before the
-        DHT forks), with the event loop thread's torch thread count."""
+        update's contribution, the served state's copies, an install, the round buffers' first write:
+        `_on_outer_thread`), made on first use (no thread may start before the DHT forks), with the event loop
+        thread's torch thread count."""
         if self._outer_executor is None:
             self._outer_executor = ThreadPoolExecutor(
                 1,

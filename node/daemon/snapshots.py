@@ -93,9 +93,8 @@ class SnapshotAgent(RanksAgent):
         async with self._outer_lock:
             outer_hash, cancelled = await self._on_outer_thread(self._load_state, meta, tensors)
             self.round_id = int(meta["round_id"])
-            exchange = getattr(
-                self, "exchange", None
-            )  # not yet made when a node resumes its checkpoint at start
+            # No exchange yet when a node resumes its checkpoint at start.
+            exchange = getattr(self, "exchange", None)
             if exchange is not None:
                 exchange.advance(self.round_id)
             self.outer_hash = outer_hash
