@@ -162,6 +162,17 @@ class ChaosAgent(SnapshotAgent):
         self._byzantine_stale = contribution.clone()  # "stale" sends the round before's
         return sent
 
+    def _honest_transmitted(self, contribution: torch.Tensor) -> torch.Tensor:
+        """What the swarm would have seen of `contribution` had a Byzantine insider sent it (the codec's round
+        trip): its error feedback is staged from that, so the wrong update stays in the rounds the fault plan
+        names. From what it really sent, its residual carried about 1000 times its update into the rounds after
+        and the attack went on there."""
+        if self.codec.lossless:
+            return contribution
+        transmitted = torch.empty_like(contribution)
+        self.codec.encode_decoded(contribution, checksum=False, out=transmitted)
+        return transmitted
+
     async def _inject_faults(self) -> None:
         """FARLOCO_FAULTS 'corrupt-theta@R': after committing round R, nudge theta_outer so this node silently
         diverges and the hash check has to repair it."""

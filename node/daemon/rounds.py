@@ -293,13 +293,14 @@ class RoundAgent(SwarmAgent):
             prepared.contribution = self._contribution(prepared.theta_local)
         phase_started = time.monotonic()
         await self._phase_faults("exchange")
-        averaged, facts = await self._average(
-            group, self._byzantine(prepared.contribution), facts, prepared.weight
-        )
+        sent = self._byzantine(prepared.contribution)
+        averaged, facts = await self._average(group, sent, facts, prepared.weight)
         self._phases["exchange"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.COMMIT:
             return await self._close(decision)
         assert averaged is not None
+        if sent is not prepared.contribution:  # a Byzantine insider (chaos) keeps an honest error feedback
+            averaged = replace(averaged, transmitted=self._honest_transmitted(prepared.contribution))
         await self._commit(group, prepared, averaged, started)
         await self._phase_faults("commit", self.round_id - 1)
         return True
