@@ -180,6 +180,10 @@ class NodeConfig:
     """Experiment trackers that also get the per-round figures of logs/agent.jsonl: "tensorboard" (under
     <run-dir>/logs/tensorboard; pip install 'farloco[tensorboard]') and/or "wandb" (project = run.name; its own
     environment applies, e.g. WANDB_MODE=offline; pip install 'farloco[wandb]')."""
+    data_slot: int = -1
+    """The data slot (run.data_slots) this node asks for when it has no checkpoint of the run to resume; kept
+    while no other live member holds it, as a resumed node keeps its checkpoint's. -1: the lowest free one.
+    For a deployment that wants node i on slice i, and for runs that must train the same bits every time."""
     partial_contributions: bool = True
     """A straggler's way out (run.outer_update = sync, with the members' links on): when every other member
     of the round is ready and waits for this node, its ranks end their inner steps after the one they are in
@@ -210,6 +214,8 @@ class NodeConfig:
                 f"node.partial_min_fraction: expected a number in (0, 1], got {self.partial_min_fraction!r}"
             )
         _non_negative(self, "max_restarts", "eval_batches", "island_size", "agent_threads")
+        if not isinstance(self.data_slot, int) or isinstance(self.data_slot, bool) or self.data_slot < -1:
+            raise ConfigError(f"node.data_slot: expected -1 (any) or a slot >= 0, got {self.data_slot!r}")
         if self.island_backend not in ("gloo", "nccl"):
             raise ConfigError(f"node.island_backend: expected 'gloo' or 'nccl', got {self.island_backend!r}")
         if self.island_backend == "nccl" and self.device == "cpu":
@@ -529,6 +535,11 @@ class Config:
                     f"node.island_size={node.island_size}: expected at most run.island_slices="
                     f"{run.island_slices} (each node of an island carries at least one slice)"
                 )
+        if node.data_slot >= run.data_slots:
+            raise ConfigError(
+                f"node.data_slot={node.data_slot}: expected -1 (any) or a slot below run.data_slots="
+                f"{run.data_slots}"
+            )
         if run.seq_len % node.tp:
             raise ConfigError(
                 f"node.tp={node.tp}: expected a divisor of run.seq_len={run.seq_len} (sequence parallelism "

@@ -47,6 +47,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("network.socket_buffer_bytes=-2", "network.socket_buffer_bytes: expected -1, 0 or a size in bytes"),
         ("node.device=tpu", "node.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
         ("node.agent_threads=-1", "node.agent_threads: expected a number >= 0, got -1"),
+        ("node.data_slot=-2", "node.data_slot: expected -1 (any) or a slot >= 0, got -2"),
+        ("node.data_slot=8", "node.data_slot=8: expected -1 (any) or a slot below run.data_slots=8"),
         ("run.name=a/b", "run.name: expected a non-empty name without '/'"),
         ("inner_steps", "expected section.key=value"),
     ],

@@ -395,3 +395,20 @@ def test_a_second_node_on_a_run_directory_in_use_is_refused_naming_the_first(tmp
     assert again.stdin is not None
     again.stdin.close()
     assert again.wait(timeout=30) == 0
+
+
+def test_the_slot_a_node_asks_for_is_its_checkpoints_else_node_data_slot(tmp_path: Path) -> None:
+    """`_saved_slot`, the slot a joining node's first claim asks for: a resumed node keeps its checkpoint's slot;
+    one without a checkpoint of the run asks for node.data_slot (-1: any, the lowest free one)."""
+    import torch
+
+    from farloco.node.checkpoint import checkpoints_dir, save_checkpoint
+    from farloco.node.config import load_config
+    from farloco.node.daemon.agent import Agent
+
+    assert Agent(load_config(None, []), tmp_path / "any")._saved_slot() == -1
+    agent = Agent(load_config(None, ["node.data_slot=5"]), tmp_path / "asked")
+    assert agent._saved_slot() == 5
+    meta = {"run_hash": agent.run_hash, "inner_step": "0", "data_slot": "2"}
+    save_checkpoint(checkpoints_dir(agent.run_dir), 3, {"theta": torch.zeros(4)}, meta)
+    assert agent._saved_slot() == 2  # the checkpoint's slot: its data position goes on there

@@ -221,22 +221,23 @@ class SnapshotAgent(RanksAgent):
 
     def _saved_slot(self) -> int:
         """The data slot our newest checkpoint of this run trained (the slot our first claim asks for: a resumed
-        node keeps its data while nobody else holds it), or -1 (NO_SLOT) when there is none. Its metadata only:
+        node keeps its data while nobody else holds it), else node.data_slot (-1, NO_SLOT: any). Its metadata only:
         theta is read and verified once, when the node resumes (a broken newest checkpoint then falls back to an
         older one, whose node keeps the slot it claimed and goes on from that checkpoint's step)."""
         from farloco.node.checkpoint import CheckpointError, checkpoints_dir, newest_committed, read_metadata
 
+        asked = self.config.node.data_slot  # -1 (any) when not set
         path = newest_committed(checkpoints_dir(self.run_dir))
         if path is None:
-            return -1
+            return asked
         try:
             meta = read_metadata(path)
         except CheckpointError:
-            return -1
+            return asked
         saved = meta.get("data_slot", "")
         if meta.get("run_hash") != self.run_hash or not saved.isdigit():
-            return -1
-        return int(saved) if int(saved) < self.config.run.data_slots else -1
+            return asked
+        return int(saved) if int(saved) < self.config.run.data_slots else asked
 
     def _checkpoint_holding(self, round_id: int, hashes: set[str]) -> Path | None:
         """Our newest loadable checkpoint if it holds round `round_id` with one of `hashes` (the outer hashes the

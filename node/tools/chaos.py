@@ -247,7 +247,11 @@ class ChaosSwarm:
         where: dict[str, Any] = {}
         if self.wan is not None:
             where = {"host": self.wan.address(index + 1), "prefix": self.wan.prefix_command(index + 1)}
-        self.peers[index] = start_peer(f"p{index}", self.work, self.config, self.maddr, 1, env=env, **where)
+        # Node i asks for data slot i (the slots' race at start otherwise gave each run another permutation).
+        slot = ("--set", f"node.data_slot={index}")
+        self.peers[index] = start_peer(
+            f"p{index}", self.work, self.config, self.maddr, 1, slot, env=env, **where
+        )
         self.rss[index] = []  # a new process: its memory is measured from its own first round
         self.first_round[index] = len(self.rounds_of(index)) + 1
 
