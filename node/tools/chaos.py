@@ -970,7 +970,28 @@ def churn_faults() -> tuple[Fault, ...]:
     return tuple(faults)
 
 
-# The rows whose held-out loss is compared with the healthy run's train every inner step of every round: a node
+def _poisoned_donors(name: str, setup: str, what: str, plan: str, joined: str, check: str) -> Scenario:
+    """Nodes 1 and 2 of 4 serve joiners a poisoned state (`plan`) from the start; node 3 joins once round 3
+    committed and must refuse theirs (`check`) and take node 0's (`joined`: what it does)."""
+    donors = tuple(
+        Fault(
+            f"{what} (node {peer})",
+            peer,
+            0,
+            plan=plan,
+            expected="serves its poisoned state to whoever asks; its own rounds go on"
+            if peer == 1
+            else "the same",
+            checks=("fired",),
+        )
+        for peer in (1, 2)
+    )
+    joiner = Fault("a node joins", 3, 3, signal="join", expected=joined, checks=(check, "synced", "back"))
+    # A joiner starts its ranks and trains its first round while the swarm goes on: 14 rounds.
+    return Scenario(name, setup, (*donors, joiner), peers=4, late_peers=(3,), rounds=14)
+
+
+# The rows whose held-out loss is compared# The rows whose held-out loss is compared with the healthy run's train every inner step of every round: a node
 # a moment behind would otherwise end its steps early (a partial contribution), by timing, and the final loss
 # moved by up to ~0.1 between runs of the same row, as much as what the comparison looks for.
 DETERMINISTIC = "node.partial_contributions=false"
@@ -1286,80 +1307,30 @@ SCENARIOS: dict[str, Scenario] = {
                 ),
             ),
         ),
-        Scenario(
+        _poisoned_donors(
             "poisoned-donor",
             "4 nodes; nodes 1 and 2 serve joiners the same wrong theta (the swarm's, nudged by 0.01) under a manifest "
             "consistent with it, their own rounds and records honest; node 3 joins with `farloco join` once round 3 "
             "committed, nodes 0-2 its donors: the poisoned manifest outvotes the honest one 2 to 1",
-            (
-                Fault(
-                    "poisoned state donor (node 1)",
-                    1,
-                    0,
-                    plan="poison-state",
-                    expected="serves its poisoned state to whoever asks; its own rounds go on",
-                    checks=("fired",),
-                ),
-                Fault(
-                    "poisoned state donor (node 2)",
-                    2,
-                    0,
-                    plan="poison-state",
-                    expected="the same",
-                    checks=("fired",),
-                ),
-                Fault(
-                    "a node joins",
-                    3,
-                    3,
-                    signal="join",
-                    expected="it refuses both poisoned states before fetching a byte (their theta is not the one "
-                    "the round's members vouch for in their signed records: WRONG_STATE), fetches node 0's and "
-                    "contributes from its next round; no fork",
-                    checks=("poison_refused", "synced", "back"),
-                ),
-            ),
-            peers=4,
-            late_peers=(3,),
-            rounds=14,  # a joiner starts its ranks and trains its first round while the swarm goes on
+            "poisoned state donor",
+            "poison-state",
+            "it refuses both poisoned states before fetching a byte (their theta is not the one the round's members "
+            "vouch for in their signed records: WRONG_STATE), fetches node 0's and contributes from its next round; "
+            "no fork",
+            "poison_refused",
         ),
-        Scenario(
+        _poisoned_donors(
             "poisoned-strategy-donor",
             "4 nodes; nodes 1 and 2 serve joiners the swarm's theta beside the same strategy state with a NaN in "
             "its momentum, under a manifest consistent with it (the theta the swarm vouches for: only the install "
             "would refuse it), their own rounds honest; node 3 joins once round 3 committed, nodes 0-2 its donors: "
             "the poisoned manifest outvotes the honest one 2 to 1",
-            (
-                Fault(
-                    "poisoned strategy state (node 1)",
-                    1,
-                    0,
-                    plan="poison-strategy-state",
-                    expected="serves its poisoned state to whoever asks; its own rounds go on",
-                    checks=("fired",),
-                ),
-                Fault(
-                    "poisoned strategy state (node 2)",
-                    2,
-                    0,
-                    plan="poison-strategy-state",
-                    expected="the same",
-                    checks=("fired",),
-                ),
-                Fault(
-                    "a node joins",
-                    3,
-                    3,
-                    signal="join",
-                    expected="it fetches the poisoned manifest (the vouched theta, two donors), finds the NaN before "
-                    "installing anything (BAD_STATE_VALUES), fetches node 0's state and contributes from its next "
-                    "round; no fork, no crash",
-                    checks=("strategy_poison_refused", "synced", "back"),
-                ),
-            ),
-            peers=4,
-            late_peers=(3,),
-            rounds=14,
+            "poisoned strategy state",
+            "poison-strategy-state",
+            "it fetches the poisoned manifest (the vouched theta, two donors), finds the NaN before installing "
+            "anything (BAD_STATE_VALUES), fetches node 0's state and contributes from its next round; no fork, no "
+            "crash",
+            "strategy_poison_refused",
         ),
         Scenario(
             "bootstrap-lost",
