@@ -103,6 +103,19 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
         return snapshot()
 
     agent.outer.snapshot = held_snapshot  # type: ignore[method-assign]
+    order: list[str] = []
+    commit, load_state = agent.outer.commit, agent._load_state
+
+    def logged_commit(*args: Any) -> str:
+        order.append("commit")
+        return commit(*args)
+
+    def logged_load(*args: Any) -> str:
+        order.append("install")
+        return load_state(*args)
+
+    agent.outer.commit = logged_commit  # type: ignore[method-assign]
+    agent._load_state = logged_load  # type: ignore[method-assign]
 
     async def scenario() -> None:
         served = asyncio.create_task(server.snapshot())
@@ -123,8 +136,10 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
         served_theta = torch.from_numpy(raw["theta"].copy()).view(torch.float32)
         assert torch.equal(served_theta, theta_before)
         await asyncio.wait_for(committing, 30)
-        assert agent.round_id == before + 1  # the commit went first (it asked first), then the install
         await asyncio.wait_for(installing, 30)
+        # The commit asked for the lock first, so it went first; the install ran after it (it may have finished
+        # before this coroutine resumed from the commit, so the order is read from the thread, not the round id).
+        assert order == ["commit", "install"]
         assert agent.round_id == 7
         assert torch.equal(agent.theta, other["theta"])
         assert agent.outer_hash == theta_hash(other["theta"])
