@@ -3,6 +3,8 @@ DecentralizedAverager, each peer in its own process on 127.0.0.1.
 
     python benchmarks/exchange.py                       # every impl, 2 and 4 peers, 4 / 64 / 256 MiB fp32
     python benchmarks/exchange.py --impl farloco --peers 2 --mib 64 --codec int8 --markdown
+    python benchmarks/exchange.py --impl farloco --impl gloo --peers 2 --mib 1024 --codec int8 \
+        --codec-threads 0 --codec-threads 1 --codec-threads 8 --markdown   # the codec's threads (a many-core host)
     python benchmarks/exchange.py --wan 1gbit:100 --impl farloco --impl gloo --streams 1 --streams 4 \
         --peers 2 --mib 64 --codec fp32 --markdown     # each peer in its own namespace: 1 Gbit/s, 100 ms RTT
 
@@ -163,6 +165,7 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
             peer_id,
             chunk_bytes=int(os.environ.get("BENCH_CHUNK_BYTES", 1 << 20)),
             streams_per_peer=int(os.environ.get("BENCH_STREAMS", 1)),
+            codec_threads=int(os.environ.get("BENCH_CODEC_THREADS", 0)),
         )
         send({"address": await server.start()})
         spec = await asyncio.get_running_loop().run_in_executor(None, receive)
@@ -332,6 +335,7 @@ def run_config(
     streams: int = 1,
     wan: Any = None,
     aggregator: str = "mean",
+    codec_threads: int = 0,
 ) -> dict[str, Any]:
     numel = mib * (1 << 20) // 4
     reps = reps_for(mib, impl) if wan is None else 3
@@ -343,6 +347,7 @@ def run_config(
         "BENCH_DATA_PLANE": "grpc" if impl == "farloco-grpc" else "tcp",
         "BENCH_STREAMS": str(streams),
         "BENCH_AGGREGATOR": aggregator,
+        "BENCH_CODEC_THREADS": str(codec_threads),
     }
 
     def where(rank: int) -> tuple[list[str], dict[str, str]]:
@@ -421,7 +426,9 @@ def run_config(
     cpu_seconds = statistics.median(max(c) for c in zip(*(r["cpu"] for r in reports), strict=True))
     return {
         "impl": (impl if streams == 1 else f"{impl} x{streams} streams")
-        + (f" {aggregator}" if aggregator != "mean" else ""),
+        + (f" {aggregator}" if aggregator != "mean" else "")
+        + (f" {codec_threads} codec threads" if impl.startswith("farloco") and codec_threads else ""),
+        "codec_threads": codec_threads if impl.startswith("farloco") else 0,
         "peers": peers,
         "mib": mib,
         "codec": codec,
@@ -489,6 +496,12 @@ def main() -> None:
         action="append",
         help="farloco's run.aggregator (repeatable; default mean): what a robust rule costs the exchange",
     )
+    parser.add_argument(
+        "--codec-threads",
+        type=int,
+        action="append",
+        help="farloco's network.codec_threads per peer (repeatable; default 0: the codec on the event loop)",
+    )
     args = parser.parse_args()
     configs = [(impl, codec) for impl, codec in DEFAULT_CONFIGS if not args.impl or impl in args.impl]
     if args.impl and "farloco-grpc" in args.impl and not args.codec:
@@ -499,10 +512,11 @@ def main() -> None:
         configs = [(impl, codec) for impl in farlocos for codec in args.codec] + configs
     # farloco rows once per --streams value
     configs = [
-        (impl, codec, streams, aggregator)
+        (impl, codec, streams, aggregator, threads)
         for impl, codec in configs
         for streams in (args.streams or [1] if impl.startswith("farloco") else [1])
         for aggregator in (args.aggregator or ["mean"] if impl.startswith("farloco") else ["mean"])
+        for threads in (args.codec_threads or [0] if impl.startswith("farloco") else [0])
     ]
     rows = []
     with contextlib.ExitStack() as stack:
@@ -518,10 +532,10 @@ def main() -> None:
                 wan = stack.enter_context(NamespaceWAN(peers, rate, delay_ms=float(rtt or 0) / 2))
             # Implementations take turns at each size, so they see the same background load (a shared box).
             for mib in args.mib or [4, 64, 256]:
-                for impl, codec, streams, aggregator in configs:
+                for impl, codec, streams, aggregator, threads in configs:
                     row = run_config(
                         impl, peers, mib, codec, not args.no_malloc_tuning, int(args.chunk_mib * (1 << 20)),
-                        streams=streams, wan=wan, aggregator=aggregator,
+                        streams=streams, wan=wan, aggregator=aggregator, codec_threads=threads,
                     )  # fmt: skip
                     if args.wan:
                         row["link"] = args.wan

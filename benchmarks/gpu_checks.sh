@@ -4,7 +4,8 @@
 # benchmark.
 #
 #   [BUDGET=SECONDS] benchmarks/gpu_checks.sh [STAGE ...]
-#       stages: env handoff throughput-1b tests throughput-small agent-round (default: all, in that order)
+#       stages: env handoff throughput-1b tests throughput-small agent-round exchange-threads (default: all, in
+#       that order)
 #
 # On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored),
 # which benchmarks/gpu_deps.sh fills here: .gpu/site (hivemind with its p2pd, pydantic, protobuf, ... copied
@@ -115,9 +116,16 @@ stage_agent_round() {  # the agent's round at 1B on this host's cores: one threa
     done
 }
 
+stage_exchange_threads() {  # the exchange's codec work on 0, 1 and 8 threads per peer, 2 peers on this host
+    say "exchange: 2 peers x 1 GiB (a 268M-value tensor), int8 and fp32, codec threads 0 / 1 / 8, against gloo"
+    timeout -s INT -k 10 $(limit 240) $PY benchmarks/exchange.py --impl farloco --impl gloo --peers 2 --mib 1024 \
+        --codec int8 --codec fp32 --codec-threads 0 --codec-threads 1 --codec-threads 8 --markdown \
+        >>"$LOG" 2>&1 || say "exchange failed: $?"
+}
+
 setup
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env handoff throughput-1b tests throughput-small agent-round)
+[ ${#stages[@]} -eq 0 ] && stages=(env handoff throughput-1b tests throughput-small agent-round exchange-threads)
 for stage in "${stages[@]}"; do
     case $stage in
         env) stage_env ;;
@@ -126,6 +134,7 @@ for stage in "${stages[@]}"; do
         throughput-small) throughput small 300 3 125m 350m ;;
         tests) stage_tests ;;
         agent-round) stage_agent_round ;;
+        exchange-threads) stage_exchange_threads ;;
         *) say "unknown stage $stage" ;;
     esac
     cleanup

@@ -265,6 +265,11 @@ class NetworkConfig:
     chunks of a part travel side by side, each stream with its own TCP window. One stream carries at most its
     window per round trip (4-8 MiB by default: 320-640 Mbit/s at 100 ms); on links with more bandwidth x delay,
     e.g. 1 Gbit/s x 100 ms (12.5 MB in flight), use 2-4. Each node picks its own; dense codecs only."""
+    codec_threads: int = 0
+    """Threads for the exchange's codec work on chunks (encoding, decoding, an owner's sums), 0..64; 0 (default)
+    does it on the agent's event loop. Each thread codes a chunk of its own (the int8 kernels release the GIL),
+    for a many-core host whose exchange at 1B parameters is bound by one core's codec work; on a node with one
+    core to spare it only adds a hand-off per chunk (measured 0.6-1.06x on 2 cores, BENCHMARKS.md)."""
     socket_buffer_bytes: int = 0
     """Socket buffers of the data plane's connections: 0 (default) keeps the kernel's receive autotuning and sets
     the send buffer to the kernel's ceiling (2 x net.core.wmem_max) where autotuning would stop lower; N > 0
@@ -294,6 +299,8 @@ class NetworkConfig:
                 raise ConfigError(f"network.{key}: expected a port in 0..65535, got {value!r}")
         if not 1 <= self.streams_per_peer <= 16:
             raise ConfigError(f"network.streams_per_peer: expected 1..16, got {self.streams_per_peer!r}")
+        if not 0 <= self.codec_threads <= 64:
+            raise ConfigError(f"network.codec_threads: expected 0..64, got {self.codec_threads!r}")
         if self.socket_buffer_bytes < -1:
             raise ConfigError(
                 f"network.socket_buffer_bytes: expected -1, 0 or a size in bytes, got {self.socket_buffer_bytes!r}"

@@ -30,6 +30,19 @@ the slow network: the matching slices of the other islands meet at the same owne
 Sparse codecs (`dense=False`) use an all-gather: each member streams its whole payload to every other member;
 each member decodes every payload and sums in sorted peer-id order.
 
+Threads. With `codec_threads` > 0 the codec's work on a chunk (encoding our contribution, decoding a member's, an
+owner's sum and the encoding of the mean, decoding a mean) runs on the exchange's own threads, not on the event
+loop: at 1B parameters it is seconds a round, which on the loop is one core's worth while a many-core host's others
+idle. The C kernels and torch release the GIL, so chunks are coded side by side: a push encodes a few chunks ahead
+of the one it sends; a member's chunk is decoded while the stream is read on, and the chunk's reduction (a task of
+its own once every contribution is in) takes the decode's job, which ran first (one FIFO pool) or runs now; a
+decode's refusal is reported from its thread at once; a mean is decoded into the result a few chunks behind. Every
+job only computes, into memory no other job of the attempt writes (its chunk of `transmitted` or of the result, or
+fresh tensors); the event loop keeps every decision (refusals, blame, what goes on which stream). An attempt is
+retired only once every job it started has ended, so no job of an abandoned attempt writes into a buffer the next
+attempt or the caller already uses. The order of arithmetic is unchanged (an owner sums in member order whatever the
+order of arrival), so results are bit-identical to the loop's.
+
 Faults. A round is a sequence of *attempts*. An attempt succeeds locally when this member holds every part of
 the mean. After the data phase every member exchanges a small vote (`ExchangeVote`: "I have everything" plus the
 peers that sent it malformed data) with every other member; the decision is a pure function of the votes from
@@ -52,11 +65,13 @@ import logging
 import math
 import struct
 import sys
+import threading
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 import torch
@@ -74,6 +89,8 @@ from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.types import Group, GroupMember, group_id_of
 
 __all__ = ["AverageResult", "Exchange", "ExchangeAborted", "TensorCodec"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +128,10 @@ GONE_CHECK_SECONDS = 0.5
 MAX_LANES = 16
 # Most slices a tensor may be cut into for spans (see Spans).
 MAX_SLICES = 4096
+# Most threads the codec work may use (see Threads in the module docstring).
+MAX_CODEC_THREADS = 64
+# Chunks a push encodes ahead of the one it sends, at most (and at least 2: one on the wire, one being encoded).
+MAX_ENCODE_AHEAD = 8
 
 
 def attempt_key(group: Group, attempt_no: int, member_ids: list[str]) -> str:
@@ -304,7 +325,8 @@ class _Attempt:
     streams_from: set[tuple[int, int]] = field(default_factory=set)  # (member index, lane) streams seen
     lanes_of: dict[int, int] = field(default_factory=dict)  # member index -> lanes of its streams to us
     weights: dict[int, float] = field(default_factory=dict)
-    pending: dict[int, dict[int, torch.Tensor | None]] = field(default_factory=dict)
+    # chunk -> member index -> its contribution: a tensor, a decode's job (Threads), or None (absent)
+    pending: dict[int, dict[int, Any]] = field(default_factory=dict)
     chunks_reduced: int = 0
     payload: bytes = b""  # sparse: our encoded payload, sent to every member
     decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse: member index -> decoded payload
@@ -312,6 +334,11 @@ class _Attempt:
     outboxes: dict[tuple[int, int], asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[dict[str, Any]] | None = None
     consumers: set[asyncio.Task[None]] = field(default_factory=set)  # tasks reading the members' streams
+    reducers: set[asyncio.Task[None]] = field(default_factory=set)  # an owner's chunks being reduced
+    # Codec jobs of the attempt not yet ended (Threads), counted under `jobs_ended` (a job's end is counted on its
+    # own thread: nothing wakes the event loop for it).
+    jobs_running: int = 0
+    jobs_ended: threading.Condition = field(default_factory=threading.Condition)
     grace_until: float = 0.0  # see EVIDENCE_GRACE_SECONDS; set by fail()
     heard: dict[int, float] = field(default_factory=dict)  # member index -> loop time of its last frame to us
     gone: set[str] = field(default_factory=set)  # members given up as gone (GONE_SILENCE_SECONDS)
@@ -417,6 +444,8 @@ class Exchange:
     same value); `max_payload_bytes` caps the fp32 size of a tensor and the size of any incoming payload.
     `slices` (all members alike, 0 or at least 2): chunks are also cut at the boundaries of that many equal
     slices, so `average(span=)` can take a range of them (see Spans in the module docstring).
+    `codec_threads`: threads for the codec's work (see Threads in the module docstring; the agent's
+    `network.codec_threads`); 0 does it on the event loop. The threads start on first use; `close()` ends them.
     """
 
     def __init__(
@@ -430,9 +459,14 @@ class Exchange:
         streams_per_peer: int = 1,
         slices: int = 0,
         gone: Callable[[str], bool] | None = None,
+        codec_threads: int = 0,
     ) -> None:
         if slices == 1 or not 0 <= slices <= MAX_SLICES:
             raise ValueError(f"slices must be 0 or in 2..{MAX_SLICES}, got {slices}")
+        if isinstance(codec_threads, bool) or not isinstance(codec_threads, int):
+            raise ValueError(f"codec_threads must be an int, got {codec_threads!r}")
+        if not 0 <= codec_threads <= MAX_CODEC_THREADS:
+            raise ValueError(f"codec_threads must be in 0..{MAX_CODEC_THREADS}, got {codec_threads}")
         if chunk_bytes < 1024 or chunk_bytes * 2 + 8192 > min(
             server.max_message_bytes, client.max_message_bytes
         ):
@@ -455,8 +489,53 @@ class Exchange:
         self._attempts: dict[str, _Attempt] = {}
         self._newest_round = -1  # the newest round this node works on (`advance`)
         self._decided: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # ThreadPoolExecutor starts its threads on first submit, so none runs before a caller's forks (the DHT).
+        self._pool = (
+            ThreadPoolExecutor(codec_threads, thread_name_prefix="farloco-codec", initializer=_codec_thread)
+            if codec_threads
+            else None
+        )
+        self._encode_ahead = max(2, min(MAX_ENCODE_AHEAD, codec_threads))
+        self._torch_threads = torch.get_num_threads()
         server.add_stream(PUSH_METHOD, self._on_push)
         server.add_unary(VOTE_METHOD, self._on_vote)
+
+    def close(self) -> None:
+        """End the codec threads (after the exchanges: a job still running is seen through)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- codec work off the event loop (Threads) ----------------------------------------------------------
+
+    def _submit(self, attempt: _Attempt, work: Callable[..., _T], *args: Any) -> Future[_T]:
+        """`work(*args)` on the codec threads (on the loop, at once, without them), counted as the attempt's
+        until it ends (`_retire` waits for that)."""
+        job: Future[_T] = Future()
+        if self._pool is None:
+            try:
+                job.set_result(work(*args))
+            except Exception as exc:  # the caller's await raises it, as the thread's would
+                job.set_exception(exc)
+            return job
+        with attempt.jobs_ended:
+            attempt.jobs_running += 1
+        job = self._pool.submit(work, *args)
+        job.add_done_callback(lambda _: _job_ended(attempt))  # run, failed or cancelled before it ran
+        return job
+
+    async def _result(self, job: Future[_T]) -> _T:
+        """The result of a job `_submit` made (its exception raised here). Cancelled meanwhile, the job runs on
+        (`_retire` waits for it)."""
+        return job.result() if job.done() else await asyncio.wrap_future(job)
+
+    async def _run(self, attempt: _Attempt, work: Callable[..., _T], *args: Any) -> _T:
+        return await self._result(self._submit(attempt, work, *args))
+
+    async def _wide(self, attempt: _Attempt, work: Callable[..., _T], *args: Any) -> _T:
+        """`_run` for a pass over a whole tensor (sparse codecs): with the torch threads of the exchange's maker."""
+        if self._pool is None:
+            return work(*args)
+        return await self._run(attempt, _with_torch_threads, self._torch_threads, work, *args)
 
     # -- the local side -----------------------------------------------------------------------------------
 
@@ -657,7 +736,8 @@ class Exchange:
                 if j != attempt.me
             )
         else:
-            attempt.parts_missing = len(members) - 1
+            # Ours counts too: it may be encoded off the loop, and the others' payloads may come first.
+            attempt.parts_missing = len(members)
         attempt.outboxes = {}
         attempt.started.set()
         self.advance(round_id)
@@ -691,9 +771,10 @@ class Exchange:
             attempt.heard.setdefault(j, loop.time())
         try:
             if not attempt.dense:
-                self._encode_sparse(attempt)
+                await self._encode_sparse(attempt)
             elif len(attempt.members) == 1:
-                self._reduce_alone(attempt)
+                await self._run(attempt, _reduce_alone, attempt)
+                attempt.part_done()
             elif not attempt.plan.chunks(attempt.me):
                 attempt.part_done()
         except Exception as exc:
@@ -784,30 +865,10 @@ class Exchange:
         attempt.bad.add(self.peer_id)
         attempt.fail(f"LOCAL_ENCODE_FAILED: {type(exc).__name__}: {exc}", evidence=False)
 
-    def _reduce_alone(self, attempt: _Attempt) -> None:
-        # A dense group of one (all others dropped): the mean is our own contribution, through the codec twice
-        # like every owner's mean.
-        codec = attempt.codec
-        for a, b in attempt.plan.chunks(0):
-            if not attempt.covers(a, b):
-                continue
-            own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
-            _encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
-        attempt.part_done()
-
-    def _encode_sparse(self, attempt: _Attempt) -> None:
-        attempt.payload = _encode(attempt.codec, attempt.flat, attempt.fast)
-        _decode(
-            attempt.codec,
-            attempt.payload,
-            attempt.plan.numel,
-            "own payload",
-            attempt.fast,
-            attempt.transmitted,
-        )
+    async def _encode_sparse(self, attempt: _Attempt) -> None:
+        attempt.payload = await self._wide(attempt, _encode_sparse, attempt)
         attempt.decoded[attempt.me] = attempt.transmitted
-        if len(attempt.members) == 1:
-            self._finish_sparse(attempt)
+        await self._sparse_part_done(attempt)
 
     def _outgoing(self, attempt: _Attempt, data: bytes | memoryview) -> bytes | memoryview:
         """A chunk's payload as it goes out, corrupted in the rounds `corrupt_rounds` names (chaos: FARLOCO_FAULTS
@@ -849,42 +910,61 @@ class Exchange:
         ks = list(range(lane, len(part), lanes_for(self.lanes, len(part)))) if attempt.dense else []
         chunks = [part[k] for k in ks]
 
+        # Encoded chunks, ahead of the one being sent (Threads): chunk index -> its job. Coded chunks only.
+        ahead: deque[tuple[int, Future[bytes]]] = deque()
+        to_encode = iter(
+            [(k, a, b) for k, (a, b) in zip(ks, chunks, strict=True) if attempt.covers(a, b)]
+            if not attempt.raw
+            else []
+        )
+
+        def encode_ahead() -> None:
+            while len(ahead) < self._encode_ahead:
+                k, a, b = next(to_encode, (-1, 0, 0))
+                if k < 0:
+                    return
+                ahead.append((k, self._submit(attempt, _encode_chunk, attempt, a, b)))
+
         async def dense_frames() -> AsyncIterator[Frame]:
-            attempt.bytes_sent += _wire_size(hello)
-            yield hello
-            for k, (a, b) in zip(ks, chunks, strict=True):
-                if not attempt.covers(a, b):
-                    frame = Frame({"k": k, "x": True})
-                    attempt.bytes_sent += _wire_size(frame)
-                    yield frame
-                    continue
-                if attempt.raw:
-                    # Our own NaN/Inf is refused chunk by chunk as it goes out: summing a chunk just before it
-                    # is sent also brings it into cache for the send (one pass over 64 MiB up front cost more).
-                    error = _own_chunk_error(codec, attempt.flat[a:b], a)
-                    if error is not None:
-                        self._local_failure(attempt, error)
+            try:
+                attempt.bytes_sent += _wire_size(hello)
+                encode_ahead()
+                yield hello
+                for k, (a, b) in zip(ks, chunks, strict=True):
+                    if not attempt.covers(a, b):
+                        frame = Frame({"k": k, "x": True})
+                        attempt.bytes_sent += _wire_size(frame)
+                        yield frame
+                        continue
+                    if attempt.raw:
+                        # Our own NaN/Inf is refused chunk by chunk as it goes out: summing a chunk just before it
+                        # is sent also brings it into cache for the send (one pass over 64 MiB up front cost more).
+                        error = _own_chunk_error(codec, attempt.flat[a:b], a)
+                        if error is not None:
+                            self._local_failure(attempt, error)
+                            return
+                        # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
+                        frame = Frame({"k": k}, self._outgoing(attempt, _raw_bytes(attempt.flat[a:b])))
+                        attempt.bytes_sent += _wire_size(frame)
+                        attempt.fp32_sent += 4 * (b - a)
+                        yield frame
+                        continue
+                    queued, job = ahead.popleft()
+                    assert queued == k, f"encoded chunk {queued} came up for chunk {k}"
+                    try:
+                        data = await self._result(job)
+                    except Exception as exc:
+                        self._local_failure(attempt, exc)
                         return
-                    # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
-                    frame = Frame({"k": k}, self._outgoing(attempt, _raw_bytes(attempt.flat[a:b])))
+                    encode_ahead()
+                    frame = Frame({"k": k}, self._outgoing(attempt, data))
                     attempt.bytes_sent += _wire_size(frame)
                     attempt.fp32_sent += 4 * (b - a)
                     yield frame
-                    continue
-                try:
-                    if attempt.lossless:
-                        data = _encode(codec, attempt.flat[a:b], attempt.fast)
-                    else:
-                        data = _encode_decoded(
-                            codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b]
-                        )[0]
-                except Exception as exc:
-                    self._local_failure(attempt, exc)
-                    return
-                frame = Frame({"k": k}, self._outgoing(attempt, data))
-                attempt.bytes_sent += _wire_size(frame)
-                attempt.fp32_sent += 4 * (b - a)
-                yield frame
+            finally:
+                # Closed early (the attempt failed, the stream broke): chunks not yet started are not coded.
+                for _, job in ahead:
+                    job.cancel()
 
         async def sparse_frames() -> AsyncIterator[Frame]:
             payload = memoryview(attempt.payload)
@@ -903,6 +983,8 @@ class Exchange:
                 yield frame
 
         received = 0
+        # Means being decoded into the result, in arrival order.
+        decoding: deque[Future[torch.Tensor]] = deque()
         # The means of this lane's chunks, in whatever order the owner completes them: with lanes, a chunk whose
         # contributions all came early is reduced before an earlier one still on its way.
         remaining = set(ks)
@@ -970,8 +1052,25 @@ class Exchange:
                     if not _all_finite(target):
                         raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
-                    _decode(codec, frame.payload, b - a, what, attempt.fast, attempt.result[a:b])
+                    # Decoded into the result on the codec threads while the next means come in; waited for a few
+                    # chunks behind (a bad mean is refused within those) and all before the part counts as done.
+                    decoding.append(
+                        self._submit(
+                            attempt,
+                            _decode,
+                            codec,
+                            frame.payload,
+                            b - a,
+                            what,
+                            attempt.fast,
+                            attempt.result[a:b],
+                        )
+                    )
+                    while decoding and (decoding[0].done() or len(decoding) > self._encode_ahead):
+                        await self._result(decoding.popleft())
                 received += 1
+            while decoding:
+                await self._result(decoding.popleft())
             if attempt.dense and received != len(chunks):
                 raise _invalid(
                     "TRUNCATED", f"part {j} lane {lane}: expected {len(chunks)} mean chunks, got {received}"
@@ -1066,6 +1165,12 @@ class Exchange:
     def _retire(self, attempt: _Attempt) -> None:
         for _, ping in attempt.pings.values():
             ping.cancel()
+        for reducer in attempt.reducers:
+            reducer.cancel()
+        # Every codec job of the attempt ends before its buffers go back to the caller (or to the next attempt,
+        # which writes the same `out`): at most the chunks in flight, milliseconds each, so the loop just waits.
+        with attempt.jobs_ended:
+            attempt.jobs_ended.wait_for(lambda: attempt.jobs_running == 0)
         if not attempt.finished.is_set():
             attempt.fail("abandoned", evidence=False)
         if attempt.status is not None and not attempt.status.done():
@@ -1272,6 +1377,17 @@ class Exchange:
         peer = attempt.member_ids[sender]
         chunks = attempt.plan.chunks(attempt.me)
         ks = range(lane, len(chunks), lanes_for(attempt.lanes_of[sender], len(chunks)))
+        loop = asyncio.get_running_loop()
+        decodes: list[Future[torch.Tensor]] = []
+
+        def refused(job: Future[torch.Tensor]) -> None:  # on the codec thread that decoded the chunk
+            error = None if job.cancelled() else job.exception()
+            if isinstance(error, Reject):
+                with contextlib.suppress(
+                    RuntimeError
+                ):  # the loop closed meanwhile (a shutdown): nobody to tell
+                    loop.call_soon_threadsafe(self._refuse, attempt, sender, error)
+
         try:
             for got, k in enumerate(ks):
                 a, b = chunks[k]
@@ -1281,12 +1397,12 @@ class Exchange:
                     raise _invalid(
                         "TRUNCATED", f"{peer} sent {got} of {len(ks)} chunks on lane {lane}"
                     ) from None
-                attempt.heard[sender] = asyncio.get_running_loop().time()
+                attempt.heard[sender] = loop.time()
                 if frame.header.get("k") != k:
                     raise _invalid(
                         "CHUNK_ORDER", f"{peer}: expected chunk {k}, got {frame.header.get('k')!r}"
                     )
-                contribution: torch.Tensor | None
+                contribution: torch.Tensor | Future[torch.Tensor] | None
                 if frame.header.get("x", False) is True:
                     # Outside the sender's span (see Spans): it takes no part in this chunk.
                     if frame.payload:
@@ -1300,7 +1416,7 @@ class Exchange:
                     slot = attempt.pending.setdefault(k, {})
                     slot[sender] = None
                     if len(slot) == len(attempt.members) - 1:
-                        self._reduce_chunk(attempt, k)
+                        self._start_reduce(attempt, k, sender)
                     continue
                 if len(frame.payload) > _max_chunk_payload(b - a):
                     raise _invalid(
@@ -1320,80 +1436,88 @@ class Exchange:
                     if (attempt.checking or not completes) and not _all_finite(contribution):
                         raise _invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
-                    contribution = _decode(attempt.codec, frame.payload, b - a, what, attempt.fast)
+                    # Decoded on the codec threads while we read on; the reduction takes the job (not awaited
+                    # here: no wake-up of the loop per chunk). A refusal is reported from the job's thread as
+                    # soon as it is found, so the sender is named whatever becomes of the chunk's slot.
+                    job = self._submit(
+                        attempt, _decode, attempt.codec, frame.payload, b - a, what, attempt.fast
+                    )
+                    if job.done():
+                        contribution = job.result()  # decoded on the loop (no codec threads): raises here
+                    else:
+                        job.add_done_callback(refused)
+                        decodes.append(job)
+                        contribution = job
                 if attempt.checking:
                     continue  # failed elsewhere: checked for the vote, not reduced
                 slot = attempt.pending.setdefault(k, {})
                 slot[sender] = contribution
                 if len(slot) == len(attempt.members) - 1:
-                    self._reduce_chunk(attempt, k)
+                    self._start_reduce(attempt, k, sender)
+            # Every chunk of ours from this sender checked before we say we read its stream (the vote's evidence
+            # waits for that); a refusal among them was reported before these waits end.
+            # (Their errors are taken here, not left to be logged as never retrieved.)
+            await asyncio.gather(*(asyncio.wrap_future(job) for job in decodes), return_exceptions=True)
         except Reject as exc:
-            # The culprit's own stream carries the specific reason (the server logs and counts it there); the
-            # other streams get ABORTED from fail(). The culprit is not always `sender`: a bad chunk is found
-            # when the slot completes, which may be on an honest member's chunk, and that member must not be
-            # told its data was bad.
-            blamed = exc.peer if isinstance(exc, _Blamed) else _blame(exc, peer)
-            culprit = attempt.member_ids.index(blamed) if blamed in attempt.member_ids else sender
-            for (member, _), outbox in attempt.outboxes.items():
-                if member == culprit:
-                    outbox.put_nowait(exc)
-            attempt.fail(f"refused data from {blamed or peer}: {exc.reason}", blamed)
+            self._refuse(attempt, sender, exc)
 
-    def _reduce_chunk(self, attempt: _Attempt, k: int) -> None:
-        codec = attempt.codec
+    def _refuse(self, attempt: _Attempt, sender: int, exc: Reject) -> None:
+        """Data that came on `sender`'s stream (or completed a chunk there) was refused: tell the culprit why and
+        fail the attempt. The culprit's own stream carries the specific reason (the server logs and counts it
+        there); the other streams get ABORTED from fail(). The culprit is not always `sender`: a bad chunk is
+        found when the slot completes, which may be on an honest member's chunk, and that member must not be
+        told its data was bad."""
+        peer = attempt.member_ids[sender]
+        blamed = exc.peer if isinstance(exc, _Blamed) else _blame(exc, peer)
+        culprit = attempt.member_ids.index(blamed) if blamed in attempt.member_ids else sender
+        for (member, _), outbox in attempt.outboxes.items():
+            if member == culprit:
+                outbox.put_nowait(exc)
+        attempt.fail(f"refused data from {blamed or peer}: {exc.reason}", blamed)
+
+    def _start_reduce(self, attempt: _Attempt, k: int, sender: int) -> None:
+        """Every other member's contribution to our chunk k is in (the last came from `sender`): reduce it in a
+        task of its own, so the streams read on meanwhile and chunks are reduced side by side (Threads)."""
+        task = asyncio.create_task(self._reduce_chunk(attempt, k, attempt.pending.pop(k), sender))
+        attempt.reducers.add(task)
+        task.add_done_callback(attempt.reducers.discard)
+
+    async def _reduce_chunk(
+        self, attempt: _Attempt, k: int, contributions: dict[int, Any], sender: int
+    ) -> None:
         a, b = attempt.plan.chunks(attempt.me)[k]
-        contributions = attempt.pending.pop(k)
-        if not attempt.covers(a, b):
-            contributions[attempt.me] = None
-        elif attempt.lossless:
-            contributions[attempt.me] = attempt.flat[a:b]
-        else:
-            own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
-            contributions[attempt.me] = own
-        # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order; the
-        # members whose span leaves this chunk out take no part in it (see Spans).
-        present = [i for i in range(len(attempt.members)) if contributions[i] is not None]
-        if not present:
-            self._send_mean(attempt, Frame({"k": k, "x": True}), present)
-            return
-        inputs = [c for i in present if (c := contributions[i]) is not None]
-        # Lossless codecs: the mean is the result itself, so it is summed straight into place.
-        total = attempt.result[a:b] if attempt.lossless else torch.empty(b - a, dtype=torch.float32)
-        if attempt.rule is not None:
-            # A robust rule instead of the mean (contributions in member order, unweighted). A NaN need not reach
-            # its result (a median skips it), so every raw contribution is checked here first.
-            if attempt.raw and not all(_all_finite(c) for c in inputs):
-                if self._own_chunk_failed(attempt, contributions[attempt.me], a):
-                    return
-                self._blame_nonfinite(attempt, contributions)
-            total.copy_(attempt.rule(inputs))
-        else:
-            weights = [attempt.weights[i] for i in present]
-            terms = [c if w == 1.0 else c * w for c, w in zip(inputs, weights, strict=True)]
-            if len(terms) == 1:
-                total.copy_(inputs[0])  # the weighted mean of one contribution is itself
-            elif len(terms) == 2 and weights[0] == weights[1]:
-                # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
-                # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
-                torch.lerp(terms[0], terms[1], 0.5, out=total)
+        try:
+            if not attempt.covers(a, b):
+                contributions[attempt.me] = None
+            elif attempt.lossless:
+                contributions[attempt.me] = attempt.flat[a:b]
             else:
-                torch.add(terms[0], terms[1], out=total)
-                for term in terms[2:]:
-                    total.add_(term)
-                total.mul_(1.0 / math.fsum(weights))
-        if attempt.raw:
-            # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
-            if not _all_finite(total):
+                contributions[attempt.me] = OWN_CHUNK  # encoded and decoded in the reduction's job
+            # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order;
+            # the members whose span leaves this chunk out take no part in it (see Spans).
+            present = [i for i in range(len(attempt.members)) if contributions[i] is not None]
+            if not present:
+                self._send_mean(attempt, Frame({"k": k, "x": True}), present)
+                return
+            inputs = [c for i in present if (c := contributions[i]) is not None]
+            weights = [attempt.weights[i] for i in present]
+            try:
+                mean = await self._run(attempt, _chunk_mean, attempt, a, b, inputs, weights)
+            except _OwnChunkError as exc:  # our own chunk cannot be encoded (NaN): as our push finds too
+                self._local_failure(attempt, exc.error)
+                return
+            if isinstance(mean, _Marker):  # UNDECODABLE
+                return  # a contribution was refused: reported from its decode (`_receive_dense`)
+            if mean is None:  # a raw chunk that is not finite: whose?
                 if self._own_chunk_failed(attempt, contributions[attempt.me], a):
                     return
                 self._blame_nonfinite(attempt, contributions)
-            self._send_mean(attempt, Frame({"k": k}, _raw_bytes(total)), present)
-            return
-        if attempt.lossless:
-            mean = _encode(codec, total, attempt.fast)
-        else:
-            mean = _encode_decoded(codec, total, attempt.fast, attempt.result[a:b])[0]
-        self._send_mean(attempt, Frame({"k": k}, mean), present)
+            self._send_mean(attempt, Frame({"k": k}, mean), present)
+        except Reject as exc:
+            self._refuse(attempt, sender, exc)
+        except Exception as exc:
+            log.exception("reducing chunk %d failed unexpectedly", k)
+            attempt.fail(f"reducing chunk {k} failed: {type(exc).__name__}: {exc}", evidence=False)
 
     def _own_chunk_failed(self, attempt: _Attempt, own: torch.Tensor | None, offset: int) -> bool:
         """Our own input to a chunk is bad: fail locally, exclude ourselves, tell the caller (as an encode
@@ -1417,7 +1541,7 @@ class Exchange:
         if attempt.chunks_reduced == len(attempt.plan.chunks(attempt.me)):
             attempt.part_done()
 
-    def _blame_nonfinite(self, attempt: _Attempt, contributions: dict[int, torch.Tensor | None]) -> None:
+    def _blame_nonfinite(self, attempt: _Attempt, contributions: dict[int, torch.Tensor | None]) -> NoReturn:
         """A reduced raw chunk is not finite: reject the first member whose contribution carries NaN/Inf."""
         for index in sorted(contributions):
             contribution = contributions[index]
@@ -1457,36 +1581,30 @@ class Exchange:
                 buffer[filled : filled + size] = frame.payload
                 filled += size
                 attempt.bytes_received += _wire_size(frame)
-            attempt.decoded[sender] = _decode(
-                attempt.codec, memoryview(buffer), attempt.plan.numel, f"payload of {peer}", attempt.fast
+            attempt.decoded[sender] = await self._wide(
+                attempt,
+                _decode,
+                attempt.codec,
+                memoryview(buffer),
+                attempt.plan.numel,
+                f"payload of {peer}",
+                attempt.fast,
             )
             attempt.outboxes[(sender, 0)].put_nowait(Frame({"done": True}))
-            attempt.part_done()
-            if attempt.ok:
-                self._finish_sparse(attempt)
+            await self._sparse_part_done(attempt)
         except Reject as exc:
             attempt.outboxes[(sender, 0)].put_nowait(exc)
             attempt.fail(f"refused data from {peer}: {exc.reason}", _blame(exc, peer))
 
-    def _finish_sparse(self, attempt: _Attempt) -> None:
-        total = attempt.result
-        if attempt.rule is not None:
-            # Every member applies the rule to every payload, in member order: a rule whose arithmetic could differ
-            # between machines (a norm's reduction) must not be used with sparse codecs (the agent refuses it).
-            total.copy_(attempt.rule([attempt.decoded[i] for i in range(len(attempt.members))]))
-        else:
-            for index in range(len(attempt.members)):
-                weight = attempt.weights[index]
-                term = attempt.decoded[index] if weight == 1.0 else attempt.decoded[index] * weight
-                if index == 0:
-                    total.copy_(term)
-                else:
-                    total.add_(term)
-            total.div_(math.fsum(attempt.weights[i] for i in range(len(attempt.members))))
-        attempt.decoded.clear()
-        if len(attempt.members) == 1:
-            attempt.ok = True
-            attempt.finished.set()
+    async def _sparse_part_done(self, attempt: _Attempt) -> None:
+        """One payload (ours or a member's) is decoded; with the last, the mean is summed, then the attempt
+        holds it."""
+        if attempt.parts_missing == 1 and not attempt.finished.is_set():
+            decoded = [attempt.decoded[i] for i in range(len(attempt.members))]
+            weights = [attempt.weights[i] for i in range(len(attempt.members))]
+            attempt.decoded.clear()
+            await self._wide(attempt, _sparse_mean, attempt.rule, decoded, weights, attempt.result)
+        attempt.part_done()
 
     async def _on_vote(self, ctx: CallContext, frame: Frame) -> Frame:
         key = frame.header.get("g")
@@ -1498,6 +1616,147 @@ class Exchange:
         attempt = await self._find_attempt(ctx, key, frame.header.get("a"))
         assert attempt.status is not None
         return Frame({"v": await attempt.status})
+
+
+def _job_ended(attempt: _Attempt) -> None:
+    with attempt.jobs_ended:
+        attempt.jobs_running -= 1
+        if attempt.jobs_running == 0:
+            attempt.jobs_ended.notify_all()
+
+
+def _codec_thread() -> None:
+    # A chunk's work is small (a cache-sized run): the threads work side by side on different chunks, each with
+    # one torch thread (torch's count is per thread), rather than every op spread over every core.
+    torch.set_num_threads(1)
+
+
+def _with_torch_threads(threads: int, work: Callable[..., _T], *args: Any) -> _T:
+    """`work(*args)` with `threads` torch threads on this thread (a whole-tensor pass: a sparse codec's)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return work(*args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _encode_chunk(attempt: _Attempt, a: int, b: int) -> bytes:
+    """Our contribution's chunk [a, b) for the wire (lossy codecs: what the others decode of it into
+    `transmitted`)."""
+    if attempt.lossless:
+        return _encode(attempt.codec, attempt.flat[a:b], attempt.fast)
+    return _encode_decoded(attempt.codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[0]
+
+
+class _OwnChunkError(Exception):
+    """Our own chunk could not be encoded (NaN/Inf in our contribution): `error` is the codec's."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# In an owner's contributions to a chunk: ours, to be encoded and decoded by the reduction's job (a lossy codec).
+OWN_CHUNK = _Marker("OWN_CHUNK")
+# What `_chunk_mean` returns when a member's contribution did not decode (refused where it was decoded).
+UNDECODABLE = _Marker("UNDECODABLE")
+
+
+def _chunk_mean(
+    attempt: _Attempt, a: int, b: int, contributions: list[Any], weights: list[float]
+) -> bytes | memoryview | _Marker | None:
+    """An owner's chunk [a, b): the contributions present (in member order: a tensor, OWN_CHUNK, or a decode's
+    job, waited for here: it was submitted before this job, so it ran first or runs now) reduced, the mean ready for
+    the wire (and, lossy or lossless, what everyone decodes of it in the result). None: a raw chunk is not finite
+    (the caller finds whose it was); UNDECODABLE: a contribution was refused."""
+    codec = attempt.codec
+    inputs: list[torch.Tensor] = []
+    for contribution in contributions:
+        if contribution is OWN_CHUNK:
+            try:
+                inputs.append(
+                    _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
+                )
+            except Exception as exc:
+                raise _OwnChunkError(exc) from None
+        elif isinstance(contribution, Future):
+            if contribution.cancelled() or contribution.exception() is not None:
+                return UNDECODABLE
+            inputs.append(contribution.result())
+        else:
+            inputs.append(contribution)
+    # Lossless codecs: the mean is the result itself, so it is summed straight into place.
+    total = attempt.result[a:b] if attempt.lossless else torch.empty(b - a, dtype=torch.float32)
+    if attempt.rule is not None:
+        # A robust rule instead of the mean (contributions in member order, unweighted). A NaN need not reach its
+        # result (a median skips it), so every raw contribution is checked here first.
+        if attempt.raw and not all(_all_finite(c) for c in inputs):
+            return None
+        total.copy_(attempt.rule(inputs))
+    else:
+        terms = [c if w == 1.0 else c * w for c, w in zip(inputs, weights, strict=True)]
+        if len(terms) == 1:
+            total.copy_(inputs[0])  # the weighted mean of one contribution is itself
+        elif len(terms) == 2 and weights[0] == weights[1]:
+            # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
+            # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
+            torch.lerp(terms[0], terms[1], 0.5, out=total)
+        else:
+            torch.add(terms[0], terms[1], out=total)
+            for term in terms[2:]:
+                total.add_(term)
+            total.mul_(1.0 / math.fsum(weights))
+    if attempt.raw:
+        # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
+        return _raw_bytes(total) if _all_finite(total) else None
+    if attempt.lossless:
+        return _encode(codec, total, attempt.fast)
+    return _encode_decoded(codec, total, attempt.fast, attempt.result[a:b])[0]
+
+
+def _sparse_mean(
+    rule: RobustRule | None, decoded: list[torch.Tensor], weights: list[float], total: torch.Tensor
+) -> None:
+    """Every member's decoded payload, in member order, reduced into `total`."""
+    if rule is not None:
+        # Every member applies the rule to every payload, in member order: a rule whose arithmetic could differ
+        # between machines (a norm's reduction) must not be used with sparse codecs (the agent refuses it).
+        total.copy_(rule(decoded))
+        return
+    for index, (values, weight) in enumerate(zip(decoded, weights, strict=True)):
+        term = values if weight == 1.0 else values * weight
+        if index == 0:
+            total.copy_(term)
+        else:
+            total.add_(term)
+    total.div_(math.fsum(weights))
+
+
+def _reduce_alone(attempt: _Attempt) -> None:
+    """A dense group of one (all others dropped): the mean is our own contribution, through the codec twice like
+    every owner's mean."""
+    codec = attempt.codec
+    for a, b in attempt.plan.chunks(0):
+        if not attempt.covers(a, b):
+            continue
+        own = _encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
+        _encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
+
+
+def _encode_sparse(attempt: _Attempt) -> bytes:
+    """Our sparse payload, and what the others will decode of it in `transmitted`."""
+    payload = _encode(attempt.codec, attempt.flat, attempt.fast)
+    _decode(attempt.codec, payload, attempt.plan.numel, "own payload", attempt.fast, attempt.transmitted)
+    return payload
 
 
 def _specific_rejection(outbox: asyncio.Queue[Frame | Reject]) -> Reject | None:

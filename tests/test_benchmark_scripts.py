@@ -37,11 +37,16 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 
 
 def test_exchange_benchmark_runs_farloco_and_gloo_and_checks_their_means() -> None:
-    proc = run_script("exchange.py", "--impl", "farloco", "--impl", "gloo", "--peers", "2", "--mib", "1")
+    proc = run_script(
+        "exchange.py", "--impl", "farloco", "--impl", "gloo", "--peers", "2", "--mib", "1",
+        "--codec", "fp32", "--codec", "int8", "--codec-threads", "0", "--codec-threads", "2",
+    )  # fmt: skip
     rows = json_lines(proc.stdout)
     assert {(r["impl"], r["codec"]) for r in rows} == {
         ("farloco", "fp32"),
         ("farloco", "int8"),
+        ("farloco 2 codec threads", "fp32"),
+        ("farloco 2 codec threads", "int8"),
         ("gloo", "fp32"),
     }
     for row in rows:

@@ -44,6 +44,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("nope.key=1", "unknown section 'nope'"),
         ("network.grpc_port=70000", "network.grpc_port: expected a port in 0..65535, got 70000"),
         ("network.streams_per_peer=0", "network.streams_per_peer: expected 1..16, got 0"),
+        ("network.codec_threads=65", "network.codec_threads: expected 0..64, got 65"),
+        ("network.codec_threads=-1", "network.codec_threads: expected 0..64, got -1"),
         ("network.socket_buffer_bytes=-2", "network.socket_buffer_bytes: expected -1, 0 or a size in bytes"),
         ("node.device=tpu", "node.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
         ("node.agent_threads=-1", "node.agent_threads: expected a number >= 0, got -1"),

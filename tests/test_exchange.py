@@ -174,7 +174,9 @@ class Node:
     """One exchange member. `plane`: "tcp" streams on the TCP data plane (the daemon's default), "grpc" keeps
     them on gRPC; subprocess workers take it from EXCHANGE_TEST_PLANE."""
 
-    def __init__(self, peer_id: str, plane: str | None = None, lanes: int = 1, slices: int = 0) -> None:
+    def __init__(
+        self, peer_id: str, plane: str | None = None, lanes: int = 1, slices: int = 0, codec_threads: int = 1
+    ) -> None:
         auth = Authenticator(RUN, SECRET, peer_id)
         self.peer_id = peer_id
         plane = plane or os.environ.get("EXCHANGE_TEST_PLANE", "tcp")
@@ -191,6 +193,7 @@ class Node:
             streams_per_peer=lanes,
             slices=slices,
             gone=(lambda peer: peer in gone) if gone else None,
+            codec_threads=codec_threads,
         )
         self.address = ""
 
@@ -201,12 +204,15 @@ class Node:
     async def stop(self) -> None:
         await self.client.close()
         await self.server.stop(0)
+        self.exchange.close()
 
 
 async def start_nodes(
-    count: int, plane: str | None = None, lanes: Sequence[int] = ()
+    count: int, plane: str | None = None, lanes: Sequence[int] = (), codec_threads: int = 1
 ) -> tuple[list[Node], Group]:
-    nodes = [Node(f"peer-{i}", plane, lanes[i] if lanes else 1) for i in range(count)]
+    nodes = [
+        Node(f"peer-{i}", plane, lanes[i] if lanes else 1, codec_threads=codec_threads) for i in range(count)
+    ]
     members = [await node.start() for node in nodes]
     return nodes, Group.make(11, members)
 

@@ -116,7 +116,8 @@ def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
     made = Swarm(tmp_path, ["run.max_rounds=3", "run.inner_steps=4"])
     try:
         peers = [
-            made.add("tp2", ranks=2, extra=("--set", "node.tp=2")),
+            # (its exchange's codec work on 2 threads of its own: network.codec_threads, the same bits)
+            made.add("tp2", ranks=2, extra=("--set", "node.tp=2", "--set", "network.codec_threads=2")),
             # ... and this one sends its part of each exchange over 3 streams per peer (network.streams_per_peer)
             made.add("fsdp2", ranks=2, extra=("--set", "network.streams_per_peer=3")),
             # ... and this one also logs its rounds to TensorBoard (node.loggers), read back below.

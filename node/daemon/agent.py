@@ -171,6 +171,7 @@ class Agent(RoundAgent):
             streams_per_peer=net.streams_per_peer,
             slices=run.island_slices,
             gone=self._member_gone,
+            codec_threads=net.codec_threads,
         )
         if self.config.node.island:
             self.island = self._make_island()
@@ -343,6 +344,7 @@ class Agent(RoundAgent):
         await self.matchmaker.close()
         await self.client.close()
         await self.server.stop(grace=min(1.0, left()))
+        self.exchange.close()
         self.control.stop()
         if self._checkpoint_task is not None:
             # A checkpoint still being written gets what is left; an unfinished one stays a .tmp- directory,
