@@ -5,7 +5,8 @@
   is a checked runner: once the coroutine returns, any task it left pending is recorded (name, coroutine and
   where it waits), cancelled, and given `TASK_CANCEL_GRACE` seconds to end; a task that ignores cancellation
   is named as such and the loop is closed anyway, so clean-up can never hang the run (plain `asyncio.run`
-  waits forever for such a task).
+  waits forever for such a task). An asyncio error nobody retrieved ("Future exception was never retrieved",
+  reported when the future is freed) fails the test too: it is an error the code lost.
 - Timeouts: pytest-timeout's `signal` method fails a test at its timeout (300 s, or its `timeout` marker) with
   every thread's stack, and covers fixture set-up and tear-down. It fires once; if the test's clean-up then
   hangs too, a watchdog thread `HARD_TIMEOUT_GRACE` seconds later (60, or `FARLOCO_TEST_HARD_GRACE`) kills
@@ -38,15 +39,32 @@ _SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkser
 
 _original_run = asyncio.run
 _leftover_tasks: list[str] = []
+_unretrieved: list[str] = []
+
+
+def _record_unretrieved(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: an error nobody took ("Future/Task exception was never retrieved", reported
+    when the future is freed) is a bug of the test or of the code, and fails the test; everything else is logged
+    as asyncio would."""
+    message = str(context.get("message", ""))
+    if "never retrieved" in message:
+        _unretrieved.append(f"{message}: {context.get('exception')!r}")
+    loop.default_exception_handler(context)
 
 
 def checked_run(main: Coroutine[Any, Any, Any], *, debug: bool | None = None) -> Any:
-    """`asyncio.run`, except that leftover tasks are recorded and clean-up is bounded (module docstring)."""
+    """`asyncio.run`, except that leftover tasks and errors never retrieved are recorded and clean-up is bounded
+    (module docstring)."""
 
     def leftover(task: asyncio.Task[Any], ignored_cancel: bool) -> None:
         _leftover_tasks.append(describe(task, ignored_cancel=ignored_cancel))
 
-    return run(main, cleanup_timeout=TASK_CANCEL_GRACE, on_leftover=leftover, debug=debug)
+    async def handled() -> Any:
+        # Kept by the loop after it closed: a future freed later still reports to it.
+        asyncio.get_running_loop().set_exception_handler(_record_unretrieved)
+        return await main
+
+    return run(handled(), cleanup_timeout=TASK_CANCEL_GRACE, on_leftover=leftover, debug=debug)
 
 
 def _live_children(owned_by_longer_fixtures: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
@@ -158,11 +176,14 @@ def _hygiene(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     children_before = set(_live_children())
     listening_before = _listening()
     _leftover_tasks.clear()
+    _unretrieved.clear()
     monkeypatch.setattr(asyncio, "run", checked_run)
     yield
     monkeypatch.setattr(asyncio, "run", _original_run)
     problems = [f"left a pending asyncio {task}" for task in _leftover_tasks]
+    problems += [f"left an asyncio error unretrieved: {error}" for error in _unretrieved]
     _leftover_tasks.clear()
+    _unretrieved.clear()
     # Processes and sockets a test stopped may take a moment to go: look again for a few seconds.
     deadline = time.monotonic() + 5.0
     while True:

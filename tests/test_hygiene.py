@@ -1,5 +1,5 @@
-"""The suite's own hygiene (tests/conftest.py), run on small suites of its own: a test that leaves a task, a
-child process or a listening socket behind fails naming it, and a test whose clean-up hangs after its timeout
+"""The suite's own hygiene (tests/conftest.py), run on small suites of its own: a test that leaves a task, an
+asyncio error never retrieved, a child process or a listening socket behind fails naming it, and a test whose clean-up hangs after its timeout
 ends the run with every thread's stack instead of hanging it."""
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ def test_leaves_a_task_that_ignores_cancel():
                 pass
     async def main():
         asyncio.create_task(stubborn(), name="stubborn")
+    asyncio.run(main())
+
+def test_leaves_an_error_unretrieved():
+    async def fails():
+        raise ValueError("lost error")
+    async def main():
+        future = asyncio.ensure_future(fails())
+        await asyncio.wait([future])  # waited for, its error never taken
     asyncio.run(main())
 
 def test_leaves_a_process():
@@ -78,9 +86,13 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
 def test_leftover_tasks_processes_and_sockets_fail_the_test_that_left_them(suite: pytest.Pytester) -> None:
     suite.makepyfile(test_leaky=LEAKY)
     result = suite.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=5, errors=4)
+    result.assert_outcomes(passed=6, errors=5)
     text = result.stdout.str()
     assert "left a pending asyncio task 'forgotten'" in text
+    assert (
+        "left an asyncio error unretrieved: Task exception was never retrieved: ValueError('lost error')"
+        in text
+    )
     assert "'stubborn'" in text and "IGNORED cancellation" in text
     assert "left child process" in text and "time.sleep(3600)" in text
     assert "left a listening socket open on 127.0.0.1:" in text
