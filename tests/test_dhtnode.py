@@ -13,6 +13,7 @@ import pytest
 
 from farloco.node.daemon.dhtnode import (
     DHTStartError,
+    LateAnswerFilter,
     daemon_alive,
     make_dht,
     stable_node_id,
@@ -227,3 +228,55 @@ def test_a_bootstrap_that_never_comes_up_is_stopped_with_its_session(tmp_path: P
             break
         time.sleep(0.1)
     assert left == [], f"processes of the bootstrap's session still there: {left}"
+
+
+def test_a_late_answer_to_a_cancelled_dht_request_is_not_logged_as_an_error() -> None:
+    """The DHT process's asyncio logs "Task exception was never retrieved" when hivemind's request handler sets
+    its late answer on an MPFuture that farloco cancelled (its wait ended first): a real MPFuture, cancelled, and a
+    handler task named as hivemind's is. LateAnswerFilter drops that record and only that one: another task's
+    lost error is still logged."""
+    import asyncio
+    import gc
+    import logging
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    class DHT:  # the handler's qualified name as hivemind's: DHT._get
+        async def _get(self, future: MPFuture) -> None:
+            future.set_result("late answer")  # InvalidStateError: the caller cancelled it
+
+    async def other() -> None:
+        raise ValueError("a real lost error")
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    asyncio_log = logging.getLogger("asyncio")
+    late = LateAnswerFilter()
+    keep = Keep()
+    asyncio_log.addFilter(late)
+    asyncio_log.addHandler(keep)
+    try:
+
+        async def main() -> None:
+            future: MPFuture = MPFuture()
+            future.cancel()
+            tasks = [asyncio.ensure_future(DHT()._get(future)), asyncio.ensure_future(other())]
+            await asyncio.wait(tasks)  # neither task's exception is retrieved
+            del tasks
+
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        gc.collect()
+    finally:
+        asyncio_log.removeFilter(late)
+        asyncio_log.removeHandler(keep)
+    messages = [r.getMessage() for r in records]
+    assert len(messages) == 1, messages
+    assert "never retrieved" in messages[0] and "a real lost error" in messages[0]

@@ -48,6 +48,24 @@ def stable_node_id(identity_path: str) -> Any:
     return DHTID.generate(source=PeerID.from_identity(path.read_bytes()).to_bytes())
 
 
+class LateAnswerFilter(logging.Filter):
+    """In the DHT process: drops asyncio's "Task exception was never retrieved" for a DHT request whose caller
+    gave up first. farloco cancels a request's MPFuture when its wait ends early (protocol/dhtcall.py: a timeout,
+    a shutdown); hivemind's handler of the request (`DHT._get`, `DHT._store`) then sets its late result on the
+    cancelled future, which raises InvalidStateError in a task nobody awaits, logged at ERROR with a traceback
+    (2 in 500 rounds of the chaos runner's long-run row). Nothing is lost: the answer came after nobody wanted
+    it. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            "never retrieved" in message
+            and "InvalidStateError" in message
+            and "CANCELLED" in message
+            and ("DHT._get()" in message or "DHT._store()" in message)
+        )
+
+
 # hivemind's start-up check that a peer can dial this node back (DHTProtocol.call_ping with validate=True).
 DIAL_BACK_FAILED = "can't access this node"
 DIAL_BACK_TRIES = 3
@@ -94,6 +112,7 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
             # that does not exist in this process and spin at 100% CPU for good (seen: a DHT started after a
             # test's gRPC server never became ready). Nothing inherited is the child's to collect: freeze it.
             gc.freeze()
+            logging.getLogger("asyncio").addFilter(LateAnswerFilter())
             super().run()
 
     # hivemind waits 3 s for a peer's answer; on a loaded machine a store then fails for want of replies, so
