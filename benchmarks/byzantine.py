@@ -1,4 +1,4 @@
-"""What one Byzantine member does to training, per aggregator: the held-out loss table of issue 16 point 3.
+"""What one Byzantine member does to training, per aggregator: the held-out loss table in BENCHMARKS.md.
 
 k workers (4, and 8) train the `tiny` built-in model (1.02M parameters) with DiLoCo in one process, the way
 benchmarks/convergence.py simulates a swarm (its Setup, Learner, evaluation and bundled pydoc corpus; batch 8 x

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's GPU checks on one CUDA machine, each stage bounded by its own timeout. Results land in $OUT
+# The GPU checks (BENCHMARKS.md's GPU tables) on one CUDA machine, each stage bounded by its own timeout. Results land in $OUT
 # (default ./gpu-results): log.txt (every stage's output and, where one failed, its logs' tails) and one JSON per
 # benchmark.
 #

@@ -1,5 +1,5 @@
 """The ranks' side of the hand-off, per round, beside plain copies of the same bytes and the inner step it sits
-between (issue 13 point 3).
+between (BENCHMARKS.md, "The hand-off on a GPU").
 
     python benchmarks/handoff.py --presets tiny small                     # CPU, 1 rank
     python benchmarks/handoff.py --presets 1b --precision bf16 --batch-size 8 --seq-len 2048   # one GPU

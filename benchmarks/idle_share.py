@@ -3,14 +3,15 @@
     python benchmarks/idle_share.py                       # 125m preset (128.4M params), H = 20, int8, 5 rounds
     python benchmarks/idle_share.py --model tiny --rounds 8 --modes sync delayed
 
-One real node per mode (`farloco bootstrap` + `farloco join` on 127.0.0.1, an elastic-launched trainer rank, the
-agent's real round): alone, so its group is itself and the network is left out, as issue 12's target says; what
-is measured is the agent's own work on the ranks' path. The agent counts, in `ranks_idle_seconds` of its round
-events, the time between the ranks' end of a sequence and the publish of their next one; the share is its
-growth between the first and the last round event over the wall time between them (the start-up and the first
-round's ramp excluded). `sync`: the ranks wait for the whole round (contribution, exchange, outer step, hash);
-`delayed`: they wait for the round before the last one only if it outlasted their inner steps, plus the publish
-of theta; `eager`: also the contribution and its pass through the codec (the preview needs it).
+One real node per mode (`farloco bootstrap` + `farloco join` on 127.0.0.1, an elastic-launched trainer rank,
+the agent's real round): alone, so its group is itself and the network is left out (the target is the ranks'
+idle time that the agent's own round causes, not the network's); what is measured is the agent's own work on
+the ranks' path. The agent counts, in `ranks_idle_seconds` of its round events, the time between the ranks'
+end of a sequence and the publish of their next one; the share is its growth between the first and the last
+round event over the wall time between them (the start-up and the first round's ramp excluded). `sync`: the
+ranks wait for the whole round (contribution, exchange, outer step, hash); `delayed`: they wait for the round
+before the last one only if it outlasted their inner steps, plus the publish of theta; `eager`: also the
+contribution and its pass through the codec (the preview needs it).
 
 The inner step is shrunk to what a CPU does at that size (`--batch-size 1 --seq-len 64` by default: ~1-2 s per
 step at 128M on one core of this machine kind); a GPU node's steps are shorter, so its share of sync's round is

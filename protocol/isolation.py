@@ -3,8 +3,8 @@
 Alone is not always wrong: the others may have left (their departure tombstones say so), or the node may be the
 first of its swarm. What must not pass in silence is a node whose peers *vanished*: their records expired without
 a tombstone. From inside one node a crashed peer and a network partition look the same, and in a partition every
-side that goes on training alone forks the swarm (issue 11: four one-member swarms, four hashes, every status
-"training"). So a node in that state is **isolated**, and the agent's policy (ARCHITECTURE.md, "Isolation") is:
+side that goes on training alone forks the swarm (four one-member swarms, four hashes, every status "training").
+So a node in that state is **isolated**, and the agent's policy (ARCHITECTURE.md, "Isolation") is:
 
 - say so at once: status state ``isolated``, the ``farloco_isolated`` metric, a warning and an ``isolated`` event
   naming the vanished peers;

@@ -5,7 +5,7 @@ knew and the contributors of the round's mean (none when it did not commit). Fro
 fraction of the recent rounds in which `peer` was live *and* contributed: `farloco peers` shows it per peer and
 `farloco status` our own. The round's leader also names every live member it left out, with a reason
 (`left_out_reason`), and each node counts the rounds it was left out of itself; both go to the event log and to
-per-reason metrics, so nobody is left out silently (issue 21).
+per-reason metrics, so nobody is left out silently.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def stable_node_id(identity_path: str) -> Any:
     id) then sits in the others' routing tables twice, under its old node id and its new one, and both answer
     since one process serves that peer id. Every store the others make reaches it twice: the second copy is no
     newer than the first, so it answers False, and hivemind reports the status of the last replica it heard from,
-    so the other peers' stores "fail" for as long as both entries live, which is for good (issue 21: a survivor's
+    so the other peers' stores "fail" for as long as both entries live, which is for good (a survivor's
     member and matchmaking records refused for the rest of the run after its peer was SIGKILLed and restarted).
     Deriving the node id from the peer id gives a restarted node its old place in the DHT instead.
     """
