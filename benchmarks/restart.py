@@ -22,7 +22,7 @@ first; every node, the bootstrap and their children are stopped at the end, also
 
 `--hivemind WORK` runs the same SIGKILL + restart on two peers of hivemind's own DecentralizedAverager
 (benchmarks/matchmaking.py's worker: `WORK` seconds of sleep between steps, `min_matchmaking_time` 2 s), the
-reference the issue names. A restarted hivemind peer has a new peer id, so `back_s` is from the restart to its
+reference farloco is compared with. A restarted hivemind peer has a new peer id, so `back_s` is from the restart to its
 first step averaged with the survivor, and `share_after` is the share of the survivor's later steps that
 averaged with two peers.
 """
