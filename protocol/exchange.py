@@ -63,7 +63,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import struct
 import sys
 import threading
 import warnings
@@ -483,7 +482,6 @@ class Exchange:
         self.slices = slices
         self.chunk_elems = chunk_bytes // 4
         self.max_payload_bytes = max_payload_bytes
-        self.corrupt_rounds: dict[int, str] = {}  # chaos only: round -> mode, see `_outgoing`
         # Whether a peer is known gone (its membership record expired); see GONE_SILENCE_SECONDS. None: never.
         self.gone = gone
         self._attempts: dict[str, _Attempt] = {}
@@ -870,20 +868,6 @@ class Exchange:
         attempt.decoded[attempt.me] = attempt.transmitted
         await self._sparse_part_done(attempt)
 
-    def _outgoing(self, attempt: _Attempt, data: bytes | memoryview) -> bytes | memoryview:
-        """A chunk's payload as it goes out, corrupted in the rounds `corrupt_rounds` names (chaos: FARLOCO_FAULTS
-        corrupt[=MODE]@exchange): all 0xFF bytes (NaN floats, out-of-range indices), float32 +Inf or 1e38 (raw
-        fp32 payloads: Inf must be refused, 1e38 is a valid wrong value for the aggregator), or its first half."""
-        mode = self.corrupt_rounds.get(attempt.round_id)
-        if mode is None:
-            return data
-        if mode == "short":
-            return bytes(data[: len(data) // 2])
-        if mode in ("inf", "huge"):
-            value = struct.pack("<f", math.inf if mode == "inf" else 1e38)
-            return value * (len(data) // 4) + b"\x00" * (len(data) % 4)
-        return b"\xff" * len(data)
-
     async def _push(self, attempt: _Attempt, j: int, lane: int, deadline: float) -> None:
         """Stream our contribution to member j and, for dense codecs, receive j's mean of its part: the chunks of
         lane `lane` (see Lanes in the module docstring)."""
@@ -944,7 +928,7 @@ class Exchange:
                             self._local_failure(attempt, error)
                             return
                         # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
-                        frame = Frame({"k": k}, self._outgoing(attempt, _raw_bytes(attempt.flat[a:b])))
+                        frame = Frame({"k": k}, _raw_bytes(attempt.flat[a:b]))
                         attempt.bytes_sent += _wire_size(frame)
                         attempt.fp32_sent += 4 * (b - a)
                         yield frame
@@ -957,7 +941,7 @@ class Exchange:
                         self._local_failure(attempt, exc)
                         return
                     encode_ahead()
-                    frame = Frame({"k": k}, self._outgoing(attempt, data))
+                    frame = Frame({"k": k}, data)
                     attempt.bytes_sent += _wire_size(frame)
                     attempt.fp32_sent += 4 * (b - a)
                     yield frame
@@ -977,7 +961,7 @@ class Exchange:
             members = len(attempt.members)
             dense_per_byte = 8 * attempt.plan.numel / (members * max(1, len(payload)))
             for offset in range(0, len(payload), step):
-                frame = Frame({"o": offset}, self._outgoing(attempt, payload[offset : offset + step]))
+                frame = Frame({"o": offset}, payload[offset : offset + step])
                 attempt.bytes_sent += _wire_size(frame)
                 attempt.fp32_sent += len(frame.payload) * dense_per_byte
                 yield frame

@@ -49,7 +49,6 @@ from farloco.node.daemon.core import (
 from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht, visible_maddrs
 from farloco.node.daemon.outer import theta_hash
 from farloco.node.daemon.rounds import RoundAgent
-from farloco.protocol.faults import FlakyDHT
 from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
@@ -132,10 +131,10 @@ class Agent(RoundAgent):
         )
         if known:
             self.events.write("known_peers", initial_peers=list(net.initial_peers), known=known)
-        faults = self.faults.dht
-        if faults:  # test and chaos hook: a real DHT that refuses or stops answering some calls
-            log.warning("fault injected: the DHT misbehaves on purpose (%s)", faults)
-            self.dht = FlakyDHT(self.dht, **faults)
+        if self.injector is not None:
+            self.dht = self.injector.wrap_dht(
+                self.dht
+            )  # a real DHT that refuses or stops answering some calls
         try:
             await self._serve(DHTMembership)
         finally:
@@ -145,7 +144,7 @@ class Agent(RoundAgent):
 
     async def _serve(self, membership_cls: Any) -> None:
         from farloco.protocol.auth import Authenticator
-        from farloco.protocol.exchange import Exchange
+        from farloco.protocol.exchange import PUSH_METHOD, Exchange
         from farloco.protocol.matchmaking import DHTMatchmaker
         from farloco.protocol.rpc import RpcClient, RpcServer
         from farloco.protocol.statesync import StateServer
@@ -164,18 +163,27 @@ class Agent(RoundAgent):
             auth, host=net.host, port=net.grpc_port, tls=tls, data_port=data_port, socket_buffer_bytes=buffers
         )
         self.client = RpcClient(auth, tls=tls, socket_buffer_bytes=buffers)
+        pushes = self.client
+        if self.injector is not None:
+            pushes = self.injector.wrap_exchange_client(self.client, PUSH_METHOD)
         self.exchange = Exchange(
             self.server,
-            self.client,
+            pushes,
             self.peer_id,
             streams_per_peer=net.streams_per_peer,
             slices=run.island_slices,
             gone=self._member_gone,
             codec_threads=net.codec_threads,
         )
+        if self.injector is not None:
+            self.exchange = self.injector.wrap_exchange(self.exchange)
         if self.config.node.island:
             self.island = self._make_island()
-        self.state_server = StateServer(self._served_state, on_served=self._state_fault())
+        if self.injector is None:
+            self.state_server = StateServer(self._state_snapshot)
+        else:  # a donor that serves a poisoned state, or dies mid-transfer
+            served = self.injector.wrap_served_state(self._state_snapshot)
+            self.state_server = StateServer(served, on_served=self.injector.on_served())
         self.state_server.register(self.server)
         bound = await self.server.start()
         port = bound.rsplit(":", 1)[1]

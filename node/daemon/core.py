@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -43,6 +43,9 @@ from farloco.optim import ranges
 from farloco.protocol import parallel
 from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
+
+if TYPE_CHECKING:
+    from farloco.node.faults.injector import FaultInjector
 
 log = logging.getLogger("farloco.agent")
 
@@ -284,7 +287,27 @@ class AgentCore:
 
         # run.aggregator: None keeps the exchange's own weighted mean
         self.aggregator = Aggregator(config.run.aggregator) if config.run.aggregator != "mean" else None
-        self.outer = OuterRound(self.theta, self.strategy, self.codec)
+        # Faults on purpose (node/faults): an injector only when FARLOCO_FAULTS asks for one; a plan it cannot
+        # read stops the node before it starts.
+        from farloco.node.faults.plan import parse_faults
+        from farloco.optim import ATTACKS
+
+        try:
+            plan = parse_faults(os.environ.get("FARLOCO_FAULTS", ""), ATTACKS)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
+        self.injector: FaultInjector | None = None
+        if plan:
+            from farloco.node.faults.injector import FaultInjector
+
+            self.injector = FaultInjector(plan, self.events)
+        self.outer: OuterRound = OuterRound(self.theta, self.strategy, self.codec)
+        if self.injector is not None:
+            self.outer = self.injector.wrap_outer(self.outer, lambda: self.round_id)
+        # Called as each phase of a round begins (`_enter_phase`), and for the callback a checkpoint's writer
+        # calls once the checkpoint is durable under its temporary name: the fault injector's, or none.
+        self._phase_hook = self.injector.phase if self.injector is not None else None
+        self._on_durable = self.injector.durable if self.injector is not None else None
         # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
         self._snapshot: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         # Held while the outer state is changed (a commit, an install) or copied (the served snapshot) on the
@@ -294,14 +317,6 @@ class AgentCore:
         self._overlap_steps = overlap_steps(config)
         self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
         self._phases: dict[str, float] = {}  # the current round's phase times (rounds.py `_round`)
-        self._byzantine_stale: torch.Tensor | None = None  # FARLOCO_FAULTS byzantine: the last honest update
-        from farloco.optim import ATTACKS
-        from farloco.protocol.faults import parse_faults
-
-        try:  # chaos on purpose (node/daemon/chaos.py): a plan it cannot read stops the node before it starts
-            self.faults = parse_faults(os.environ.get("FARLOCO_FAULTS", ""), ATTACKS)
-        except ValueError as exc:
-            raise AgentError(str(exc)) from None
         self._merge_pending = False  # an outer step was applied: merge it into the ranks' weights
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.last_checkpoint: str | None = None
@@ -348,6 +363,11 @@ class AgentCore:
             except asyncio.CancelledError:
                 cancelled = True
         return done.result(), cancelled
+
+    async def _enter_phase(self, phase: str, round_id: int | None = None) -> None:
+        """A phase of round `round_id` (default: the current one) begins (node/faults/plan.py PHASES)."""
+        if self._phase_hook is not None:
+            await self._phase_hook(phase, self.round_id if round_id is None else round_id)
 
     def status_dict(self) -> dict[str, Any]:
         with self._lock:

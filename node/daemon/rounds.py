@@ -66,7 +66,7 @@ class RoundAgent(SwarmAgent):
                 inner_steps=run.inner_steps - steps_done,
             )
             self.status = Status.TRAINING
-            await self._phase_faults("train")
+            await self._enter_phase("train")
             if not await self._wait_ranks(seq, partial=True):
                 self.events.write("withdrew", round_id=self.round_id)
                 return
@@ -120,7 +120,7 @@ class RoundAgent(SwarmAgent):
             inner_steps=run.inner_steps,
         )
         self.status = Status.TRAINING
-        await self._phase_faults("train")
+        await self._enter_phase("train")
         try:
             while True:
                 ranks_done = await self._wait_ranks(seq)
@@ -191,7 +191,7 @@ class RoundAgent(SwarmAgent):
                 pending = asyncio.create_task(
                     self._round_in_flight(round_seq, prepared), name="farloco-round"
                 )
-                await self._phase_faults("train", self.round_id + 1)
+                await self._enter_phase("train", self.round_id + 1)
         finally:
             if pending is not None:
                 await cancel_and_wait(pending)
@@ -277,13 +277,13 @@ class RoundAgent(SwarmAgent):
         # began where the ranks train on), forming the group (waiting for the others included), the hash check,
         # the exchange, the commit (the outer step and theta's digest).
         phase_started = time.monotonic()
-        await self._phase_faults("match")
+        await self._enter_phase("match")
         group, facts = await self._match(facts)
         self._phases = {"prepare": prepared.seconds, "match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
             return await self._close(decision, island_out=True)
         phase_started = time.monotonic()
-        await self._phase_faults("heal")
+        await self._enter_phase("heal")
         facts = await self._heal(group, facts)
         self._phases["heal"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.GO_ON:
@@ -292,17 +292,14 @@ class RoundAgent(SwarmAgent):
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             prepared.contribution = self._contribution(prepared.theta_local)
         phase_started = time.monotonic()
-        await self._phase_faults("exchange")
-        sent = self._byzantine(prepared.contribution)
-        averaged, facts = await self._average(group, sent, facts, prepared.weight)
+        await self._enter_phase("exchange")
+        averaged, facts = await self._average(group, prepared.contribution, facts, prepared.weight)
         self._phases["exchange"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.COMMIT:
             return await self._close(decision)
         assert averaged is not None
-        if sent is not prepared.contribution:  # a Byzantine insider (chaos) keeps an honest error feedback
-            averaged = replace(averaged, transmitted=self._honest_transmitted(prepared.contribution))
         await self._commit(group, prepared, averaged, started)
-        await self._phase_faults("commit", self.round_id - 1)
+        await self._enter_phase("commit", self.round_id - 1)
         return True
 
     def _hand_off(self, seq: int, prepared: Prepared | None) -> Prepared:
@@ -482,7 +479,6 @@ class RoundAgent(SwarmAgent):
         phase_started = time.monotonic()
         await self._outer_commit(prepared, averaged)
         self._phases["commit"] = time.monotonic() - phase_started
-        await self._inject_faults()
         every = self.config.checkpoint.every_rounds
         if every and self.round_id % every == 0:
             if self._checkpoint_task is not None:

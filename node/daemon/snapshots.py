@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,6 @@ from farloco.optim.strategies import StrategyError
 
 class SnapshotAgent(RanksAgent):
     """Snapshots, checkpoints and resume."""
-
-    def _save_fault(self, round_id: int) -> Callable[[], None] | None:
-        """The fault plan's `save` phase for `round_id`'s checkpoint (ChaosAgent); none here."""
-        return None
 
     async def _state_snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The committed state as donors serve it and checkpoints write it: copies, made on the first request
@@ -202,7 +197,7 @@ class SnapshotAgent(RanksAgent):
                 tensors,
                 meta,
                 staged=staged,
-                durable=self._save_fault(round_id),
+                durable=self._on_durable(round_id) if self._on_durable is not None else None,
             )
             removed = await asyncio.to_thread(prune_checkpoints, root, self.config.checkpoint.keep)
         except (CheckpointError, OSError) as exc:  # a full disk must not stop training

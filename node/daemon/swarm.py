@@ -10,7 +10,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 from farloco.node.config import diff_run, run_section
-from farloco.node.daemon.chaos import ChaosAgent
 from farloco.node.daemon.core import (
     AgentError,
     Status,
@@ -21,6 +20,7 @@ from farloco.node.daemon.core import (
 from farloco.node.daemon.dhtnode import daemon_alive
 from farloco.node.daemon.outer import theta_hash
 from farloco.node.daemon.rules import healing_winner
+from farloco.node.daemon.snapshots import SnapshotAgent
 from farloco.node.logs import SyncProgress
 from farloco.protocol.tasks import cancel_and_wait
 
@@ -29,7 +29,7 @@ class SwarmGone(Exception):
     """`_catch_up(join=True)`: every member that was ahead of us is gone, none is left to fetch from."""
 
 
-class SwarmAgent(ChaosAgent):
+class SwarmAgent(SnapshotAgent):
     """Membership, joining, isolation, catching up and fork healing."""
 
     def _record(self) -> Any:

@@ -2,7 +2,7 @@
 the swarm paid for each, measured from the nodes' own events and metrics.
 
 A scenario is a swarm (peers, rounds, config overrides) and a timeline of faults. A fault is either in a node's
-fault plan from its start (`FARLOCO_FAULTS`, protocol/faults.py: crash, hang, drop, delay, corrupt, wrong at a
+fault plan from its start (`FARLOCO_FAULTS`, node/faults/plan.py: crash, hang, drop, delay, corrupt, wrong at a
 phase of a round; the node writes a `fault` event as it acts) or done to it from outside once the swarm reached
 a round (SIGKILL, SIGSTOP/SIGCONT, `farloco leave`, a new `farloco join`). A node that a fault ended is started
 again (same run directory: same identity, its checkpoints) when the fault says so.

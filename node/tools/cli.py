@@ -186,8 +186,8 @@ def join(
     _setup_logging(verbose, log_format, run_dir)
     if faults:  # the ranks read the plan from the environment too (slow-steps)
         os.environ["FARLOCO_FAULTS"] = ",".join(filter(None, [os.environ.get("FARLOCO_FAULTS", ""), *faults]))
+    from farloco.node.faults.plan import parse_faults
     from farloco.optim import ATTACKS
-    from farloco.protocol.faults import parse_faults
 
     try:
         parse_faults(os.environ.get("FARLOCO_FAULTS", ""), ATTACKS)

@@ -424,7 +424,7 @@ def serve_inner_request(
 def slow_step_seconds() -> float:
     """Chaos, from FARLOCO_FAULTS 'slow-steps=S': every inner step of this node takes S seconds longer (a node
     with less compute than the others: a straggler). The agent checked the plan before starting the ranks."""
-    from farloco.protocol.faults import parse_faults
+    from farloco.node.faults.plan import parse_faults
 
     return parse_faults(os.environ.get("FARLOCO_FAULTS", "")).slow_steps
 

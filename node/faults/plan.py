@@ -1,78 +1,24 @@
-"""Faults on purpose: wrappers that make a real component misbehave, for tests and manual chaos.
+"""The fault plan: what FARLOCO_FAULTS (and `farloco join --fault`) asks a node to do wrong, parsed and checked
+in one place. Nothing here acts; the wrappers (node/faults/wrappers.py) and the injector
+(node/faults/injector.py) do, and only in a node whose plan is not empty.
 
-`FlakyDHT` wraps a real `hivemind.DHT` and refuses or never answers some of its calls; everything it does not
-refuse goes to the real DHT. The agent installs it when `FARLOCO_FAULTS` asks for it (see
-`farloco.node.daemon.agent`), so a real node can be made to meet a DHT that refuses its stores for a while:
+The DHT entries make a real DHT refuse or never answer some calls (`FlakyDHT`):
 
 - `dht-refuse-stores=N`: the next N stores are refused (the answer hivemind gives when no replica took them);
 - `dht-refuse-stores-for=S`: every store is refused during the first S seconds;
 - `dht-silent-after=S`: after S seconds, no store and no get ever answers (a DHT process that hangs).
+
+The phase entries (`ACTION[=VALUE]@PHASE[+OFFSET][:ROUNDS]`, `PHASES`, `PHASE_ACTIONS`) act where a round stands;
+the rest (`slow-steps`, `die-serving-state@N`, `corrupt-theta@R`, `poison-state`, `poison-strategy-state`,
+`byzantine=ATTACK`) as `FAULT_GRAMMAR` says.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import threading
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
-
-
-def _answered(value: Any) -> concurrent.futures.Future[Any]:
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    future.set_result(value)
-    return future
-
-
-class FlakyDHT:
-    """A real DHT whose stores are refused N times / for S seconds, or whose calls stop answering after S."""
-
-    def __init__(
-        self,
-        dht: Any,
-        *,
-        refuse_stores: int = 0,
-        refuse_stores_for: float = 0.0,
-        silent_after: float | None = None,
-    ) -> None:
-        self._dht = dht
-        self._lock = threading.Lock()
-        self._started = time.monotonic()
-        self.refuse_stores = refuse_stores
-        self.refuse_stores_for = refuse_stores_for
-        self.silent_after = silent_after
-        self.refused = 0  # stores refused so far
-        self.stores = 0  # stores asked for so far
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dht, name)
-
-    def _silent(self) -> bool:
-        return self.silent_after is not None and time.monotonic() - self._started >= self.silent_after
-
-    def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
-        with self._lock:
-            self.stores += 1
-            if self._silent():
-                refused: Any = None  # never answers
-            elif self.refuse_stores > 0 or time.monotonic() - self._started < self.refuse_stores_for:
-                self.refuse_stores = max(0, self.refuse_stores - 1)
-                self.refused += 1
-                refused = False
-            else:
-                return self._dht.store(*args, return_future=return_future, **kwargs)
-        if refused is None:
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            return future if return_future else future.result()
-        return _answered(False) if return_future else False
-
-    def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
-        if self._silent():
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            return future if return_future else future.result()
-        return self._dht.get(*args, return_future=return_future, **kwargs)
 
 
 def parse_dht_faults(spec: str) -> dict[str, Any]:
