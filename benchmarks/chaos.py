@@ -1,4 +1,4 @@
-"""The chaos table: every scenario of farloco.node.tools.chaos (or those named), one after the other, each a
+"""The chaos table: every scenario of benchmarks/chaos_scenarios.py (or those named), one after the other, each a
 fresh local swarm of real `farloco join` processes on 127.0.0.1 (tiny preset, H = 8), and what each fault cost.
 
     python benchmarks/chaos.py --out benchmarks/results [--scenarios healthy sigkill-exchange ...]
@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from farloco.node.tools.chaos import SCENARIOS, FaultFigures, Outcome, run, verdict
+from chaos_runner import FaultFigures, Outcome, run, verdict
+from chaos_scenarios import SCENARIOS
 
 
 def _seconds(value: float | None) -> str:

@@ -27,3 +27,23 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes | str, *, durable: bool = False) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the new one, never a part: into a temporary
+    file beside it, then renamed over it. `durable`: the file and the rename are also flushed to disk."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                file.flush()
+                os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
+    if durable:
+        fsync_dir(path.parent)
