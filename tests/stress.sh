@@ -3,7 +3,7 @@
 #
 # usage: tests/stress.sh [RUNS] [-- extra pytest args]
 #   e.g. tests/stress.sh 3
-#        tests/stress.sh 1 -- tests/test_swarm.py
+#        tests/stress.sh 1 -- tests/integration/test_swarm.py
 #
 # Every run must be green and no single test may take over LIMIT seconds (default 120, env STRESS_TEST_LIMIT).
 # Each run's wall time and its 10 slowest tests go to stdout and to $STRESS_DIR/summary.txt

@@ -1,0 +1,196 @@
+"""dhtcall: hivemind futures awaited safely (bounded, cancellable, never running our loop from another thread),
+and retries until a deadline; FlakyDHT's fault specs."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from typing import Any
+
+import pytest
+from hivemind.utils.mpfuture import MPFuture
+
+from farloco.node.faults import FlakyDHT, parse_dht_faults
+from farloco.protocol import dhtcall
+
+
+def _resolve_while_stopped(await_it: Any) -> tuple[list[str], Any]:
+    """Start awaiting an MPFuture, stop the loop (as between two run_until_complete calls of asyncio.run's
+    clean-up), resolve the future from another thread, then finish the wait. Returns the names of threads
+    other than ours that ran the loop, and what the wait returned."""
+    loop = asyncio.new_event_loop()
+
+    async def start() -> tuple[MPFuture[int], asyncio.Future[Any]]:
+        future: MPFuture[int] = MPFuture()
+        task = asyncio.ensure_future(await_it(future))
+        await asyncio.sleep(0)
+        return future, task
+
+    try:
+        future, task = loop.run_until_complete(start())
+        foreign: list[str] = []
+        real = loop.run_until_complete
+
+        def spy(*args: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                foreign.append(threading.current_thread().name)
+            return real(*args)
+
+        loop.run_until_complete = spy  # type: ignore[method-assign]
+        resolver = threading.Thread(target=future.set_result, args=(42,), name="hivemind-like")
+        resolver.start()
+        resolver.join()
+        return foreign, real(asyncio.wait_for(task, 5))
+    finally:
+        loop.close()
+
+
+def test_hivemind_runs_a_stopped_loop_from_its_own_thread_and_dhtcall_never_lets_it() -> None:
+    """Why dhtcall exists: an MPFuture resolved while its loop is stopped makes the resolving thread run that
+    loop (the hazard behind a clean-up that hung for good); a future awaited through dhtcall does not."""
+    foreign, value = _resolve_while_stopped(lambda future: asyncio.wait_for(future, 30))
+    assert foreign == ["hivemind-like"] and value == 42
+    foreign, value = _resolve_while_stopped(lambda future: dhtcall.await_future(future, 30))
+    assert foreign == [] and value == 42
+
+
+def test_a_cancelled_or_timed_out_wait_returns_at_once_and_cancels_the_future() -> None:
+    async def main() -> None:
+        never: concurrent.futures.Future[int] = concurrent.futures.Future()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await dhtcall.await_future(never, 0.1)
+        assert time.monotonic() - started < 1.0 and never.cancelled()
+        other: concurrent.futures.Future[int] = concurrent.futures.Future()
+        task = asyncio.ensure_future(dhtcall.await_future(other, 30))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert other.cancelled()
+        # An answer that comes after the loop is gone is dropped quietly.
+        late: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with pytest.raises(TimeoutError):
+            await dhtcall.await_future(late, 0.01)
+
+    asyncio.run(main())
+
+
+def test_an_exception_from_the_dht_reaches_the_caller() -> None:
+    async def main() -> None:
+        failed: concurrent.futures.Future[int] = concurrent.futures.Future()
+        threading.Timer(0.05, failed.set_exception, args=(KeyError("boom"),)).start()
+        with pytest.raises(KeyError, match="boom"):
+            await dhtcall.await_future(failed, 5)
+
+    asyncio.run(main())
+
+
+def test_retry_backs_off_until_success_and_raises_naming_the_key_after_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dhtcall, "FIRST_DELAY", 0.01)
+    monkeypatch.setattr(dhtcall, "MAX_DELAY", 0.05)
+    answers = [False, False, TimeoutError(), True]
+    timeouts: list[float] = []
+
+    async def flaky(timeout: float) -> bool:
+        timeouts.append(timeout)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def never(timeout: float) -> bool:
+        return False
+
+    async def main() -> None:
+        attempts = await dhtcall.retry(
+            flaky, deadline=time.monotonic() + 10, key="farloco/x/members", what="a record", hint="look"
+        )
+        assert attempts == 4
+        assert all(dhtcall.MIN_CALL_TIMEOUT <= t <= dhtcall.DHT_CALL_TIMEOUT for t in timeouts)
+        started = time.monotonic()
+        with pytest.raises(dhtcall.DHTRefusedError) as caught:
+            await dhtcall.retry(
+                never,
+                deadline=started + 0.3,
+                key="farloco/x/members",
+                what="a record",
+                hint="check the peers",
+            )
+        assert 0.2 < time.monotonic() - started < 1.0
+        error = caught.value
+        assert error.key == "farloco/x/members" and error.attempts > 3
+        assert "farloco/x/members" in str(error) and "check the peers" in str(error)
+        # A deadline already past still gets one attempt.
+        assert (
+            await dhtcall.retry(
+                lambda timeout: asyncio.sleep(0, True), deadline=0.0, key="k", what="w", hint="h"
+            )
+            == 1
+        )
+
+    asyncio.run(main())
+
+
+def test_flaky_dht_refuses_the_stores_it_is_told_to_and_passes_the_rest_through() -> None:
+    class Real:
+        def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+            future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+            future.set_result(True)
+            return future
+
+        def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+            return "got"
+
+        peer_id = "me"
+
+    flaky = FlakyDHT(Real(), **parse_dht_faults("corrupt-theta@2, dht-refuse-stores=2"))
+    results = [flaky.store("k", 1, 2.0, return_future=True).result() for _ in range(4)]
+    assert results == [False, False, True, True] and flaky.refused == 2 and flaky.stores == 4
+    assert flaky.peer_id == "me" and flaky.get("k", return_future=True) == "got"
+    silent = FlakyDHT(Real(), **parse_dht_faults("dht-silent-after=0"))
+    assert not silent.store("k", 1, 2.0, return_future=True).done()
+    assert not silent.get("k", return_future=True).done()
+    timed = FlakyDHT(Real(), **parse_dht_faults("dht-refuse-stores-for=60"))
+    assert timed.store("k", 1, 2.0, return_future=True).result() is False
+    with pytest.raises(ValueError, match="dht-refuse-stores=N"):
+        parse_dht_faults("dht-refuse-stores=many")
+    with pytest.raises(ValueError, match="dht-oops"):
+        parse_dht_faults("dht-oops=1")
+
+
+def test_a_cancellation_arriving_as_the_answer_does_is_never_swallowed() -> None:
+    """Before Python 3.12, asyncio.wait_for returned the result when the caller was cancelled in the loop turn
+    its future completed, and the caller ran on as if never cancelled (a cancelled heartbeat loop kept
+    publishing after remove()). Neither dhtcall.await_future nor tasks.wait_for may do that."""
+    from farloco.protocol import tasks
+
+    async def body(wait: Any, future: Any) -> str:
+        await wait(future)
+        return "ran on after being cancelled"
+
+    async def main(wait: Any, make: Any) -> None:
+        future = make()
+        caller = asyncio.ensure_future(body(wait, future))
+        await asyncio.sleep(0)  # the caller waits on the future
+        future.set_result(1)  # the answer lands ...
+        caller.cancel()  # ... in the same turn as the cancellation
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    loop_future = lambda: asyncio.get_running_loop().create_future()  # noqa: E731
+    asyncio.run(main(lambda f: tasks.wait_for(f, 10.0), loop_future))
+    asyncio.run(main(lambda f: dhtcall.await_future(f, 10.0), concurrent.futures.Future))
+
+    # The timeout still works, and cancels what it waited for.
+    async def slow() -> None:
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        with pytest.raises(TimeoutError):
+            await tasks.wait_for(inner, 0.05)
+        assert inner.cancelled()
+
+    asyncio.run(slow())

@@ -1,0 +1,684 @@
+"""Exchange tests: real RpcServers on 127.0.0.1, every member in this process (tests/helpers/exchange.py has the
+test codecs and the member; tests/integration/test_exchange_processes.py runs members as separate processes
+and kills them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from helpers.exchange import (
+    CHUNK,
+    CODECS,
+    Fp32Codec,
+    Node,
+    RawFp32Codec,
+    TopKCodec,
+    make_input,
+    run,
+    start_nodes,
+    tolerance,
+)
+
+from farloco.protocol.exchange import AverageResult, ExchangeAborted
+from farloco.protocol.types import Group, GroupMember
+
+
+def check_dense_mean(count: int, numel: int, codec_name: str, plane: str | None = None) -> None:
+    """`count` members average `numel` values: the same bits everywhere, within the codec's tolerance of the
+    exact mean, and each member's `transmitted` what the codec made of its input."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count, plane)
+        try:
+            inputs = [make_input(i, numel) for i in range(count)]
+            codec = CODECS[codec_name]()
+            results = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], codec, timeout=30) for i, node in enumerate(nodes))
+            )
+            exact = torch.stack(inputs).mean(0)
+            for result in results:
+                assert torch.equal(result.averaged, results[0].averaged)  # bit-identical everywhere
+                assert result.contributors == tuple(n.peer_id for n in nodes)
+                assert result.bytes_sent > 0 and result.bytes_received > 0
+            err = float((results[0].averaged - exact).abs().max())
+            assert err <= tolerance(codec_name, inputs), err
+            for i, result in enumerate(results):
+                # `transmitted` is exactly what the codec made of our input.
+                assert torch.equal(
+                    result.transmitted,
+                    torch.cat([codec.decode(codec.encode(c)) for c in chunks_of(group, i, inputs[i])]),
+                )
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+@pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_dense_mean_in_one_process(count: int, codec_name: str, plane: str) -> None:
+    check_dense_mean(
+        count, 100_003, codec_name, plane
+    )  # not a multiple of anything: uneven parts, a short chunk
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
+@pytest.mark.parametrize(("count", "numel"), [(2, 1), (3, 1), (3, 2), (4, 3)])
+def test_a_tensor_with_fewer_values_than_members_is_averaged(count: int, numel: int, codec_name: str) -> None:
+    """Some members own an empty part: they reduce nothing and still get every mean (a 1-value barrier between
+    two members, as benchmarks/exchange.py sends, failed on the empty part's chunk plan)."""
+    check_dense_mean(count, numel, codec_name)
+
+
+def test_raw_path_with_optim_fp32_is_exact_and_never_calls_the_codec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from farloco.optim import get_codec
+
+    codec = get_codec("fp32")
+    assert getattr(codec, "raw_float32", False) is True
+
+    def forbidden(*_: Any) -> Any:
+        raise AssertionError("the raw float32 path must not encode or decode")
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 70_001) for i in range(3)]
+            weights = [1.0, 2.0, 0.5]
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], codec, timeout=30, weight=weights[i])
+                    for i, node in enumerate(nodes)
+                )
+            )
+            assert all(torch.equal(r.averaged, results[0].averaged) for r in results)
+            assert all(torch.equal(r.transmitted, inputs[i]) for i, r in enumerate(results))
+            # The owner's arithmetic, spelled out: sum in member order, then divide by the weight total.
+            exact = (inputs[0] * 1.0 + inputs[1] * 2.0 + inputs[2] * 0.5) / 3.5
+            assert float((results[0].averaged - exact).abs().max()) <= 1e-6
+            # Raw chunks: no codec header or CRC, exactly 4 bytes per value sent (contributions + means), plus
+            # each frame's small msgpack header: the fp32 baseline is exact and the ratio just under 1.
+            assert sum(r.fp32_bytes for r in results) == 2 * 2 * 4 * 70_001
+            for r in results:
+                assert r.fp32_bytes < r.bytes_sent < 1.001 * r.fp32_bytes
+                assert r.fp32_bytes < r.bytes_received < 1.001 * r.fp32_bytes
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    monkeypatch.setattr(type(codec), "encode", forbidden)
+    monkeypatch.setattr(type(codec), "decode", forbidden)
+    run(body())
+
+
+@pytest.mark.parametrize("name", ["int8", "fp16"])
+def test_optim_lossy_codec_through_the_exchange(name: str) -> None:
+    """farloco.optim's lossy codecs take the encode_decoded path: still bit-identical everywhere, and
+    `transmitted` is exactly decode(encode(.)) of each chunk."""
+    from farloco.optim import get_codec
+
+    codec = get_codec(name)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 90_001) for i in range(3)]
+            results = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], codec, timeout=30) for i, node in enumerate(nodes))
+            )
+            assert all(torch.equal(r.averaged, results[0].averaged) for r in results)
+            for i, result in enumerate(results):
+                sent = torch.cat([codec.decode(codec.encode(c)) for c in chunks_of(group, i, inputs[i])])
+                assert torch.equal(result.transmitted, sent)
+            err = float((results[0].averaged - torch.stack(inputs).mean(0)).abs().max())
+            assert err <= tolerance("int8", inputs), err
+            # Again into caller-owned buffers (as the agent does): the same values, written in place.
+            outs = [torch.full((90_001,), float("nan")) for _ in nodes]
+            sents = [torch.full((90_001,), float("nan")) for _ in nodes]
+            again = await asyncio.gather(
+                *(
+                    node.exchange.average(
+                        group, inputs[i], codec, timeout=30, out=outs[i], transmitted_out=sents[i]
+                    )
+                    for i, node in enumerate(nodes)
+                )
+            )
+            for i, result in enumerate(again):
+                assert result.averaged.data_ptr() == outs[i].data_ptr()
+                assert result.transmitted.data_ptr() == sents[i].data_ptr()
+                assert torch.equal(outs[i], results[0].averaged)
+                assert torch.equal(sents[i], results[i].transmitted)
+            with pytest.raises(
+                ValueError, match="transmitted_out: expected memory apart from the input and from out"
+            ):
+                await nodes[0].exchange.average(
+                    group, inputs[0], codec, timeout=30, out=outs[0], transmitted_out=outs[0]
+                )
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize("mode", ["bytes", "inf", "short", "huge"])
+def test_a_member_whose_chunks_go_out_corrupted_is_refused_or_outvoted(mode: str) -> None:
+    """The chaos fault `corrupt=MODE`: a member's outgoing payloads as 0xFF bytes (NaN), +Inf or half their size
+    are refused by every owner (the others retry without it and agree); 1e38 is a valid float, so the mean takes
+    it (the control) and the coordinate median of three does not."""
+    from farloco.optim import Aggregator
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        nodes[1].exchange.corrupt_rounds[group.round_id] = mode
+        inputs = [make_input(i, 50_000) for i in range(3)]
+        rule = Aggregator("median") if mode == "huge" else None
+        try:
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30, rule=rule)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            for node in nodes:
+                await node.stop()
+        good = [outcomes[0], outcomes[2]]
+        assert all(isinstance(r, AverageResult) for r in good), outcomes
+        assert torch.equal(good[0].averaged, good[1].averaged)
+        if mode == "huge":
+            # all three contributed; the median of (x0, 1e38, x2) per coordinate is the larger honest value
+            assert good[0].contributors == ("peer-0", "peer-1", "peer-2")
+            assert torch.equal(good[0].averaged, torch.maximum(inputs[0], inputs[2]))
+        else:
+            assert good[0].contributors == good[1].contributors == ("peer-0", "peer-2")
+            assert torch.allclose(good[0].averaged, (inputs[0] + inputs[2]) / 2, atol=1e-6)
+
+
+def test_a_member_that_moved_on_to_a_later_round_is_not_waited_for() -> None:
+    """A member grouped for round 11 that has already started round 12 (it thawed after the others grouped it and
+    closed round 11 without them) refuses round 11's streams and vote at once (ATTEMPT_OVER): the others retry
+    without it in a moment instead of waiting for their data deadline (18 s here) and its vote."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            later = Group.make(group.round_id + 1, [GroupMember(nodes[1].peer_id, nodes[1].address)])
+            await nodes[1].exchange.average(later, make_input(9, 50_000), RawFp32Codec(), timeout=30)
+            inputs = [make_input(i, 50_000) for i in range(3)]
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(nodes[i].exchange.average(group, inputs[i], RawFp32Codec(), timeout=30) for i in (0, 2))
+            )
+            assert time.monotonic() - started < 8.0
+        finally:
+            for node in nodes:
+                await node.stop()
+        assert all(r.contributors == ("peer-0", "peer-2") for r in results)
+        assert torch.equal(results[0].averaged, results[1].averaged)
+
+    run(body())
+
+
+def test_raw_path_own_nonfinite_input_excludes_itself() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 50_000) for i in range(3)]
+            inputs[1][100] = float("nan")
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            good = [outcomes[0], outcomes[2]]
+            assert all(isinstance(r, AverageResult) for r in good), outcomes
+            assert good[0].contributors == good[1].contributors == ("peer-0", "peer-2")
+            assert torch.equal(good[0].averaged, good[1].averaged)
+            assert torch.allclose(good[0].averaged, (inputs[0] + inputs[2]) / 2, atol=1e-6)
+            # The codec's own error reaches the caller whose input was bad.
+            assert isinstance(outcomes[1], ValueError) and "finite" in str(outcomes[1]), outcomes[1]
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peer-1 skips its own check (as a buggy or hostile peer would) and sends NaN into peer-0's part: the
+    owner refuses the chunk, blames peer-1, and the retry goes on without it."""
+    import farloco.protocol.exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            inputs = [make_input(i, 50_000) for i in range(2)]
+            inputs[1][100] = float("nan")  # in peer-0's part
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            assert isinstance(outcomes[0], AverageResult), outcomes
+            assert outcomes[0].contributors == ("peer-0",)
+            assert torch.equal(outcomes[0].averaged, inputs[0])
+            assert isinstance(outcomes[1], ExchangeAborted) and outcomes[1].reason == "EXCLUDED", outcomes
+            assert nodes[0].server.rejections["BAD_PAYLOAD"] == 1
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+@pytest.mark.parametrize("codec_name", ["raw", "int8", "fp32"])
+def test_lanes_give_the_same_bits_as_one_stream(codec_name: str, plane: str) -> None:
+    """Members with 1, 3, 4 and 2 streams per peer (each its own): every lane stream carries its chunks, and the mean
+    is bit-identical to the one-stream exchange of the same inputs (a chunk's mean does not depend on the lane it
+    came by). A part of fewer chunks than lanes uses one lane per chunk."""
+    numel = 100_003  # 4 parts of ~25_000 values: 2 chunks of 16384 values (CHUNK) each, the last one short
+    counts = [1, 3, 4, 2]  # so peer-1 and peer-2 open 2 streams per owner, one per chunk
+
+    async def mean(lanes: Sequence[int]) -> tuple[list[AverageResult], list[Counter[str]]]:
+        nodes, group = await start_nodes(4, plane, lanes)
+        opened: list[Counter[str]] = [Counter() for _ in nodes]
+        for node, calls in zip(nodes, opened, strict=True):
+            stream = node.client.stream
+
+            def counted(
+                address: str, method: str, *args: Any, _s: Any = stream, _c: Any = calls, **kw: Any
+            ) -> Any:
+                _c[address] += method == "ExchangePush"
+                return _s(address, method, *args, **kw)
+
+            node.client.stream = counted  # type: ignore[method-assign]
+        try:
+            inputs = [make_input(i, numel) for i in range(4)]
+            results = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], CODECS[codec_name](), timeout=30)
+                  for i, node in enumerate(nodes))
+            )  # fmt: skip
+            return list(results), opened
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    async def body() -> None:
+        one, _ = await mean([1, 1, 1, 1])
+        several, opened = await mean(counts)
+        for single, laned in zip(one, several, strict=True):
+            assert torch.equal(single.averaged, laned.averaged)
+            assert torch.equal(single.transmitted, laned.transmitted)
+        chunks = -(-(numel // 4 + 1) // (CHUNK // 4))
+        for i, calls in enumerate(opened):
+            assert sorted(calls.values()) == [min(counts[i], chunks)] * 3, (i, calls)
+
+    run(body())
+
+
+@pytest.mark.parametrize("target", ["one owner", "every owner"])
+def test_nan_insider_in_a_group_of_three_never_splits_the_round(
+    monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """peer-2 (an insider: it holds the secret) skips its own check and sends NaN. Every owner it reached names it
+    on arrival, even after another member's abort (it checks what is still arriving before it votes). With both
+    owners hit, the majority names it and peer-0 and peer-1 average without it; with one owner hit there is one
+    report, which may come from a liar, and everyone aborts alike. Never a split, never a mean with the
+    insider's data."""
+    import farloco.protocol.exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3, lanes=[2, 3, 3])  # the NaN comes by one lane of several
+        try:
+            numel = 60_000  # three parts of 20_000
+            inputs = [make_input(i, numel) for i in range(3)]
+            inputs[2][100] = float("nan")  # peer-0's part
+            if target == "every owner":
+                inputs[2][20_100] = float("nan")  # peer-1's part
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            assert isinstance(outcomes[2], ExchangeAborted), outcomes
+            assert sum(node.server.rejections["BAD_PAYLOAD"] for node in nodes[:2]) >= 1
+            honest = outcomes[:2]
+            if all(isinstance(o, AverageResult) for o in honest):
+                assert outcomes[2].reason == "EXCLUDED", outcomes
+                assert honest[0].contributors == honest[1].contributors == ("peer-0", "peer-1")
+                assert torch.equal(honest[0].averaged, honest[1].averaged)
+                assert torch.allclose(honest[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+            else:
+                assert all(isinstance(o, ExchangeAborted) for o in honest), outcomes
+                assert {o.reason for o in honest} == {"NO_PROGRESS"}, outcomes
+            if target == "one owner":
+                # One accusation, which may come from a liar: nobody can be dropped.
+                assert all(isinstance(o, ExchangeAborted) for o in honest), outcomes
+            else:
+                # Both owners saw the NaN: even when peer-0's abort reaches peer-1 first, peer-1 keeps checking
+                # what is still arriving before it votes (EVIDENCE_GRACE_SECONDS), so the majority names peer-2.
+                assert all(isinstance(o, AverageResult) for o in honest), outcomes
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_exclusion_rule_needs_a_majority() -> None:
+    from farloco.protocol.exchange import _excluded
+
+    members = [GroupMember(f"p{i}", f"127.0.0.1:{i + 1}") for i in range(4)]
+
+    def vote(bad: list[str], n: int = 10) -> dict[str, Any]:
+        return {"ok": False, "bad": bad, "n": n, "c": "fp32"}
+
+    # A strict majority of the others names p3: only p3 goes.
+    votes = {"p0": vote(["p3"]), "p1": vote(["p3"]), "p2": vote([]), "p3": vote([])}
+    assert _excluded(members, votes) == {"p3"}
+    # One accusation, no majority: nobody can tell a true report from a lie, nobody goes.
+    votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote([])}
+    assert _excluded(members, votes) == set()
+    # A member whose tensor has another size than the majority's goes, whatever it reports of others.
+    votes = {"p0": vote([]), "p1": vote([]), "p2": vote([]), "p3": vote(["p0"], n=11)}
+    assert _excluded(members, votes) == {"p3"}
+    # Self-reports (our own NaN) drop only ourselves.
+    votes = {"p0": vote([]), "p1": vote(["p1"]), "p2": vote([]), "p3": vote([])}
+    assert _excluded(members, votes) == {"p1"}
+
+
+def test_raw_and_codec_fp32_members_refuse_each_other() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(group, make_input(0, 1000), RawFp32Codec(), timeout=20),
+                nodes[1].exchange.average(group, make_input(1, 1000), Fp32Codec(), timeout=20),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, ExchangeAborted) for o in outcomes), outcomes
+            assert sum(n.server.rejections["CODEC_MISMATCH"] for n in nodes) >= 1
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def chunks_of(group: Group, me: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The chunk boundaries the exchange uses: parts by member, then CHUNK // 4 elements."""
+    numel, count, size = tensor.numel(), len(group.members), CHUNK // 4
+    base, extra = divmod(numel, count)
+    pieces = []
+    for p in range(count):
+        start = p * base + min(p, extra)
+        end = start + base + (1 if p < extra else 0)
+        pieces += [tensor[a : min(a + size, end)] for a in range(start, end, size)]
+    return pieces
+
+
+def test_sparse_all_gather_and_weights() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(10 + i, 50_000) for i in range(3)]
+            weights = [1.0, 2.0, 0.5]
+            codec = TopKCodec(0.05)
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], codec, timeout=30, weight=weights[i])
+                    for i, node in enumerate(nodes)
+                )
+            )
+            sent = [codec.decode(codec.encode(t)) for t in inputs]
+            exact = sum(w * t for w, t in zip(weights, sent, strict=True)) / sum(weights)
+            for i, result in enumerate(results):
+                assert torch.equal(result.averaged, results[0].averaged)
+                assert torch.equal(result.transmitted, sent[i])
+            assert torch.allclose(results[0].averaged, exact, atol=1e-6)
+            # Weighted dense mean too.
+            dense = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], Fp32Codec(), timeout=30, weight=weights[i])
+                    for i, node in enumerate(nodes)
+                )
+            )
+            exact_dense = sum(w * t for w, t in zip(weights, inputs, strict=True)) / sum(weights)
+            assert torch.allclose(dense[0].averaged, exact_dense, atol=1e-6)
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_wrong_shape_member_is_excluded() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 40_000) for i in range(2)] + [make_input(2, 39_999)]
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], Fp32Codec(), timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            good = outcomes[:2]
+            assert all(isinstance(r, AverageResult) for r in good), good
+            assert good[0].contributors == good[1].contributors == ("peer-0", "peer-1")
+            assert torch.equal(good[0].averaged, good[1].averaged)
+            assert torch.allclose(good[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+            assert isinstance(outcomes[2], ExchangeAborted) and outcomes[2].reason == "EXCLUDED"
+            # The refusal carried a stable reason and was counted.
+            assert sum(n.server.rejections["SHAPE_MISMATCH"] for n in nodes) >= 1
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_two_members_with_different_shapes_both_abort() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(group, make_input(0, 1000), Fp32Codec(), timeout=20),
+                nodes[1].exchange.average(group, make_input(1, 1001), Fp32Codec(), timeout=20),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, ExchangeAborted) and o.reason == "EXCLUDED" for o in outcomes), outcomes
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_wrong_group_id_refused() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        intruder = Node("peer-x")
+        try:
+            x_member = await intruder.start()
+            # The intruder believes the round's group is {peer-0, peer-x}: another group id.
+            wrong = Group.make(group.round_id, [group.members[0], x_member])
+            stray = asyncio.create_task(
+                intruder.exchange.average(wrong, make_input(5, 5000), Fp32Codec(), timeout=20)
+            )
+            # Wait until its stream is parked at peer-0, waiting for peer-0 to start that (wrong) group.
+            while not any(not a.started.is_set() for a in nodes[0].exchange._attempts.values()):
+                await asyncio.sleep(0.01)
+            inputs = [make_input(i, 5000) for i in range(2)]
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], Fp32Codec(), timeout=20)
+                    for i, node in enumerate(nodes)
+                )
+            )
+            assert torch.equal(results[0].averaged, results[1].averaged)
+            assert torch.allclose(results[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+            with pytest.raises(ExchangeAborted) as info:
+                await stray
+            assert info.value.reason == "GROUP_MISMATCH"
+            assert nodes[0].server.rejections["GROUP_MISMATCH"] >= 1
+        finally:
+            for node in [*nodes, intruder]:
+                await node.stop()
+
+    run(body())
+
+
+def test_same_group_averages_twice() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            for seed in (1, 2):
+                inputs = [make_input(seed * 10 + i, 3000) for i in range(2)]
+                results = await asyncio.gather(
+                    *(
+                        node.exchange.average(group, inputs[i], Fp32Codec(), timeout=20)
+                        for i, node in enumerate(nodes)
+                    )
+                )
+                assert torch.allclose(results[0].averaged, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_bad_arguments() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(1)
+        try:
+            with pytest.raises(ValueError, match="float32"):
+                await nodes[0].exchange.average(
+                    group, torch.zeros(3, dtype=torch.float64), Fp32Codec(), timeout=5
+                )
+            with pytest.raises(ValueError, match="weight"):
+                await nodes[0].exchange.average(group, torch.zeros(3), Fp32Codec(), timeout=5, weight=0.0)
+            other = Group.make(1, [GroupMember("someone", "127.0.0.1:1")])
+            with pytest.raises(ValueError, match="not in group"):
+                await nodes[0].exchange.average(other, torch.zeros(3), Fp32Codec(), timeout=5)
+            alone = await nodes[0].exchange.average(group, torch.ones(3), Fp32Codec(), timeout=5)
+            assert alone.contributors == ("peer-0",) and torch.equal(alone.averaged, torch.ones(3))
+        finally:
+            await nodes[0].stop()
+
+    run(body())
+
+
+def test_byte_accounting_per_path() -> None:
+    """bytes_sent / fp32_bytes on each path: dense lossless and lossy, sparse, a group of one, an abort."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            numel = 50_001
+            inputs = [make_input(i, numel) for i in range(3)]
+            for name, low, high in (("raw", 0.995, 1.0), ("fp32", 0.99, 1.0), ("int8", 3.5, 4.0)):
+                results = await asyncio.gather(
+                    *(
+                        n.exchange.average(group, inputs[i], CODECS[name](), timeout=30)
+                        for i, n in enumerate(nodes)
+                    )
+                )
+                for r in results:
+                    # Dense, 3 members: 2/3 of the values out as contributions, 2/3 back out as means.
+                    assert r.fp32_bytes == pytest.approx(2 * 2 / 3 * 4 * numel, rel=1e-3), name
+                    assert low <= r.fp32_bytes / r.bytes_sent <= high, (name, r.fp32_bytes, r.bytes_sent)
+            sparse = await asyncio.gather(
+                *(
+                    n.exchange.average(group, inputs[i], TopKCodec(0.01), timeout=30)
+                    for i, n in enumerate(nodes)
+                )
+            )
+            for r in sparse:
+                # A ring all-reduce's worth for the dense baseline; 1% top-k at 12 bytes per entry sent twice.
+                assert r.fp32_bytes == pytest.approx(2 * 2 / 3 * 4 * numel, rel=1e-3)
+                assert 2 * 12 * 500 < r.bytes_sent < 2 * 12 * 500 + 4096
+            alone = Group.make(11, [group.members[0]])
+            lone = await nodes[0].exchange.average(alone, inputs[0], CODECS["raw"](), timeout=30)
+            assert (lone.bytes_sent, lone.bytes_received, lone.fp32_bytes) == (0, 0, 0)
+            pair = Group.make(12, list(group.members[:2]))
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(pair, inputs[0], CODECS["raw"](), timeout=30),
+                nodes[1].exchange.average(pair, inputs[1][:1000], CODECS["raw"](), timeout=30),
+                return_exceptions=True,
+            )
+            for outcome in outcomes:
+                assert isinstance(outcome, ExchangeAborted), outcome
+                assert outcome.bytes_sent >= outcome.fp32_bytes >= 0
+                assert outcome.bytes_sent > 0  # its hello, at least, crossed the wire
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_connections_dropped_mid_exchange_end_the_attempt_at_once_alike_everywhere() -> None:
+    """Data-plane connections reset while the chunks are in flight (what `FARLOCO_FAULTS=drop@exchange` does to a
+    node). Two ways this used to hang an attempt until its data deadline (36 s of a 60 s exchange): a reset as
+    a stream opened escaped its push as a raw OSError, and a stream cut before its hello named no attempt to
+    fail. Now every member's attempt ends at once, and all three come out alike: the same mean of all three
+    (the reset came before any data was lost) or the same abort."""
+    from farloco.protocol import tcpstream
+
+    numel = 4_000_000  # 16 MB each: the streams are still open when the connections drop
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3, "tcp")
+        try:
+            inputs = [make_input(i, numel) for i in range(3)]
+            before = set(tcpstream._OPEN)  # connections of earlier tests not yet collected are not ours
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            averaging = asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], RawFp32Codec(), timeout=60)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            while not set(tcpstream._OPEN) - before:
+                await asyncio.sleep(0.001)
+            assert tcpstream.drop_all() >= 1
+            outcomes = await averaging
+            assert loop.time() - started < 15, loop.time() - started
+            if all(isinstance(o, AverageResult) for o in outcomes):
+                assert all(torch.equal(o.averaged, outcomes[0].averaged) for o in outcomes)
+            else:
+                assert all(isinstance(o, ExchangeAborted) and o.reason == "NO_PROGRESS" for o in outcomes), (
+                    outcomes
+                )
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
