@@ -704,7 +704,7 @@ def test_joiner_resumes_from_another_donor_when_its_donor_dies_mid_transfer(tmp_
         stop_process(bootstrap)
 
 
-# -- secure by default (issue 16 point 6) -----------------------------------------------------------------------
+# -- secure by default -------------------------------------------------------------------------------------------
 
 
 def test_a_node_beyond_loopback_without_a_secret_is_refused_and_told_how_to_make_one(tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def test_each_scenario_holds(tmp_path: Path, name: str) -> None:
 @pytest.mark.dht
 @pytest.mark.timeout(2700)
 def test_500_rounds_at_4_peers_never_deadlock_nor_lose_a_node(tmp_path: Path) -> None:
-    """Issue 16 point 5: the sans-IO 500 rounds exist (tests/test_matchmaking.py); this is the real one, real processes on a
+    """The sans-IO 500 rounds are tests/unit/test_matchmaking.py's; this is the real one, real processes on a
     real DHT. Every round 1..500 committed once, by all four, with one hash; no round took anything like a
     timeout (a deadlock resolved by a deadline would show as a gap of match_timeout, 20 s)."""
     scenario = SCENARIOS["long-run"]

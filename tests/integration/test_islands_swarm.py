@@ -1,4 +1,4 @@
-"""Islands end to end (issue 17): two islands of two `farloco join` nodes each and a lone node, through the CLI,
+"""Islands (run.island_slices) end to end: two islands of two `farloco join` nodes each and a lone node, through the CLI,
 on 127.0.0.1 with a real DHT, gRPC and each island's own c10d rendezvous and gloo group."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_two_islands_of_two_and_a_lone_node_train_as_one_swarm(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_an_island_node_sigkilled_mid_run_costs_its_island_a_round_and_nothing_forks(tmp_path: Path) -> None:
-    """Issue 17, faults: a node of an island dies (SIGKILL) while the swarm trains. Its island partner goes on
+    """An island under faults: a node of an island dies (SIGKILL) while the swarm trains. Its island partner goes on
     alone (then as an island of one), the other island and the lone node never stop, and every committed hash
     agrees round by round: nobody averaged a slice the dead node never delivered."""
     import os

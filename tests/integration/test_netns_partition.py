@@ -1,4 +1,4 @@
-"""Isolation across hosts (issue 11 point 7): two nodes in two network namespaces, a bootstrap DHT node in a third.
+"""Isolation across hosts: two nodes in two network namespaces, a bootstrap DHT node in a third.
 Cut one node's link: both nodes find their peer vanished without leaving, say so (status `isolated`, the
 `farloco_isolated` metric, an `isolated` event, a warning) and commit no round alone; mend the link: both rejoin
 through the initial peer and their last addresses and go on as one swarm, one hash per round. Needs root and

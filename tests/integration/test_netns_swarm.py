@@ -21,10 +21,10 @@ ROUNDS = 6
 @pytest.mark.parametrize(
     ("nodes", "rounds", "delay_ms"),
     [
-        # 4 nodes at 100 Mbit/s (issue 11's fork across hosts), `-m slow`: the 3-node WAN run below keeps the
+        # 4 nodes at 100 Mbit/s (a swarm across hosts, where a fork once showed), `-m slow`: the 3-node WAN run below keeps the
         # default suite's multi-namespace swarm under ~15 minutes.
         pytest.param(4, ROUNDS, 0.0, marks=pytest.mark.slow),
-        # Issue 15 point 6: a WAN link, 100 Mbit/s with 50 ms round trips (the netem relay), through the CLI.
+        # A WAN link, 100 Mbit/s with 50 ms round trips (the netem relay), through the CLI.
         (3, 3, 25.0),
     ],
     ids=["4-nodes-100mbit", "3-nodes-100mbit-50ms-rtt"],

@@ -160,7 +160,7 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
     assert loaded["optimizer_fingerprint"] == pytest.approx(float(saved["optimizer_fingerprint"]), rel=1e-9)
     kinds = [e["event"] for e in events]
     assert kinds[-1] == "stopped" and "failed" not in kinds and events[-1]["error"] is None
-    # The data position survives the SIGKILL (issue 14): a batch is a pure function of (slot, step), every round
+    # The data position survives the SIGKILL: a batch is a pure function of (slot, step), every round
     # r trains steps [(r-1)H, rH); the checkpoint records the slot and the next step, the resumed node reclaims
     # the slot and goes on from the checkpoint's step, not from the start of its slice. The only rounds trained
     # twice are those the SIGKILL lost (committed after the newest checkpoint): the model lost them too.

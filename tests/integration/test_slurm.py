@@ -30,7 +30,7 @@ from farloco.node.tools.demo import read_events
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300)]
 
 SBATCH = ROOT / "deploy" / "slurm" / "farloco.sbatch"
-LEAVE_BOUND = 10.0  # scancel --signal=TERM -> job gone, at tiny size (the bound)
+LEAVE_BOUND = 10.0  # scancel --signal=TERM -> job gone, at tiny size: the bound this test holds the sbatch to
 
 
 @pytest.fixture

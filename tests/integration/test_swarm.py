@@ -67,7 +67,7 @@ def test_three_peers_one_with_two_ranks_train_and_agree(tmp_path: Path) -> None:
 
 
 def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
-    """Issue 13: a node with tensor parallelism (tp = 2 over 2 ranks: a 1 x 2 mesh), a node with FSDP over 2
+    """Nodes of different layouts: a node with tensor parallelism (tp = 2 over 2 ranks: a 1 x 2 mesh), a node with FSDP over 2
     ranks and a node of 1 rank, all gloo on CPU, train in one swarm: every round all three contribute and every
     committed hash agrees, because each node maps its shards onto the same canonical flat vector."""
     made = Swarm(tmp_path, ["run.max_rounds=3", "run.inner_steps=4"])
@@ -111,7 +111,7 @@ def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
     not torch.cuda.is_available(), reason="needs CUDA: two GPU nodes (NCCL inside each) in one swarm"
 )
 def test_two_gpu_nodes_train_as_one_swarm(tmp_path: Path) -> None:
-    """Issue 13 point 5: two nodes of one CUDA rank each (NCCL inside the node, bf16 by node.precision=auto,
+    """Two nodes of one CUDA rank each (NCCL inside the node, bf16 by node.precision=auto,
     gRPC between the agents) train 3 rounds together with agreeing hashes."""
     made = Swarm(tmp_path, ["run.max_rounds=3", "run.inner_steps=8", 'node.device="cuda"'])
     try:

@@ -1,4 +1,4 @@
-"""Robust aggregation (`run.aggregator`, issue 16 point 3): the rules of farloco.optim.aggregate bound what one
+"""Robust aggregation (`run.aggregator`): the rules of farloco.optim.aggregate bound what one
 Byzantine member of 4 or 8 does to the result, are deterministic, and run inside the real exchange (the chunk
 owner applies them), where every honest member still gets the same bits. A swarm of real nodes that outvotes an
 insider: tests/integration/test_aggregators_swarm.py."""
@@ -29,7 +29,7 @@ def honest_updates(count: int, numel: int = 4096, seed: int = 0) -> list[torch.T
 
 
 def attacked(kind: str, honest: list[torch.Tensor], stale: torch.Tensor) -> torch.Tensor:
-    """What a Byzantine member sends instead of its update (the attacks of issue 16 point 3)."""
+    """What a Byzantine member sends instead of its update (farloco.optim.ATTACKS)."""
     return byzantine_update(kind, honest[0], stale)
 
 

@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/byzantine.py (issue 16 point 3): one Byzantine member of 4, two rounds, through the
+"""Smoke run of benchmarks/byzantine.py: one Byzantine member of 4, two rounds, through the
 script's own code path. The script itself raises if the workers' theta_outer ever differ (honest peers agree
 whatever the rule); here: the control (plain mean) is wrecked by a sign flip x1000 while the median is not, and
 the JSON renders the same table."""

@@ -58,7 +58,7 @@ def test_every_query_names_a_metric_the_daemon_exports() -> None:
     used = {name for expr in queries(board) for name in METRIC.findall(expr)}
     unknown = sorted(used - exported)
     assert not unknown, f"the dashboard queries metrics the daemon does not export: {unknown}"
-    # What the issue asks the dashboard to show: loss, round time, bytes and compression, peers, rejections.
+    # What an operator needs the dashboard to show: loss, round time, bytes and compression, peers, rejections.
     for wanted in (
         "farloco_loss",
         "farloco_eval_loss",

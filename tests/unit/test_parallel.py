@@ -1,4 +1,4 @@
-"""The node's own parallelism (issue 13): config keys, tensor parallelism x FSDP2 on real gloo ranks, Muon."""
+"""The node's own parallelism (node.tp, FSDP over node.num_ranks): config keys, tensor parallelism x FSDP2 on real gloo ranks, Muon."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def test_tensor_parallel_fsdp_ranks_train_as_one_plain_model(tmp_path: Path) -> 
 # equality with the plain model is the `-m slow` half, to keep the default suite under ~15 minutes.
 @pytest.mark.parametrize("which", ["qwen2", pytest.param("custom", marks=pytest.mark.slow)])
 def test_models_of_ones_own_shard_over_tp_and_fsdp_as_one_plain_model(tmp_path: Path, which: str) -> None:
-    """Issue 14 point 1: an HF config (a tiny Qwen2, split by its own base_model_tp_plan) and an entry point
+    """Their model (run.model): an HF config (a tiny Qwen2, split by its own base_model_tp_plan) and an entry point
     (tests/fixtures/custom_lm.py, its blocks as FSDP units and its MLP plan) on the 2 x 2 mesh: the shards map
     onto the flat vector exactly, and a plain-SGD step and a checkpointed, accumulated AdamW step give the plain
     model's parameters."""
