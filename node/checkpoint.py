@@ -51,7 +51,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from farloco.node.fsutil import fsync_dir, fsync_file
+from farloco.node.fsutil import fsync_dir, fsync_file, write_atomic
 from farloco.protocol import digest
 from farloco.protocol.types import DTYPES
 
@@ -471,9 +471,7 @@ def _dcp_storage() -> tuple[type[Any], type[Any]]:
             metadata.storage_meta = self.storage_meta()
             path = Path(self.path)
             # Written aside and renamed, like torch does: a `.metadata` exists only once it is complete.
-            _write_durably(path / f"{DCP_METADATA}.tmp", _metadata_to_json(metadata))
-            os.replace(path / f"{DCP_METADATA}.tmp", path / DCP_METADATA)
-            fsync_dir(path)
+            write_atomic(path / DCP_METADATA, _metadata_to_json(metadata), durable=True)
 
     class JsonFileSystemReader(FileSystemReader):
         """Reads what JsonFileSystemWriter wrote, checking the JSON and every byte range against it."""

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from farloco.node.fsutil import write_atomic
+
 log = logging.getLogger("farloco.handoff")
 
 HEADER_BYTES = 4096
@@ -279,9 +281,7 @@ class Handoff:
         the request's sequence number. Ranks serve it before their next sequence (see `inner_all_done`)."""
         if op not in (INNER_SAVE, INNER_LOAD):
             raise ValueError(f"hand-off request_inner: expected INNER_SAVE or INNER_LOAD, got {op}")
-        tmp = self.inner_path.with_name(self.inner_path.name + ".tmp")
-        tmp.write_text(str(Path(directory).resolve()))
-        tmp.replace(self.inner_path)
+        write_atomic(self.inner_path, str(Path(directory).resolve()))
         self.header[SLOT_INNER_OP] = op
         seq = int(self.header[SLOT_INNER_SEQ]) + 1
         self.header[SLOT_INNER_SEQ] = seq  # written last: ranks read the op and the sidecar after seeing it

@@ -40,6 +40,7 @@ from farloco.node.config import (
     parse_override,
     to_toml,
 )
+from farloco.node.fsutil import write_atomic
 
 DEMO_TIMEOUT_SECONDS = 900.0
 DEFAULT_ROUNDS = 6
@@ -194,10 +195,7 @@ def swarm_secret(work_dir: Path) -> str:
 
     path = work_dir / "run-secret"
     if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(secrets.token_hex(32) + "\n")
-        tmp.chmod(0o600)
-        tmp.replace(path)
+        write_atomic(path, secrets.token_hex(32) + "\n", mode=0o600)
     return path.read_text().strip()
 
 

@@ -13,8 +13,6 @@ a `config.json` finds the complete model next to it, and an interrupted export n
 from __future__ import annotations
 
 import json
-import os
-import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +37,7 @@ from farloco.node.checkpoint import (
     load_checkpoint,
 )
 from farloco.node.config import ConfigError, load_config, model_kind, run_hash
-from farloco.node.fsutil import fsync_dir
+from farloco.node.fsutil import atomic_path, fsync_dir, write_atomic
 from farloco.node.handoff import layout_of, unflatten
 from farloco.node.training.data import MANIFEST_NAME, TOKENIZER_NAME
 from farloco.node.training.model import (
@@ -140,8 +138,7 @@ def export_tokenizer(dataset: str, max_length: int, out_dir: Path) -> str:
         )
     tokenizer = load_tokenizer(str(source))
     assert isinstance(tokenizer, HFTokenizer)
-    with _atomic_path(out_dir / TOKENIZER_NAME) as tmp:
-        tmp.write_bytes(content)
+    write_atomic(out_dir / TOKENIZER_NAME, content, durable=True)
     _write_json(
         out_dir / TOKENIZER_CONFIG_FILE,
         {
@@ -183,7 +180,7 @@ def export_theta(
     out_dir.mkdir(parents=True, exist_ok=True)
     # "format": "pt" is what HF loaders check before reading a safetensors file.
     header = {"format": "pt", **(metadata or {})}
-    with _atomic_path(out_dir / MODEL_FILE) as tmp:
+    with atomic_path(out_dir / MODEL_FILE, durable=True) as tmp:
         save_file(state, str(tmp), metadata=header)
     generation = {"_from_model_config": True, "max_length": config.max_seq_len}
     _write_json(out_dir / GENERATION_CONFIG_FILE, generation)
@@ -210,7 +207,7 @@ def export_spec(
         )
     state = {name: view.clone() for name, view in unflatten(theta.detach().cpu(), layout).items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _atomic_path(out_dir / MODEL_FILE) as tmp:
+    with atomic_path(out_dir / MODEL_FILE, durable=True) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
     if spec.kind == "hf":
         hf_config = {
@@ -257,22 +254,5 @@ class _Steps:
         self.console.print(f"done: {text} ({bar.get_time() - started:.1f} s)")
 
 
-@contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path next to `path`; on success it is fsynced and renamed to `path`, on failure removed."""
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with _atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", durable=True)

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from farloco.node.fsutil import write_atomic
+
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
@@ -101,9 +103,7 @@ def _path(key: str) -> tuple[int, int]:
 def write_rules(path: Path, data: dict[str, Any]) -> None:
     """Replace the rules file atomically (the relay never reads half a file); validates first."""
     Rules(data)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data))
 
 
 def open_tun(name: str) -> int:

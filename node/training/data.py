@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from farloco.node.fsutil import fsync_dir
+from farloco.node.fsutil import write_atomic
 from farloco.node.training.tokenize_worker import TokenizerPool, encode_document
 from farloco.node.training.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -152,16 +152,6 @@ def token_dtype(vocab_size: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- writing
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
-    fsync_dir(path.parent)
 
 
 class _SplitWriter:
@@ -485,10 +475,10 @@ def _write_dataset(
     _remove_stale_shards(info)
     # The tokenizer travels with its tokens: `farloco export` ships it with the model.
     if isinstance(tokenizer, HFTokenizer):
-        _write_atomically(out_dir / TOKENIZER_NAME, tokenizer.content)
+        write_atomic(out_dir / TOKENIZER_NAME, tokenizer.content, durable=True)
     else:
         (out_dir / TOKENIZER_NAME).unlink(missing_ok=True)
-    _write_atomically(out_dir / MANIFEST_NAME, (json.dumps(info.to_manifest(), indent=2) + "\n").encode())
+    write_atomic(out_dir / MANIFEST_NAME, json.dumps(info.to_manifest(), indent=2) + "\n", durable=True)
     return info
 
 
