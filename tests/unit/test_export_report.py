@@ -176,7 +176,12 @@ def test_export_untied_writes_lm_head(tmp_path: Path) -> None:
         torch.testing.assert_close(
             _reference_llama_logits(hf_config, tensors, tokens), expected, atol=2e-4, rtol=0
         )
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    # Exactly the model folder: no temporary file of the atomic writes is left beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
 
 
 def test_export_loads_in_transformers(tmp_path: Path) -> None:
