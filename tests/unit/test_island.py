@@ -185,6 +185,7 @@ def test_a_node_whose_exchange_failed_makes_the_whole_island_sit_out(tmp_path: P
     specs = island_specs(tmp_path, 2, rounds=2)
     specs[1]["mode"] = "fail-exchange"
     lines = finish(start_nodes(specs))
+    assert [len(node) for node in lines] == [2, 2], lines  # a line per round from each node: none left out
     for node in lines:
         assert all("gather_error" in line and "no mean" in line["gather_error"] for line in node), node
 
