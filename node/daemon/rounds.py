@@ -1,29 +1,43 @@
 """The outer rounds: the synchronous loop and the overlapped one (run.outer_update delayed/eager), and one
 round (`_round`): hand-off, matchmaking, hash check, exchange, commit. What the round does after each phase
-is decided by node/daemon/rules.py (a pure function of the round's facts); this module does the I/O."""
+is decided by node/daemon/rules.py (a pure function of the round's facts); this module does the I/O.
+
+Rules:
+- One round, one screen (`_round`): each phase (match, heal, exchange) records its facts, and `decide` says go
+  on, commit, or how the round closes (abort, catch up, advance without an update).
+- A round commits only with an agreed group, one theta among its members (healed if need be) and a complete
+  exchange; otherwise theta_outer stays as it is and the round id still moves on.
+- The ranks wait for the agent only in sync mode; with run.outer_update delayed/eager the round is exchanged
+  while they train on, one round behind.
+- `leave --now` abandons the round in flight; a graceful leave lets it end within its grace.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from farloco.node.daemon.checkpoints import Checkpoints
 from farloco.node.daemon.core import (
-    AgentError,
+    Network,
+    NodeState,
     Prepared,
     Status,
-    _dht_now,
     ddp_bytes_per_round,
+    dht_now,
     log,
+    overlap_steps,
 )
-from farloco.node.daemon.outer import OuterError
+from farloco.node.daemon.outerstate import OuterState
+from farloco.node.daemon.ranks import Ranks
 from farloco.node.daemon.rules import Action, Decision, RoundFacts, decide
-from farloco.node.daemon.swarm import SwarmAgent
+from farloco.node.daemon.swarm import Swarm
 from farloco.protocol import shares
 from farloco.protocol.shares import left_out_reason
 from farloco.protocol.tasks import cancel_and_wait, wait_for
@@ -41,55 +55,105 @@ class Averaged:
     fp32_bytes: int
 
 
-class RoundAgent(SwarmAgent):
-    """The round loop and one round."""
+class RoundRunner:
+    """The round loops and one round (see the module docstring). `phase_hook(phase, round_id)` is awaited as
+    each phase of a round begins (node/faults/plan.py PHASES: the fault injector's), when given."""
+
+    def __init__(
+        self,
+        state: NodeState,
+        outer: OuterState,
+        ranks: Ranks,
+        checkpoints: Checkpoints,
+        swarm: Swarm,
+        net: Network,
+        phase_hook: Callable[[str, int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.state = state
+        self.outer = outer
+        self.ranks = ranks
+        self.checkpoints = checkpoints
+        self.swarm = swarm
+        self.net = net
+        self.config = state.config
+        self.matchmaker = net.matchmaker
+        self.island = net.island
+        self._phase_hook = phase_hook
+        self._overlap_steps = overlap_steps(state.config)
+        self._overlap_seq: int | None = None  # the hand-off sequence the ranks train during an exchange
+        self._phases: dict[str, float] = {}  # the current round's phase times (`_round`)
+        self._island_round: Any = (
+            None  # the IslandRound of the round in progress, None when we exchange alone
+        )
+
+    async def run(self) -> None:
+        """The rounds, until the run ends or the node leaves."""
+        if self.config.run.outer_update == "sync":
+            await self._round_loop()
+        else:
+            await self._overlapped_loop()
+
+    async def _wait_contribution(self, seq: int) -> bool:
+        """`Ranks.wait` for sequence `seq`, which carries this round's contribution: cut short once every other
+        member of the round waits for us (node.partial_contributions)."""
+        round_id = self.outer.round_id
+        return await self.ranks.wait(
+            seq,
+            round_id=round_id,
+            others_wait=lambda: self.matchmaker.waiting_for(round_id, self.state.peer_id),
+        )
+
+    async def _enter_phase(self, phase: str, round_id: int | None = None) -> None:
+        """A phase of round `round_id` (default: the current one) begins."""
+        if self._phase_hook is not None:
+            await self._phase_hook(phase, self.outer.round_id if round_id is None else round_id)
 
     async def _round_loop(self) -> None:
         run = self.config.run
         # What the ranks load at their next sequence: theta_outer, the merged local weights after a committed
         # round (streaming-diloco keeps the other fragments' local progress), or None: keep their weights.
-        load: torch.Tensor | None = self.theta
+        load: torch.Tensor | None = self.outer.theta
         # Inner steps of this round the ranks already ran while the last exchange was in flight.
         steps_done = 0
         while True:
-            if run.max_rounds and self.round_id >= run.max_rounds:
-                self.events.write("finished", round_id=self.round_id)
+            if run.max_rounds and self.outer.round_id >= run.max_rounds:
+                self.state.events.write("finished", round_id=self.outer.round_id)
                 return
-            if self.leave_mode is not None:
+            if self.state.leave_mode is not None:
                 return
             # The members wait for us in this round from now on (our record says so a heartbeat later).
-            self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
-            seq = self._publish_work(
+            self.matchmaker.announce(self.outer.round_id, self.state.peer_id, self.outer.outer_hash)
+            seq = self.ranks.publish(
                 load,
-                round_id=self.round_id,
-                step_base=self.round_id * run.inner_steps + steps_done,
+                round_id=self.outer.round_id,
+                step_base=self.outer.round_id * run.inner_steps + steps_done,
                 inner_steps=run.inner_steps - steps_done,
             )
-            self.status = Status.TRAINING
+            self.state.status = Status.TRAINING
             await self._enter_phase("train")
-            if not await self._wait_ranks(seq, partial=True):
-                self.events.write("withdrew", round_id=self.round_id)
+            if not await self._wait_contribution(seq):
+                self.state.events.write("withdrew", round_id=self.outer.round_id)
                 return
             self._overlap_seq = None
             reload = await self._unless_leaving_now(self._round(seq))
             if reload is None:
-                self.events.write("withdrew", round_id=self.round_id, mode="now")
+                self.state.events.write("withdrew", round_id=self.outer.round_id, mode="now")
                 return
             steps_done = 0
             if self._overlap_seq is not None:
                 # The merge must land on the weights the ranks reached after their tau overlapped steps.
-                if not await self._wait_ranks(self._overlap_seq):
-                    self.events.write("withdrew", round_id=self.round_id)
+                if not await self.ranks.wait(self._overlap_seq):
+                    self.state.events.write("withdrew", round_id=self.outer.round_id)
                     return
                 steps_done = self._overlap_steps
-            if reload and self._merge_pending:
-                load = self.outer.merged(self.handoff.local, self.handoff.theta)
+            if reload and self.outer.merge_pending:
+                load = self.outer.round.merged(self.ranks.handoff.local, self.ranks.handoff.theta)
             elif reload:  # state sync: start the round afresh from the swarm's theta_outer
-                load, steps_done = self.theta, 0
+                load, steps_done = self.outer.theta, 0
             else:
                 load = None
-            self._merge_pending = False
-            if self.leave_mode == "drain":
+            self.outer.merge_pending = False
+            if self.state.leave_mode == "drain":
                 return
 
     async def _overlapped_loop(self) -> None:
@@ -108,45 +172,45 @@ class RoundAgent(SwarmAgent):
         ours_applied = False  # eager: the round just applied holds the contribution we previewed last
         # The members wait for us in a round from its announcement: here for the first, then as soon as the
         # round before it closed (`_round_in_flight`), while our ranks already work on it.
-        self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
-        started_from = self.outer_hash
+        self.matchmaker.announce(self.outer.round_id, self.state.peer_id, self.outer.outer_hash)
+        started_from = self.outer.outer_hash
         # Where the ranks' current sequence started, kept by us: the hand-off's theta gets the next start at the
         # hand-off, before the contribution of the sequence just ended is made (off the ranks' path).
-        reference = self.outer.reference(self.theta)
-        seq = self._publish_work(
-            self.theta,
-            round_id=self.round_id,
-            step_base=self.round_id * run.inner_steps,
+        reference = self.outer.round.reference(self.outer.theta)
+        seq = self.ranks.publish(
+            self.outer.theta,
+            round_id=self.outer.round_id,
+            step_base=self.outer.round_id * run.inner_steps,
             inner_steps=run.inner_steps,
         )
-        self.status = Status.TRAINING
+        self.state.status = Status.TRAINING
         await self._enter_phase("train")
         try:
             while True:
-                ranks_done = await self._wait_ranks(seq)
+                ranks_done = await self.ranks.wait(seq)
                 if pending is not None:
-                    committed = self.counters.rounds_committed
+                    committed = self.state.counters.rounds_committed
                     # A graceful leave lets the round in flight end (bounded by the leave's grace).
                     outcome = await self._unless_leaving_now(pending)
                     pending = None
                     if outcome is None:
-                        self.events.write("withdrew", round_id=self.round_id, mode="now")
+                        self.state.events.write("withdrew", round_id=self.outer.round_id, mode="now")
                         return
-                    ours_applied = self.counters.rounds_committed > committed
+                    ours_applied = self.state.counters.rounds_committed > committed
                 if not ranks_done:
-                    self.events.write("withdrew", round_id=self.round_id)
+                    self.state.events.write("withdrew", round_id=self.outer.round_id)
                     return
-                if run.max_rounds and self.round_id >= run.max_rounds:
-                    self.events.write("finished", round_id=self.round_id)
+                if run.max_rounds and self.outer.round_id >= run.max_rounds:
+                    self.state.events.write("finished", round_id=self.outer.round_id)
                     return
-                if self.leave_mode in ("graceful", "now"):
+                if self.state.leave_mode in ("graceful", "now"):
                     return
                 # Nothing trains after the last round, or after a drain's: it is exchanged while the ranks wait.
-                last = self.leave_mode == "drain" or (
-                    bool(run.max_rounds) and self.round_id + 1 >= run.max_rounds
+                last = self.state.leave_mode == "drain" or (
+                    bool(run.max_rounds) and self.outer.round_id + 1 >= run.max_rounds
                 )
-                trained_from, started_from = started_from, self.outer_hash
-                self._read_reports(seq)  # before the next sequence's first eval overwrites them
+                trained_from, started_from = started_from, self.outer.outer_hash
+                self.ranks.read_reports(seq)  # before the next sequence's first eval overwrites them
                 # The ranks' weights stay put in the hand-off until their next sequence ends: read in place.
                 prepared: Prepared | None = None
                 if last:
@@ -154,31 +218,31 @@ class RoundAgent(SwarmAgent):
                     prepared.trained_from = trained_from
                     outcome = await self._unless_leaving_now(self._round(seq, prepared))
                     if outcome is None:
-                        self.events.write("withdrew", round_id=self.round_id, mode="now")
+                        self.state.events.write("withdrew", round_id=self.outer.round_id, mode="now")
                         return
-                    if self.leave_mode is not None:
+                    if self.state.leave_mode is not None:
                         return  # drained: the ranks' last sequence went into the swarm
                     continue
-                start = self.theta
+                start = self.outer.theta
                 if run.outer_update == "eager":
                     # The preview needs this round's contribution: made before the ranks go on.
                     prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
-                    group = self.counters.last_contributors or len(self._live_ids()) + 1
-                    self.outer.eager_start(
-                        self.handoff.theta, prepared.contribution, group, ours_applied=ours_applied
+                    group = self.state.counters.last_contributors or len(self.swarm.live_ids()) + 1
+                    self.outer.round.eager_start(
+                        self.ranks.handoff.theta, prepared.contribution, group, ours_applied=ours_applied
                     )
-                    start = self.handoff.theta
+                    start = self.ranks.handoff.theta
                 round_seq = seq
-                seq = self._publish_work(
+                seq = self.ranks.publish(
                     start,
-                    round_id=self.round_id + 1,
-                    step_base=(self.round_id + 1) * run.inner_steps,
+                    round_id=self.outer.round_id + 1,
+                    step_base=(self.outer.round_id + 1) * run.inner_steps,
                     inner_steps=run.inner_steps,
                 )
                 # The ranks train on from here; the rest of the hand-off is off their path.
                 if prepared is None:
                     # Off the event loop: the contribution takes seconds at 10B while the ranks train on.
-                    made, cancelled = await self._on_outer_thread(
+                    made, cancelled = await self.outer.on_thread(
                         functools.partial(
                             self._prepare_round, round_seq, copy=False, reference=reference, reports=False
                         )
@@ -187,11 +251,11 @@ class RoundAgent(SwarmAgent):
                         raise asyncio.CancelledError
                     prepared = made
                 prepared.trained_from = trained_from
-                reference.copy_(self.handoff.theta)  # the start of the sequence just published
+                reference.copy_(self.ranks.handoff.theta)  # the start of the sequence just published
                 pending = asyncio.create_task(
                     self._round_in_flight(round_seq, prepared), name="farloco-round"
                 )
-                await self._enter_phase("train", self.round_id + 1)
+                await self._enter_phase("train", self.outer.round_id + 1)
         finally:
             if pending is not None:
                 await cancel_and_wait(pending)
@@ -202,17 +266,17 @@ class RoundAgent(SwarmAgent):
         try:
             return await self._round(seq, prepared)
         finally:
-            if self.status in (Status.EXCHANGING, Status.SYNCING, Status.ISOLATED):
-                self.status = Status.TRAINING
-            if self.leave_mode is None:
-                self.matchmaker.announce(self.round_id, self.peer_id, self.outer_hash)
+            if self.state.status in (Status.EXCHANGING, Status.SYNCING, Status.ISOLATED):
+                self.state.status = Status.TRAINING
+            if self.state.leave_mode is None:
+                self.matchmaker.announce(self.outer.round_id, self.state.peer_id, self.outer.outer_hash)
 
     async def _unless_leaving_now(self, work: Awaitable[bool]) -> bool | None:
         """Run one round's exchange; `leave --now` abandons it (None): the others drop us from the exchange."""
         task = asyncio.ensure_future(work)
         try:
             while not task.done():
-                if self.leave_mode == "now":
+                if self.state.leave_mode == "now":
                     await cancel_and_wait(task)
                     return None
                 await asyncio.wait({task}, timeout=0.05)
@@ -220,25 +284,6 @@ class RoundAgent(SwarmAgent):
         finally:
             if not task.done():  # we were cancelled ourselves (a bounded leave): the round goes with us
                 await cancel_and_wait(task)
-
-    def _read_reports(self, seq: int) -> None:
-        """The ranks' train loss of sequence `seq` and the held-out loss of the theta it started from."""
-        reports = [self.handoff.report(r) for r in range(self.handoff.world_size)]
-        self.train_loss = sum(r.train_loss for r in reports) / len(reports)
-        self._seq_inner_step = max(r.inner_step for r in reports)
-        # A sequence cut short (a partial contribution) carries its share of the round's steps.
-        _, planned = self._seq_plans.get(seq, (0, 0))
-        ran = min(r.seq_steps for r in reports)
-        inner_steps = self.config.run.inner_steps
-        self._seq_weight = 1.0 if ran >= planned else (inner_steps - planned + ran) / inner_steps
-        step_seconds = max(r.step_seconds for r in reports)
-        # The ranks step in lockstep: the slowest rank's mean step time is the node's (0: none timed yet).
-        self.inner_step_seconds = step_seconds
-        if step_seconds > 0:
-            self.metrics.inner_step_duration.observe(step_seconds)
-        evals = [r.eval_loss for r in reports if r.eval_seq == seq]
-        if evals:
-            self.eval_loss = evals[0]
 
     def _prepare_round(
         self, seq: int, *, copy: bool, reference: torch.Tensor | None = None, reports: bool = True
@@ -248,31 +293,33 @@ class RoundAgent(SwarmAgent):
         (default: theta_outer)."""
         started = time.monotonic()
         if reports:
-            self._read_reports(seq)
-        theta_local = self.outer.read_local(self.handoff.local, copy=copy)
-        contribution = self._contribution(theta_local, reference)
+            self.ranks.read_reports(seq)
+        theta_local = self.outer.round.read_local(self.ranks.handoff.local, copy=copy)
+        contribution = self.outer.contribution(theta_local, reference)
         return Prepared(
             theta_local,
             contribution,
             fixed_reference=reference is not None,
-            inner_step=self._seq_inner_step,
-            weight=self._seq_weight,
+            inner_step=self.ranks.seq_inner_step,
+            weight=self.ranks.seq_weight,
             seconds=time.monotonic() - started,
         )
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
-        """Exchange and apply round `self.round_id` (its contribution `prepared` already, when the ranks train on
+        """Exchange and apply round `self.outer.round_id` (its contribution `prepared` already, when the ranks train on
         meanwhile). Returns whether the ranks must reload theta.
 
         One phase per step; after each, node/daemon/rules.py `decide` says go on or how the round closes."""
         started = time.monotonic()
         prepared = self._hand_off(seq, prepared)
-        self.status = Status.EXCHANGING
-        isolated = await self._ride_out_isolation()
+        self.state.status = Status.EXCHANGING
+        isolated = await self.swarm.ride_out_isolation()
         if isolated is not None:
-            self._left_out(shares.ISOLATED)
+            self.swarm.left_out(shares.ISOLATED)
             return isolated
-        facts = RoundFacts(self.round_id, self.config.run.min_peers, fixed_reference=prepared.fixed_reference)
+        facts = RoundFacts(
+            self.outer.round_id, self.config.run.min_peers, fixed_reference=prepared.fixed_reference
+        )
         # Where the round's time went (the round event's `phases`): the contribution (made before the round
         # began where the ranks train on), forming the group (waiting for the others included), the hash check,
         # the exchange, the commit (the outer step and theta's digest).
@@ -290,7 +337,7 @@ class RoundAgent(SwarmAgent):
             return await self._close(decision, island_out=True)
         if decision.redo_contribution:
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
-            prepared.contribution = self._contribution(prepared.theta_local)
+            prepared.contribution = self.outer.contribution(prepared.theta_local)
         phase_started = time.monotonic()
         await self._enter_phase("exchange")
         averaged, facts = await self._average(group, prepared.contribution, facts, prepared.weight)
@@ -299,7 +346,7 @@ class RoundAgent(SwarmAgent):
             return await self._close(decision)
         assert averaged is not None
         await self._commit(group, prepared, averaged, started)
-        await self._enter_phase("commit", self.round_id - 1)
+        await self._enter_phase("commit", self.outer.round_id - 1)
         return True
 
     def _hand_off(self, seq: int, prepared: Prepared | None) -> Prepared:
@@ -309,7 +356,7 @@ class RoundAgent(SwarmAgent):
         overlap = (
             prepared is None
             and bool(self._overlap_steps)
-            and not (run.max_rounds and self.round_id + 1 >= run.max_rounds)
+            and not (run.max_rounds and self.outer.round_id + 1 >= run.max_rounds)
         )
         if prepared is None:
             # While the ranks wait for us their weights stay put and are read in place; when they train on
@@ -318,20 +365,13 @@ class RoundAgent(SwarmAgent):
         if overlap:
             # streaming-diloco: the ranks run the next round's first tau inner steps while we exchange (their
             # reports and weights for this round were read above, before they can overwrite them).
-            self._overlap_seq = self._publish_work(
+            self._overlap_seq = self.ranks.publish(
                 None,
-                round_id=self.round_id + 1,
-                step_base=(self.round_id + 1) * run.inner_steps,
+                round_id=self.outer.round_id + 1,
+                step_base=(self.outer.round_id + 1) * run.inner_steps,
                 inner_steps=self._overlap_steps,
             )
         return prepared
-
-    def _contribution(self, theta_local: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
-        """`OuterRound.contribution`, its error (non-finite weights from the ranks) ending the node, named."""
-        try:
-            return self.outer.contribution(theta_local, reference)
-        except OuterError as exc:
-            raise AgentError(f"round {self.round_id}: {exc}") from None
 
     async def _match(self, facts: RoundFacts) -> tuple[Any, RoundFacts]:
         """Form the round's group (protocol/matchmaking.py): (the group or None, the facts with the outcome).
@@ -343,19 +383,24 @@ class RoundAgent(SwarmAgent):
         timeouts = self.config.timeouts
         try:
             group = await self.matchmaker.form_group(
-                self.round_id,
-                GroupMember(self.peer_id, self.grpc_address, self.outer_hash, self.strategy.num_rounds),
+                self.outer.round_id,
+                GroupMember(
+                    self.state.peer_id,
+                    self.state.grpc_address,
+                    self.outer.outer_hash,
+                    self.outer.strategy.num_rounds,
+                ),
                 match_timeout=timeouts.match_timeout,
                 leader_timeout=timeouts.leader_timeout,
                 match_timeout_min=timeouts.match_timeout_min,
             )
         except MatchmakingError as exc:
-            self.events.write("matchmaking_failed", round_id=self.round_id, error=str(exc))
+            self.state.events.write("matchmaking_failed", round_id=self.outer.round_id, error=str(exc))
             return None, replace(facts, matchmaking="failed")
         except LateForRound as exc:
-            self.counters.rounds_late += 1
-            self.events.write(
-                "late", round_id=self.round_id, reason=exc.reason, group_formed=exc.group_formed
+            self.state.counters.rounds_late += 1
+            self.state.events.write(
+                "late", round_id=self.outer.round_id, reason=exc.reason, group_formed=exc.group_formed
             )
             return None, replace(facts, matchmaking="late", group_formed=exc.group_formed)
         return group, replace(facts, matchmaking="grouped", group_size=len(group.members))
@@ -365,7 +410,7 @@ class RoundAgent(SwarmAgent):
         from farloco.protocol.statesync import StateSyncError
 
         try:
-            resynced = await self._check_hashes(group)
+            resynced = await self.swarm.check_hashes(group)
         except StateSyncError as exc:
             return replace(facts, fork="unhealed", fork_error=str(exc))
         return replace(facts, fork="healed" if resynced else "none")
@@ -385,26 +430,27 @@ class RoundAgent(SwarmAgent):
         result = None
         try:
             if len(group.members) == 1 and island_round is None:
-                transmitted, mean = self.outer.alone(contribution)
-                averaged = Averaged(transmitted, mean, (self.peer_id,), 0, 0, 0)
+                transmitted, mean = self.outer.round.alone(contribution)
+                averaged = Averaged(transmitted, mean, (self.state.peer_id,), 0, 0, 0)
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
-                mean_out, sent_out = self.outer.exchange_buffers(contribution.numel())
+                mean_out, sent_out = self.outer.round.exchange_buffers(contribution.numel())
                 exchange_started = time.monotonic()
-                result = await self.exchange.average(
+                result = await self.net.exchange.average(
                     group,
                     contribution if island_round is None else island_round.mean,
-                    self.codec,
+                    self.outer.codec,
                     timeout=self.config.timeouts.exchange_timeout,
                     out=mean_out,
                     transmitted_out=sent_out,
-                    rule=self.aggregator,
+                    rule=self.outer.aggregator,
                     weight=weight if island_round is None else island_round.weight,
                     span=None if island_round is None else island_round.span,
                 )
-                self.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
+                self.state.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
                 transmitted = result.transmitted
                 if island_round is not None:
+                    assert self.island is not None
                     await asyncio.wrap_future(
                         self.island.submit_gather(True, result.averaged, transmitted, mean_out, sent_out)
                     )
@@ -419,23 +465,22 @@ class RoundAgent(SwarmAgent):
                 )
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
-            self._count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
+            self.state.count_bytes(exc.bytes_sent, exc.bytes_received, exc.fp32_bytes)
             if island_round is not None:
                 self._island_withdraw()
             return None, replace(facts, exchange="aborted", exchange_error=str(exc))
         except IslandError as exc:
             assert result is not None
-            self._count_bytes(result.bytes_sent, result.bytes_received, result.fp32_bytes)
-            return None, replace(
-                facts, exchange="aborted", exchange_error=f"island {self.island.name}: {exc}"
-            )
+            self.state.count_bytes(result.bytes_sent, result.bytes_received, result.fp32_bytes)
+            name = self.island.name if self.island is not None else "?"
+            return None, replace(facts, exchange="aborted", exchange_error=f"island {name}: {exc}")
         except BaseException:
             if island_round is not None and result is None:
                 self._island_withdraw()  # cancelled mid-exchange (leave --now): release the island's gather
             raise
         # compression_ratio = fp32 baseline / bytes sent, both from the exchange's own count of every attempt: a
         # dense fp32 all-reduce of the values this member actually sent (a fragment, for streaming).
-        self._count_bytes(averaged.sent, averaged.received, averaged.fp32_bytes)
+        self.state.count_bytes(averaged.sent, averaged.received, averaged.fp32_bytes)
         return averaged, replace(facts, exchange="done", contributors=len(averaged.contributors))
 
     async def _island_reduce(self, group: Any, contribution: torch.Tensor, weight: float) -> Any:
@@ -443,7 +488,7 @@ class RoundAgent(SwarmAgent):
         island, an island of one, a node of it missing, the island re-forming)."""
         if self.island is None:
             return None
-        future = self.island.submit_reduce(self.round_id, group.group_id, contribution, weight)
+        future = self.island.submit_reduce(self.outer.round_id, group.group_id, contribution, weight)
         try:
             island_round = await wait_for(
                 asyncio.shield(asyncio.wrap_future(future)), timeout=self.island.wait + 1.0
@@ -464,6 +509,7 @@ class RoundAgent(SwarmAgent):
     def _island_withdraw(self) -> None:
         """Our exchange of an island round gave no mean: tell the island's gather (every node of it then sits
         the round out). Not awaited: the gather's outcome is known already."""
+        assert self.island is not None
         empty = torch.empty(0)
         future = self.island.submit_gather(False, empty, empty, empty, empty)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its IslandError is expected
@@ -473,44 +519,42 @@ class RoundAgent(SwarmAgent):
         run = self.config.run
         contributors = averaged.contributors
         self._account_round(group, contributors)
-        self.counters.last_contributors = len(contributors)
-        fragment = getattr(self.strategy, "current_fragment", None)
-        synced = fragment() if fragment is not None else slice(0, self.num_params)
+        self.state.counters.last_contributors = len(contributors)
+        fragment = getattr(self.outer.strategy, "current_fragment", None)
+        synced = fragment() if fragment is not None else slice(0, self.outer.num_params)
         phase_started = time.monotonic()
-        await self._outer_commit(prepared, averaged)
+        try:  # seen through once begun, even if the round is cancelled meanwhile (a leave): theta moved
+            await self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
+        finally:
+            self.net.exchange.advance(self.outer.round_id)
         self._phases["commit"] = time.monotonic() - phase_started
         every = self.config.checkpoint.every_rounds
-        if every and self.round_id % every == 0:
-            if self._checkpoint_task is not None:
-                await self._checkpoint_task  # one at a time, in round order (and its prune before staging)
-            staged, inner_seq = self._stage_inner()
-            # The copies donors would be served: later rounds never touch them while the write goes on.
-            _, tensors = await self._state_snapshot()
-            self._checkpoint_task = asyncio.create_task(self._checkpoint(tensors, staged, inner_seq))
-        ddp = ddp_bytes_per_round(self.num_params, run.inner_steps, len(contributors))
-        self.counters.ddp_bytes += ddp
-        self.counters.rounds_committed += 1
-        self.counters.last_round_seconds = time.monotonic() - started
-        self.metrics.round_duration.observe(self.counters.last_round_seconds)
-        self.events.write(
+        if every and self.outer.round_id % every == 0:
+            await self.checkpoints.save()
+        ddp = ddp_bytes_per_round(self.outer.num_params, run.inner_steps, len(contributors))
+        self.state.counters.ddp_bytes += ddp
+        self.state.counters.rounds_committed += 1
+        self.state.counters.last_round_seconds = time.monotonic() - started
+        self.state.metrics.round_duration.observe(self.state.counters.last_round_seconds)
+        self.state.events.write(
             "round",
-            round_id=self.round_id,
+            round_id=self.outer.round_id,
             group_id=group.group_id,
             group=[m.peer_id for m in group.members],
             contributors=list(contributors),
-            train_loss=self.train_loss,
-            eval_loss=self.eval_loss,
-            outer_hash=self.outer_hash,
+            train_loss=self.state.train_loss,
+            eval_loss=self.state.eval_loss,
+            outer_hash=self.outer.outer_hash,
             bytes_sent=averaged.sent,
             bytes_received=averaged.received,
             ddp_bytes=ddp,
             synced=[synced.start, synced.stop],
             overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
             fp32_bytes=averaged.fp32_bytes,
-            seconds=self.counters.last_round_seconds,
+            seconds=self.state.counters.last_round_seconds,
             phases=self._phases,
-            ranks_idle_seconds=self.counters.ranks_idle_seconds,
-            inner_step_seconds=self.inner_step_seconds,
+            ranks_idle_seconds=self.state.counters.ranks_idle_seconds,
+            inner_step_seconds=self.state.inner_step_seconds,
             trained_from=prepared.trained_from,
             inner_step=prepared.inner_step,
             weight=prepared.weight,
@@ -530,70 +574,51 @@ class RoundAgent(SwarmAgent):
         )
         # Our record moves to the next round in the background: the round's path holds no DHT store (the next
         # round's MatchAt tells the members at once; the heartbeat retries a store that fails).
-        if self._record_task is None or self._record_task.done():
-            self._record_task = asyncio.create_task(self._publish(), name="farloco-record")
-
-    async def _outer_commit(self, prepared: Prepared, averaged: Averaged) -> None:
-        """`OuterRound.commit` (the outer step and theta's digest: seconds at 10B) on the agent's outer thread, so
-        the event loop goes on serving the swarm meanwhile; then round r+1. Under `_outer_lock`, which the state
-        donors serve is built under too (never from a theta half-way through its step). Once the step has begun
-        it is seen through and the round advanced even if this round is cancelled meanwhile (a leave): theta
-        moved, so round_id must."""
-        async with self._outer_lock:
-            self.outer_hash, cancelled = await self._on_outer_thread(
-                self.outer.commit, prepared.contribution, averaged.transmitted, averaged.mean
-            )
-            self._merge_pending = True
-            self.round_id += 1
-            self._snapshot = None
-            # No exchange before the node serves (tests drive rounds on a bare agent).
-            exchange = getattr(self, "exchange", None)
-            if exchange is not None:
-                exchange.advance(self.round_id)
-        if cancelled:
-            raise asyncio.CancelledError
+        self.swarm.publish_soon()
 
     def _account_round(self, group: Any, contributors: tuple[str, ...]) -> None:
         """A committed round: record who took part; as its leader, name each live member left out and why."""
-        now = _dht_now()
-        live = {m.peer_id: m for m in self.membership.core.live(now)}
-        self.shares.record([*live, self.peer_id], contributors)
-        if self.matchmaker.last_leader != self.peer_id:
+        now = dht_now()
+        live = {m.peer_id: m for m in self.net.membership.core.live(now)}
+        self.state.shares.record([*live, self.state.peer_id], contributors)
+        if self.matchmaker.last_leader != self.state.peer_id:
             return
         in_group = {m.peer_id for m in group.members}
         for peer_id, record in sorted(live.items()):
-            if peer_id in contributors or peer_id == self.peer_id:
+            if peer_id in contributors or peer_id == self.state.peer_id:
                 continue
             reason = left_out_reason(
                 record.state,
                 self.matchmaker.round_of(record, now),
-                self.round_id,
+                self.outer.round_id,
                 in_group=peer_id in in_group,
             )
-            self.shares.peers_left_out[reason] += 1
-            self.events.write("left_out", round_id=self.round_id, peer=peer_id, reason=reason, by="leader")
-            log.info("round %d: %s left out (%s)", self.round_id, peer_id, reason)
+            self.state.shares.peers_left_out[reason] += 1
+            self.state.events.write(
+                "left_out", round_id=self.outer.round_id, peer=peer_id, reason=reason, by="leader"
+            )
+            log.info("round %d: %s left out (%s)", self.outer.round_id, peer_id, reason)
 
     async def _close(self, decision: Decision, island_out: bool = False) -> bool:
         """Enact a round's decision other than committing (node/daemon/rules.py); returns `_round`'s value.
         `island_out`: the round closes before its exchange, which the nodes of our island learn at once."""
         if island_out and self.island is not None:
-            self.island.post_out(self.round_id)
+            self.island.post_out(self.outer.round_id)
         if decision.left_out is not None:
-            self._left_out(decision.left_out)
+            self.swarm.left_out(decision.left_out)
         if decision.action is Action.ABORT:
             return self._abort(decision.reason, decision.num_peers)
-        self.outer.rollback()  # the residual is not eaten
+        self.outer.round.rollback()  # the residual is not eaten
         if decision.action is Action.CATCH_UP:
             assert decision.target_round is not None
-            return await self._catch_up(decision.target_round, decision.reason)
+            return await self.swarm.catch_up(decision.target_round, decision.reason)
         if decision.action is Action.ADVANCE:
-            return self._advance_without_update(decision.reason)
+            return self.swarm.advance_without_update(decision.reason)
         raise AssertionError(f"_close: {decision.action} is not a way to close a round")
 
     def _abort(self, reason: str, num_peers: int) -> bool:
-        self.counters.rounds_aborted += 1
-        self.events.write("aborted", round_id=self.round_id, reason=reason, num_peers=num_peers)
-        log.warning("round %d aborted: %s", self.round_id, reason)
-        self.outer.rollback()  # the residual is not eaten
-        return self._advance_without_update(reason)
+        self.state.counters.rounds_aborted += 1
+        self.state.events.write("aborted", round_id=self.outer.round_id, reason=reason, num_peers=num_peers)
+        log.warning("round %d aborted: %s", self.outer.round_id, reason)
+        self.outer.round.rollback()  # the residual is not eaten
+        return self.swarm.advance_without_update(reason)

@@ -1,5 +1,19 @@
 """The node among its peers: its member record and heartbeat, joining (slot, state sync), isolation, catching
-up with the swarm and healing forks by the announced hashes."""
+up with the swarm and healing forks by the announced hashes.
+
+Rules:
+- Our record says where we stand (state, round, theta hash) and is stored at each heartbeat and after each round;
+  stores are serialized (the DHT keeps only the entry with the latest expiration).
+- A joiner takes the state of the swarm's newest round from the members of that round, checked against the
+  hashes the swarm vouches for (a donor serving anything else is refused before a byte), or resumes its own
+  checkpoint when that holds the very same state.
+- A group that disagrees on theta heals before it contributes: the hash held by the most members wins, then the
+  theta with more outer steps, then the side holding the lowest peer id; every member decides on the same claims
+  (the group record's).
+- Isolated (peers vanished without leaving), a node commits nothing alone until timeouts.isolation_timeout, and
+  then only with run.min_peers = 1.
+- Whenever the round id moves (a sync, a round closed without an update) the exchange is told at once.
+"""
 
 from __future__ import annotations
 
@@ -10,60 +24,96 @@ from collections.abc import Awaitable
 from typing import Any
 
 from farloco.node.config import diff_run, run_section
-from farloco.node.daemon.core import (
-    AgentError,
-    Status,
-    _dht_now,
-    _version,
-    log,
-)
+from farloco.node.daemon.checkpoints import Checkpoints
+from farloco.node.daemon.core import AgentError, Network, NodeState, Status, dht_now, log, version
 from farloco.node.daemon.dhtnode import daemon_alive
+from farloco.node.daemon.knownpeers import KnownPeers
 from farloco.node.daemon.outer import theta_hash
+from farloco.node.daemon.outerstate import OuterState
+from farloco.node.daemon.ranks import Ranks
 from farloco.node.daemon.rules import healing_winner
-from farloco.node.daemon.snapshots import SnapshotAgent
 from farloco.node.logs import SyncProgress
 from farloco.protocol.tasks import cancel_and_wait
 
 
 class SwarmGone(Exception):
-    """`_catch_up(join=True)`: every member that was ahead of us is gone, none is left to fetch from."""
+    """`catch_up(join=True)`: every member that was ahead of us is gone, none is left to fetch from."""
 
 
-class SwarmAgent(SnapshotAgent):
-    """Membership, joining, isolation, catching up and fork healing."""
+class Swarm:
+    """The node among its peers (see the module docstring)."""
 
-    def _record(self) -> Any:
+    def __init__(
+        self,
+        state: NodeState,
+        outer: OuterState,
+        ranks: Ranks,
+        checkpoints: Checkpoints,
+        net: Network,
+        known_peers: KnownPeers,
+    ) -> None:
+        self.state = state
+        self.outer = outer
+        self.ranks = ranks
+        self.checkpoints = checkpoints
+        self.net = net
+        self.config = state.config
+        self.membership = net.membership
+        self.matchmaker = net.matchmaker
+        self.known_peers = known_peers  # the members last seen live: for a restart without the bootstrap
+        self._peer_maddrs: dict[str, tuple[str, ...]] = {}  # last multiaddrs of the peers seen live
+        # Our record's stores, one at a time: the DHT keeps only the entry with the latest expiration.
+        self.publish_lock = asyncio.Lock()
+        self.heartbeat_task: asyncio.Task[None] | None = None
+        self.record_task: asyncio.Task[None] | None = None  # a member-record store after a round, in flight
+        # While a joining node writes its round buffers' pages once (`join`).
+        self._prefault_task: asyncio.Task[tuple[None, bool]] | None = None
+
+    def live_ids(self) -> list[str]:
+        return [m.peer_id for m in self.membership.core.live(dht_now())]
+
+    def left_out(self, reason: str) -> None:
+        """We are not among this round's contributors: say why (event, metric, our share)."""
+        self.state.left_out(reason, self.live_ids(), self.outer.round_id)
+
+    def publish_soon(self) -> None:
+        """Move our record on in the background (after a round: the round's path holds no DHT store; the next
+        round's MatchAt tells the members at once, the heartbeat retries a store that fails)."""
+        if self.record_task is None or self.record_task.done():
+            self.record_task = asyncio.create_task(self.publish(), name="farloco-record")
+
+    def record(self) -> Any:
         from farloco.protocol.membership import MemberRecord
 
         return MemberRecord(
-            peer_id=self.peer_id,
-            address=self.grpc_address,
-            state=self.status.value,
-            round_id=self.round_id,
-            inner_step=int(self.status_dict()["inner_step"]),
-            slot=self.slot,
-            run_hash=self.run_hash,
+            peer_id=self.state.peer_id,
+            address=self.state.grpc_address,
+            state=self.state.status.value,
+            round_id=self.outer.round_id,
+            inner_step=int(max((r.inner_step for r in self.ranks.reports()), default=0)),
+            slot=self.state.slot,
+            run_hash=self.state.run_hash,
             run_config=run_section(self.config),
-            outer_hash=self.outer_hash,
-            loss=0.0 if math.isnan(self.train_loss) else float(self.train_loss),
+            outer_hash=self.outer.outer_hash,
+            loss=0.0 if math.isnan(self.state.train_loss) else float(self.state.train_loss),
             heartbeat=0.0,
-            maddrs=tuple(self.multiaddrs),
-            version=_version(),
+            maddrs=tuple(self.state.multiaddrs),
+            version=version(),
         )
 
-    async def _publish(self, retry_seconds: float = 0.0) -> None:
+    async def publish(self, retry_seconds: float = 0.0) -> None:
         """Publish our member record now (one try by default: the next heartbeat is the retry). Serialised:
         the DHT keeps only the entry with the latest expiration, so two overlapping stores of ours would refuse
         one another."""
         from farloco.protocol.membership import MembershipError
 
-        async with self._publish_lock:
+        async with self.publish_lock:
             try:
-                await self.membership.publish(self._record(), retry_seconds=retry_seconds)
+                await self.membership.publish(self.record(), retry_seconds=retry_seconds)
             except MembershipError as exc:  # survivable: the record lives for several heartbeats
                 log.warning("publishing our member record failed: %s", exc)
 
-    async def _refresh_peers(self) -> list[Any]:
+    async def refresh_peers(self) -> list[Any]:
         members = await self.membership.members()
         view = [
             {
@@ -75,39 +125,41 @@ class SwarmAgent(SnapshotAgent):
                 "slot": m.slot,
                 "loss": m.loss,
                 "outer_hash": m.outer_hash,
-                "heartbeat_age": max(0.0, _dht_now() - m.heartbeat),
-                "share": self.shares.share(m.peer_id),
-                "self": m.peer_id == self.peer_id,
+                "heartbeat_age": max(0.0, dht_now() - m.heartbeat),
+                "share": self.state.shares.share(m.peer_id),
+                "self": m.peer_id == self.state.peer_id,
             }
             for m in members
         ]
-        others = [m for m in members if m.peer_id != self.peer_id]
+        others = [m for m in members if m.peer_id != self.state.peer_id]
         for m in others:
             self._peer_maddrs[m.peer_id] = tuple(m.maddrs)
-        was = self.isolation.verdict
-        verdict = self.isolation.observe(_dht_now(), [m.peer_id for m in others], self.membership.departed())
-        self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.isolation.known}
+        was = self.state.isolation.verdict
+        verdict = self.state.isolation.observe(
+            dht_now(), [m.peer_id for m in others], self.membership.departed()
+        )
+        self._peer_maddrs = {p: a for p, a in self._peer_maddrs.items() if p in self.state.isolation.known}
         self.known_peers.remember({m.peer_id: m.maddrs for m in others})
         if verdict == "isolated" and was != "isolated":
             log.warning(
                 "isolated: the peers %s vanished without leaving (crashed, or the network between us is down); "
                 "no round is committed alone while it lasts",
-                ", ".join(self.isolation.vanished),
+                ", ".join(self.state.isolation.vanished),
             )
-        with self._lock:
-            self.peers_view = view
+        with self.state.lock:
+            self.state.peers_view = view
         return list(members)
 
-    async def _heartbeat_loop(self) -> None:
+    async def heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.timeouts.heartbeat_interval)
             try:
-                await self._publish()
-                await self._refresh_peers()
+                await self.publish()
+                await self.refresh_peers()
             except Exception as exc:  # the DHT may hiccup; the next beat retries
                 log.warning("heartbeat failed: %s", exc)
 
-    async def _join(self) -> None:
+    async def join(self) -> None:
         """Refuse a mismatched run, claim a data slot, and fetch the swarm's state if it is already training.
         Meanwhile the outer thread writes every page of the round's buffers once (`OuterRound.prefault`): the
         first round does not pay their page faults, and it starts only once that is done."""
@@ -121,61 +173,59 @@ class SwarmAgent(SnapshotAgent):
     async def _join_swarm(self) -> None:
         from farloco.protocol.membership import MembershipError
 
-        self.status = Status.SYNCING
-        members = await self._refresh_peers()
+        self.state.status = Status.SYNCING
+        members = await self.refresh_peers()
         mismatched = self.membership.mismatched()
         if mismatched:
             record, _keys = mismatched[0]
             differences = diff_run(run_section(self.config), dict(record.run_config))
             raise AgentError(
                 f"refusing to join: peer {record.peer_id} trains run {self.config.run.name!r} with another "
-                f"config (run_hash {record.run_hash[:12]} vs ours {self.run_hash[:12]}): "
+                f"config (run_hash {record.run_hash[:12]} vs ours {self.state.run_hash[:12]}): "
                 + "; ".join(differences)
             )
         try:
             # Our first record must get out (the slot claim and every later lookup need it): a refused store is
             # retried for timeouts.dht_retry, and only then does the node give up, saying what to check.
-            # A restarted node asks for the slot its checkpoint trained: the claim keeps it while no other member
-            # holds it. (It used to claim any slot and switch to the checkpoint's when resuming, after the claim
-            # had settled and the ranks had started: two nodes could end up on one slot, and a lower peer id
-            # waited for a higher one that never looked again.)
-            self.slot = await asyncio.to_thread(self._saved_slot)
-            async with self._publish_lock:
-                await self.membership.publish(self._record())
-                self.slot = await self.membership.claim_slot(self.peer_id, self.config.run.data_slots)
+            # A restarted node asks for the slot its checkpoint trained, before the ranks start: the claim keeps it
+            # while no other member holds it (two nodes never end up on one slot).
+            self.state.slot = await asyncio.to_thread(self.checkpoints.saved_slot)
+            async with self.publish_lock:
+                await self.membership.publish(self.record())
+                self.state.slot = await self.membership.claim_slot(
+                    self.state.peer_id, self.config.run.data_slots
+                )
         except MembershipError as exc:
             raise AgentError(f"joining: {exc}") from exc
         # The ranks start now (they know their data slot) and wait for the first round's theta: their start-up
-        # (a Python process each, torch, the model, the data) overlaps the state fetch below instead of following
-        # it. A restarted node that started them after its sync spent seconds past the round it had fetched, the
-        # swarm froze that round without it, and it fetched again.
-        self._start_trainers()
+        # (a Python process each, torch, the model, the data) overlaps the state fetch below, so a joiner is
+        # ready for the round it fetched.
+        self.ranks.start(self.state.slot)
         self._prefault_task = asyncio.create_task(
-            self._on_outer_thread(self.outer.prefault, self.config.run.outer_update != "sync"),
+            self.outer.on_thread(self.outer.round.prefault, self.config.run.outer_update != "sync"),
             name="farloco-prefault",
         )
         # Heartbeats from now on: during a long state fetch our record must stay live and say `syncing`, which
         # is what makes the others wait for us (protocol/matchmaking.py, catching up).
-        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="farloco-heartbeat")
-        others = [m for m in members if m.peer_id != self.peer_id and m.round_id > 0]
+        self.heartbeat_task = asyncio.create_task(self.heartbeat_loop(), name="farloco-heartbeat")
+        others = [m for m in members if m.peer_id != self.state.peer_id and m.round_id > 0]
         if others:
             # The swarm is mid-round: take the state its current round started from and join that round. Our
             # record says `syncing`, so the round's members wait for us (up to match_timeout); if it still freezes
-            # without us, we are late and take the next round's state the same way. (Waiting for the next round
-            # boundary instead, as before, stalled every join: the swarm waited for the syncing node while the
-            # node waited for the swarm to finish the round.)
+            # without us, we are late and take the next round's state the same way (never the next round boundary:
+            # the swarm would wait for the syncing node while the node waits for the swarm to finish the round).
             target = max(m.round_id for m in others)
             # A restarted node whose own checkpoint holds the very state the swarm's newest members publish (the
             # whole swarm restarted from the same round, ours a moment after the others) resumes it from disk,
             # with its inner state and data position, instead of fetching the same theta over the network.
             held = {m.outer_hash for m in others if m.round_id == target and m.outer_hash}
-            own = await asyncio.to_thread(self._checkpoint_holding, target, held)
+            own = await asyncio.to_thread(self.checkpoints.holding, target, held)
             if own is not None:
-                await self._resume_from_checkpoint(own)
+                await self._resume(own)
             else:
-                self.events.write("catching_up", round_id=target)
+                self.state.events.write("catching_up", round_id=target)
                 try:
-                    caught = await self._catch_up(
+                    caught = await self.catch_up(
                         target, "join", wait=self.config.timeouts.sync_timeout, join=True
                     )
                 except SwarmGone:
@@ -190,24 +240,26 @@ class SwarmAgent(SnapshotAgent):
                         f"joining: no member reached round {target} within timeouts.sync_timeout"
                     )
         if not others:
-            await self._resume_from_checkpoint()
-            self.outer_hash = await asyncio.to_thread(theta_hash, self.theta)
-        self.status = Status.TRAINING
-        await self._publish()
-        self.events.write("joined", round_id=self.round_id, slot=self.slot, num_peers=len(members))
+            await self._resume(None)
+            self.outer.outer_hash = await asyncio.to_thread(theta_hash, self.outer.theta)
+        self.state.status = Status.TRAINING
+        await self.publish()
+        self.state.events.write(
+            "joined", round_id=self.outer.round_id, slot=self.state.slot, num_peers=len(members)
+        )
 
-    def _vouched(self, members: list[Any]) -> dict[int, set[str]]:
+    def vouched(self, members: list[Any]) -> dict[int, set[str]]:
         """Round id -> the theta hash the swarm vouches for in that round: what the other live members publish
         (their signed records, what they announced over the links), and where they disagree the healing rule's
         winner (the hash held by the most members, then by the lowest peer id; `_check_hashes`). What a donor's
         state must hash to before we fetch it (a poisoned donor is refused, not installed)."""
         holders: dict[int, dict[str, set[str]]] = {}
-        others = [m for m in members if m.peer_id != self.peer_id]
+        others = [m for m in members if m.peer_id != self.state.peer_id]
         for m in others:
             if m.outer_hash:
                 holders.setdefault(int(m.round_id), {}).setdefault(m.outer_hash, set()).add(m.peer_id)
         live = {m.peer_id for m in others}
-        for round_id in {self.matchmaker.round_of(m, _dht_now()) for m in others}:
+        for round_id in {self.matchmaker.round_of(m, dht_now()) for m in others}:
             for peer_id, outer_hash in self.matchmaker.announced_hashes(round_id).items():
                 if peer_id in live:
                     holders.setdefault(round_id, {}).setdefault(outer_hash, set()).add(peer_id)
@@ -217,79 +269,85 @@ class SwarmAgent(SnapshotAgent):
         }
 
     def _state_refused(self, donor: str, reason: str, detail: str) -> None:
-        self.refused_states[reason] = self.refused_states.get(reason, 0) + 1
-        self.events.write("state_refused", donor=donor, reason=reason, detail=detail)
+        self.state.refused_states[reason] = self.state.refused_states.get(reason, 0) + 1
+        self.state.events.write("state_refused", donor=donor, reason=reason, detail=detail)
 
-    async def _sync_from(
+    async def sync_from(
         self, donors: list[str], why: str, vouched: dict[int, set[str]] | None = None
     ) -> None:
         """Fetch the swarm's state from `donors`, checked against `vouched` (round -> the theta hash the swarm
         vouches for: a donor serving anything else is refused before a byte is fetched)."""
         from farloco.protocol.statesync import fetch_state
 
-        self.status = Status.SYNCING
+        self.state.status = Status.SYNCING
         started = time.monotonic()
-        self.sync_progress = SyncProgress(f"state sync ({why})")
+        self.state.sync_progress = SyncProgress(f"state sync ({why})")
         try:
             meta, tensors = await fetch_state(
-                self.client,
+                self.net.client,
                 donors,
                 timeout=self.config.timeouts.sync_timeout,
-                expect_run_hash=self.run_hash,
+                expect_run_hash=self.state.run_hash,
                 vouched=vouched,
                 on_refused=self._state_refused,
-                on_progress=self.sync_progress.update,
-                layout=self._state_layout(),
-                check=self._state_problem,
+                on_progress=self.state.sync_progress.update,
+                layout=self.outer.state_layout(),
+                check=self.outer.state_problem,
             )
         finally:
-            self.sync_progress.close()
-            self.sync_progress = None
-        await self._install(meta, tensors)
-        self.counters.resyncs += 1
-        self.events.write(
-            "synced", why=why, round_id=self.round_id, donors=donors, seconds=time.monotonic() - started
+            self.state.sync_progress.close()
+            self.state.sync_progress = None
+        await self.outer.install(meta, tensors)
+        self.net.exchange.advance(self.outer.round_id)
+        self.state.counters.resyncs += 1
+        self.state.events.write(
+            "synced", why=why, round_id=self.outer.round_id, donors=donors, seconds=time.monotonic() - started
         )
-        log.info("synced state of round %d from %s (%s)", self.round_id, donors, why)
+        log.info("synced state of round %d from %s (%s)", self.outer.round_id, donors, why)
 
-    async def _ride_out_isolation(self) -> bool | None:
+    async def ride_out_isolation(self) -> bool | None:
         """The isolation policy (protocol/isolation.py), before a round's matchmaking. None: go on with the
         round (connected again at this round, alone because the others left, or alone past
         timeouts.isolation_timeout with run.min_peers = 1); a bool: the round is over (the swarm moved on and we
         took its state, or we are leaving), the value as `_round`'s."""
-        watch = self.isolation
+        watch = self.state.isolation
         if watch.verdict != "isolated":
             return None
         timeouts = self.config.timeouts
         limit = timeouts.isolation_timeout
-        self.status = Status.ISOLATED
-        self.events.write("isolated", round_id=self.round_id, vanished=list(watch.vanished), timeout=limit)
+        self.state.status = Status.ISOLATED
+        self.state.events.write(
+            "isolated", round_id=self.outer.round_id, vanished=list(watch.vanished), timeout=limit
+        )
         log.warning(
             "round %d waits: isolated from %s; reaching the swarm through the initial peers and their last "
             "addresses for up to %.0f s (timeouts.isolation_timeout)",
-            self.round_id,
+            self.outer.round_id,
             ", ".join(watch.vanished),
             limit,
         )
         started = time.monotonic()
         while True:
-            if self.leave_mode is not None:
-                self.strategy.rollback()
+            if self.state.leave_mode is not None:
+                self.outer.strategy.rollback()
                 return False
             await self._reach_swarm()
-            members = await self._refresh_peers()
+            members = await self.refresh_peers()
             if watch.verdict != "isolated":
-                others = [m for m in members if m.peer_id != self.peer_id]
+                others = [m for m in members if m.peer_id != self.state.peer_id]
                 seconds = time.monotonic() - started
-                self.events.write(
-                    "rejoined", round_id=self.round_id, peers=[m.peer_id for m in others], seconds=seconds
+                self.state.events.write(
+                    "rejoined",
+                    round_id=self.outer.round_id,
+                    peers=[m.peer_id for m in others],
+                    seconds=seconds,
                 )
                 log.warning("rejoined the swarm after %.1f s: %d peers live", seconds, len(others))
-                self.status = Status.EXCHANGING
-                newest = max((m.round_id for m in others), default=self.round_id)
-                if newest > self.round_id:  # the swarm went on without us: take its state
-                    self.strategy.rollback()
-                    return await self._catch_up(newest, "rejoined after isolation")
+                self.state.status = Status.EXCHANGING
+                newest = max((m.round_id for m in others), default=self.outer.round_id)
+                if newest > self.outer.round_id:  # the swarm went on without us: take its state
+                    self.outer.strategy.rollback()
+                    return await self.catch_up(newest, "rejoined after isolation")
                 return None  # same round (or the others are behind and catch up to us): match with them
             waited = time.monotonic() - started
             if waited >= limit:
@@ -300,14 +358,16 @@ class SwarmAgent(SnapshotAgent):
                         f"run.min_peers={self.config.run.min_peers} forbids training alone; check the network "
                         f"to the initial peers {list(self.config.network.initial_peers)}"
                     )
-                self.events.write("continuing_alone", round_id=self.round_id, vanished=list(watch.vanished))
+                self.state.events.write(
+                    "continuing_alone", round_id=self.outer.round_id, vanished=list(watch.vanished)
+                )
                 log.warning(
                     "still isolated after %.0f s: going on alone (run.min_peers=1); peers that come back "
                     "are matched with again",
                     waited,
                 )
                 watch.forget()
-                self.status = Status.EXCHANGING
+                self.state.status = Status.EXCHANGING
                 return None
             await asyncio.sleep(min(max(2 * timeouts.heartbeat_interval, 1.0), max(limit - waited, 0.0)))
 
@@ -319,18 +379,20 @@ class SwarmAgent(SnapshotAgent):
         from farloco.protocol import dhtcall
 
         maddrs = [*self.config.network.initial_peers]
-        for peer in self.isolation.vanished:
+        for peer in self.state.isolation.vanished:
             maddrs += [f"{m}/p2p/{peer}" if "/p2p/" not in m else m for m in self._peer_maddrs.get(peer, ())]
         if not maddrs:
             return
         try:
-            answered = await dhtcall.call(self.dht.run_coroutine, partial(reach_peers, maddrs=tuple(maddrs)))
+            answered = await dhtcall.call(
+                self.net.dht.run_coroutine, partial(reach_peers, maddrs=tuple(maddrs))
+            )
         except Exception as exc:  # unreachable is what we expect while isolated; the next pass tries again
             log.info("reaching the swarm: %s", exc or type(exc).__name__)
         else:
             log.info("reaching the swarm: %d of the peers dialled answered", answered)
 
-    async def _catch_up(
+    async def catch_up(
         self, target_round: int, why: str, *, wait: float | None = None, join: bool = False
     ) -> bool:
         """Fetch the swarm's state once some member has reached `target_round` (bounded wait).
@@ -343,13 +405,15 @@ class SwarmAgent(SnapshotAgent):
         timeouts = self.config.timeouts
         wait = wait if wait is not None else timeouts.exchange_timeout + timeouts.match_timeout
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and self.leave_mode is None:
-            members = await self._refresh_peers()
+        while time.monotonic() < deadline and self.state.leave_mode is None:
+            members = await self.refresh_peers()
             # A member's round: the newer of its record and what it announced over our links (MatchAt), so a
             # member record a heartbeat behind does not hold us a round longer than the swarm's own word.
-            now = _dht_now()
+            now = dht_now()
             rounds = {
-                m.peer_id: self.matchmaker.round_of(m, now) for m in members if m.peer_id != self.peer_id
+                m.peer_id: self.matchmaker.round_of(m, now)
+                for m in members
+                if m.peer_id != self.state.peer_id
             }
             ahead = [m for m in members if rounds.get(m.peer_id, -1) >= target_round]
             if join and not ahead and not any(r > 0 for r in rounds.values()):
@@ -357,79 +421,77 @@ class SwarmAgent(SnapshotAgent):
             if ahead:
                 newest = max(rounds[m.peer_id] for m in ahead)
                 try:
-                    await self._sync_from(
-                        [m.address for m in ahead if rounds[m.peer_id] == newest], why, self._vouched(members)
+                    await self.sync_from(
+                        [m.address for m in ahead if rounds[m.peer_id] == newest], why, self.vouched(members)
                     )
                 except StateSyncError as exc:
                     # Every donor we asked failed (the only one of the newest round died mid-transfer, say):
                     # read the members again, so the next pass asks the survivors.
                     log.warning("state sync failed (%s); looking for other donors", exc)
-                    self.events.write("sync_failed", why=why, round_id=newest, error=str(exc))
+                    self.state.events.write("sync_failed", why=why, round_id=newest, error=str(exc))
                     await asyncio.sleep(0.5)
                     continue
                 return True
             await asyncio.sleep(0.2)
-        log.warning("no peer reached round %d in time; moving on from round %d", target_round, self.round_id)
-        return self._advance_without_update("nobody reached the next round")
+        log.warning(
+            "no peer reached round %d in time; moving on from round %d", target_round, self.outer.round_id
+        )
+        return self.advance_without_update("nobody reached the next round")
 
-    async def _check_hashes(self, group: Any) -> bool:
+    async def check_hashes(self, group: Any) -> bool:
         """Compare our theta hash for this round with every member of our group's: the hash each declared in its
         ready record, which the leader copied into the group record, so every member decides on the same claims.
         Returns whether we resynced.
 
         Healing rule (every member computes the same from the same group record): the hash held by the most
         members wins; between sides of equal size, the theta with more outer steps applied (each member declares
-        its count with its hash), then the side holding the lowest peer id. (Peer id alone used to settle a 1:1
-        tie: when one member had closed the round before without an update, say a straggler that saw the others'
-        ready records but not their group, the tie went to whichever id was lower, and half the time the round's
-        update was thrown away.) Every member of a
-        losing side fetches the winning side's state before it contributes, so after this round the group holds
-        one theta. (A tie used to only log: two halves of a partition that each committed a round alone stayed
-        forked for good, averaging the same updates into two different models. And the claims used to be read
-        from the member table and the members' announcements, which members see differently: a member thawed
-        after a freeze read the others' records expired and their announcements lost, saw one claim against its
-        own, won the tie by peer id, contributed its stale theta and forked the round.) Members outside our group
-        are not counted: their group decides for them, and both groups meet in a later round's group."""
+        its count with its hash: a member that closed the round before without an update loses a 1:1 tie), then
+        the side holding the lowest peer id. Every member of a losing side fetches the winning side's state before
+        it contributes, so after this round the group holds one theta; a tie is healed too (two halves of a
+        partition that each committed rounds alone become one). The claims are the group record's, never the
+        member table or the announcements, which members see differently (a member thawed after a freeze sees the
+        others' records expired). Members outside our group are not counted: their group decides for them, and
+        both groups meet in a later round's group."""
         from farloco.protocol.statesync import StateSyncError
 
-        if self.round_id == 0:
+        if self.outer.round_id == 0:
             return False
-        members = self.membership.core.live(_dht_now())
+        members = self.membership.core.live(dht_now())
         claims: dict[str, str] = group.hashes()
-        declared = claims.get(self.peer_id)
-        if declared is not None and declared != self.outer_hash:
+        declared = claims.get(self.state.peer_id)
+        if declared is not None and declared != self.outer.outer_hash:
             # The others decide on what we declared: contributing from another theta would fork the round.
             raise StateSyncError(
-                f"our ready record declared theta {declared[:12]} for round {self.round_id}, "
-                f"we hold {self.outer_hash[:12]}"
+                f"our ready record declared theta {declared[:12]} for round {self.outer.round_id}, "
+                f"we hold {self.outer.outer_hash[:12]}"
             )
-        claims[self.peer_id] = self.outer_hash
+        claims[self.state.peer_id] = self.outer.outer_hash
         updates = group.updates()
-        updates.setdefault(self.peer_id, self.strategy.num_rounds)
+        updates.setdefault(self.state.peer_id, self.outer.strategy.num_rounds)
         holders: dict[str, set[str]] = {}
         for peer_id, outer_hash in claims.items():
             holders.setdefault(outer_hash, set()).add(peer_id)
         if len(holders) <= 1:
             return False
-        self.counters.hash_mismatches += 1
+        self.state.counters.hash_mismatches += 1
         winner = healing_winner(claims, updates)
         summary = {h[:12]: sorted(ids) for h, ids in holders.items()}
         applied = {h[:12]: max(updates.get(p, 0) for p in ids) for h, ids in holders.items()}
-        self.events.write(
+        self.state.events.write(
             "hash_mismatch",
-            round_id=self.round_id,
-            ours=self.outer_hash,
+            round_id=self.outer.round_id,
+            ours=self.outer.outer_hash,
             winner=winner,
             votes=summary,
             steps=applied,
         )
         log.error(
             "round %d: theta_outer hashes disagree within the group: %s (outer steps applied: %s)",
-            self.round_id,
+            self.outer.round_id,
             summary,
             applied,
         )
-        mine = _version()
+        mine = version()
         others = {m.peer_id: m.version for m in members if m.peer_id in claims and m.version != mine}
         if others:
             # A release that changed theta's digest (0.2.0: the sha256 tree hash) disagrees on every hash.
@@ -437,24 +499,24 @@ class SwarmAgent(SnapshotAgent):
                 "round %d: peers of the group run other farloco versions than this node's %s: %s; releases "
                 "whose theta digest differs never agree on a hash: upgrade every node of a run together "
                 "(deploy/OPERATORS.md, Upgrade)",
-                self.round_id,
+                self.outer.round_id,
                 mine,
                 others,
             )
-        if winner == self.outer_hash:
+        if winner == self.outer.outer_hash:
             return False
         log.warning(
             "round %d: taking the state of %s (healing rule: larger side, then more outer steps, then lowest "
             "peer id)",
-            self.round_id,
+            self.outer.round_id,
             sorted(holders[winner]),
         )
         addresses = {m.peer_id: m.address for m in group.members}
         donors = [addresses[p] for p in sorted(holders[winner])]
         for attempt in range(3):  # a link that just healed may fail the first call (a connection that died)
             try:
-                vouched = {**self._vouched(members), self.round_id: {winner}}
-                await self._sync_from(donors, "hash mismatch", vouched)
+                vouched = {**self.vouched(members), self.outer.round_id: {winner}}
+                await self.sync_from(donors, "hash mismatch", vouched)
                 return True
             except StateSyncError as exc:
                 if attempt == 2:
@@ -463,7 +525,7 @@ class SwarmAgent(SnapshotAgent):
                 await asyncio.sleep(1.0)
         return True
 
-    async def _while_dht_daemon_lives(self, work: Awaitable[Any]) -> Any:
+    async def while_dht_daemon_lives(self, work: Awaitable[Any]) -> Any:
         """`work` (a DHT call), cut short with TimeoutError as soon as the DHT's p2pd is gone: a signal sent to
         the whole node (Slurm, systemd) ends p2pd as it starts our leave, and a DHT call would then wait out its
         whole bound for nothing."""
@@ -473,19 +535,24 @@ class SwarmAgent(SnapshotAgent):
                 await asyncio.wait({task}, timeout=0.1)  # first: the work has started when we may cancel it
                 if task.done():
                     return task.result()
-                if not daemon_alive(self.dht):
+                if not daemon_alive(self.net.dht):
                     raise TimeoutError(
                         "the DHT's daemon (p2pd) is gone: a signal to the whole node ends it too"
                     )
         finally:
             await cancel_and_wait(task, timeout=1.0)
 
-    def _advance_without_update(self, reason: str) -> bool:
+    def advance_without_update(self, reason: str) -> bool:
         """Close round r without an outer step: theta_outer stays as it is (so every peer that closes r this way
         still agrees), and the ranks keep their weights so the missed work rolls into the next delta. Round ids
         only ever move forward, so no round's matchmaking records are ever reused."""
-        self.round_id += 1
-        self._snapshot = None
-        self.exchange.advance(self.round_id)
-        log.info("round %d closed without an update (%s)", self.round_id - 1, reason)
+        self.outer.advance()
+        self.net.exchange.advance(self.outer.round_id)
+        log.info("round %d closed without an update (%s)", self.outer.round_id - 1, reason)
         return False
+
+    async def _resume(self, path: Any) -> None:
+        """Resume from our checkpoint `path` (None: the newest loadable one, if any); the exchange moves with
+        the round id."""
+        await self.checkpoints.resume(path)
+        self.net.exchange.advance(self.outer.round_id)

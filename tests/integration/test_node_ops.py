@@ -406,9 +406,9 @@ def test_the_slot_a_node_asks_for_is_its_checkpoints_else_node_data_slot(tmp_pat
     from farloco.node.config import load_config
     from farloco.node.daemon.agent import Agent
 
-    assert Agent(load_config(None, []), tmp_path / "any")._saved_slot() == -1
+    assert Agent(load_config(None, []), tmp_path / "any").checkpoints.saved_slot() == -1
     agent = Agent(load_config(None, ["node.data_slot=5"]), tmp_path / "asked")
-    assert agent._saved_slot() == 5
-    meta = {"run_hash": agent.run_hash, "inner_step": "0", "data_slot": "2"}
-    save_checkpoint(checkpoints_dir(agent.run_dir), 3, {"theta": torch.zeros(4)}, meta)
-    assert agent._saved_slot() == 2  # the checkpoint's slot: its data position goes on there
+    assert agent.checkpoints.saved_slot() == 5
+    meta = {"run_hash": agent.state.run_hash, "inner_step": "0", "data_slot": "2"}
+    save_checkpoint(checkpoints_dir(agent.state.run_dir), 3, {"theta": torch.zeros(4)}, meta)
+    assert agent.checkpoints.saved_slot() == 2  # the checkpoint's slot: its data position goes on there

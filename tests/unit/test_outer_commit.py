@@ -22,22 +22,22 @@ from farloco.protocol.statesync import StateServer
 def committable(tmp_path: Path) -> tuple[Agent, StateServer, Prepared, Averaged]:
     """A bare agent (int8) with the state server it registers, and a round's contribution ready to commit."""
     agent = Agent(load_config(None, ['run.codec="int8"']), tmp_path / "node")
-    server = StateServer(agent._state_snapshot)  # what the node serves joiners, as Agent._serve registers it
+    server = StateServer(agent.outer.snapshot)  # what the node serves joiners, as Agent._serve registers it
     generator = torch.Generator().manual_seed(0)
-    theta_local = agent.theta + 1e-3 * torch.randn(agent.theta.shape, generator=generator)
+    theta_local = agent.outer.theta + 1e-3 * torch.randn(agent.outer.theta.shape, generator=generator)
     contribution = agent.outer.contribution(theta_local)
-    transmitted = agent.codec.decode(agent.codec.encode(contribution))
+    transmitted = agent.outer.codec.decode(agent.outer.codec.encode(contribution))
     prepared = Prepared(theta_local, contribution, fixed_reference=False)
     return agent, server, prepared, Averaged(transmitted, transmitted, ("self",), 0, 0, 0)
 
 
 def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) -> None:
     agent, server, prepared, averaged = committable(tmp_path)
-    before, theta_before = agent.round_id, agent.theta.clone()
+    before, theta_before = agent.outer.round_id, agent.outer.theta.clone()
 
     # The commit, held inside its thread until the test lets it go.
     in_thread, release = threading.Event(), threading.Event()
-    commit = agent.outer.commit
+    commit = agent.outer.round.commit
     threads: list[str] = []
 
     def held_commit(*args: Any) -> str:
@@ -46,10 +46,12 @@ def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) ->
         assert release.wait(30)
         return commit(*args)
 
-    agent.outer.commit = held_commit  # type: ignore[method-assign]
+    agent.outer.round.commit = held_commit  # type: ignore[method-assign]
 
     async def scenario() -> None:
-        committing = asyncio.create_task(agent._outer_commit(prepared, averaged))
+        committing = asyncio.create_task(
+            agent.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
+        )
         while not in_thread.is_set():
             await asyncio.sleep(0.005)
         served = asyncio.create_task(server.snapshot())
@@ -62,12 +64,12 @@ def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) ->
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await committing
-        assert agent.round_id == before + 1
-        assert agent.outer_hash == theta_hash(agent.theta)
-        assert not torch.equal(agent.theta, theta_before)
+        assert agent.outer.round_id == before + 1
+        assert agent.outer.outer_hash == theta_hash(agent.outer.theta)
+        assert not torch.equal(agent.outer.theta, theta_before)
         manifest, _ = await asyncio.wait_for(served, 30)
         assert manifest.round_id == before + 1
-        assert manifest.meta["outer_hash"] == agent.outer_hash
+        assert manifest.meta["outer_hash"] == agent.outer.outer_hash
 
     try:
         asyncio.run(scenario())
@@ -75,7 +77,7 @@ def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) ->
         release.set()
     assert threads == ["farloco-outer_0"]
     # The commit's thread runs its torch ops on as many threads as the event loop's.
-    executor = agent._outer_thread()
+    executor = agent.outer.thread()
     assert executor.submit(torch.get_num_threads).result() == torch.get_num_threads()
     executor.shutdown()
 
@@ -87,13 +89,17 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
     thread while the loop serves; a commit and an install (a fork healed, a catch-up) that come meanwhile wait
     for the copy, so the bytes served are the state the manifest names; then both go through in order."""
     agent, server, prepared, averaged = committable(tmp_path)
-    other = agent.outer.snapshot()
+    other = agent.outer.round.snapshot()
     other["theta"] += 0.5  # the state a donor of round 7 serves us
-    other_meta = {"round_id": 7, "run_hash": agent.run_hash}
-    before, hash_before, theta_before = agent.round_id, agent.outer_hash, agent.theta.clone()
+    other_meta = {"round_id": 7, "run_hash": agent.state.run_hash}
+    before, hash_before, theta_before = (
+        agent.outer.round_id,
+        agent.outer.outer_hash,
+        agent.outer.theta.clone(),
+    )
 
     in_thread, release = threading.Event(), threading.Event()
-    snapshot = agent.outer.snapshot
+    snapshot = agent.outer.round.snapshot
     threads: list[str] = []
 
     def held_snapshot() -> dict[str, torch.Tensor]:
@@ -102,9 +108,9 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
         assert release.wait(30)
         return snapshot()
 
-    agent.outer.snapshot = held_snapshot  # type: ignore[method-assign]
+    agent.outer.round.snapshot = held_snapshot  # type: ignore[method-assign]
     order: list[str] = []
-    commit, load_state = agent.outer.commit, agent._load_state
+    commit, load_state = agent.outer.round.commit, agent.outer.load_state
 
     def logged_commit(*args: Any) -> str:
         order.append("commit")
@@ -114,22 +120,24 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
         order.append("install")
         return load_state(*args)
 
-    agent.outer.commit = logged_commit  # type: ignore[method-assign]
-    agent._load_state = logged_load  # type: ignore[method-assign]
+    agent.outer.round.commit = logged_commit  # type: ignore[method-assign]
+    agent.outer.load_state = logged_load  # type: ignore[method-assign]
 
     async def scenario() -> None:
         served = asyncio.create_task(server.snapshot())
         while not in_thread.is_set():
             await asyncio.sleep(0.005)
-        committing = asyncio.create_task(agent._outer_commit(prepared, averaged))
-        installing = asyncio.create_task(agent._install(other_meta, other))
+        committing = asyncio.create_task(
+            agent.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
+        )
+        installing = asyncio.create_task(agent.outer.install(other_meta, other))
         ticks = 0
         for _ in range(5):
             await asyncio.sleep(0.01)  # the loop runs while the copy is under way
             ticks += 1
         assert ticks == 5 and not served.done()
         assert not committing.done() and not installing.done(), "the state changed under a donor's copy"
-        assert torch.equal(agent.theta, theta_before) and agent.round_id == before
+        assert torch.equal(agent.outer.theta, theta_before) and agent.outer.round_id == before
         release.set()
         manifest, raw = await asyncio.wait_for(served, 30)
         assert manifest.round_id == before and manifest.meta["outer_hash"] == hash_before
@@ -140,39 +148,45 @@ def test_the_served_state_is_copied_off_the_event_loop_and_nothing_changes_it_mi
         # The commit asked for the lock first, so it went first; the install ran after it (it may have finished
         # before this coroutine resumed from the commit, so the order is read from the thread, not the round id).
         assert order == ["commit", "install"]
-        assert agent.round_id == 7
-        assert torch.equal(agent.theta, other["theta"])
-        assert agent.outer_hash == theta_hash(other["theta"])
+        assert agent.outer.round_id == 7
+        assert torch.equal(agent.outer.theta, other["theta"])
+        assert agent.outer.outer_hash == theta_hash(other["theta"])
         again, _ = await server.snapshot()  # the installed state is what is served now
-        assert again.round_id == 7 and again.meta["outer_hash"] == agent.outer_hash
+        assert again.round_id == 7 and again.meta["outer_hash"] == agent.outer.outer_hash
 
     try:
         asyncio.run(scenario())
     finally:
         release.set()
     assert threads == ["farloco-outer_0", "farloco-outer_0"]  # the held copy, then the installed state's
-    agent._outer_thread().shutdown()
+    agent.outer.thread().shutdown()
 
 
 def test_an_install_that_fails_its_checks_changes_nothing(tmp_path: Path) -> None:
     agent = Agent(load_config(None, []), tmp_path / "node")
-    state = agent.outer.snapshot()
-    before, hash_before, theta_before = agent.round_id, agent.outer_hash, agent.theta.clone()
-    bad_shape = {**state, "theta": torch.zeros(agent.num_params + 1)}
-    with pytest.raises(AgentError, match=rf"expected theta float32\[{agent.num_params}\], got torch.float32"):
-        asyncio.run(agent._install({"round_id": 9, "run_hash": agent.run_hash}, bad_shape))
+    state = agent.outer.round.snapshot()
+    before, hash_before, theta_before = (
+        agent.outer.round_id,
+        agent.outer.outer_hash,
+        agent.outer.theta.clone(),
+    )
+    bad_shape = {**state, "theta": torch.zeros(agent.outer.num_params + 1)}
+    with pytest.raises(
+        AgentError, match=rf"expected theta float32\[{agent.outer.num_params}\], got torch.float32"
+    ):
+        asyncio.run(agent.outer.install({"round_id": 9, "run_hash": agent.state.run_hash}, bad_shape))
     nan_momentum = {
         **state,
         "strategy.momentum_buffer": torch.full_like(state["strategy.momentum_buffer"], 1.0),
     }
     nan_momentum["strategy.momentum_buffer"][-1] = float("nan")
     with pytest.raises(AgentError, match=r"donor state: .*momentum_buffer: expected only finite values"):
-        asyncio.run(agent._install({"round_id": 9, "run_hash": agent.run_hash}, nan_momentum))
-    assert not agent.strategy.state_dict()["momentum_buffer"].any()  # not half-installed either
+        asyncio.run(agent.outer.install({"round_id": 9, "run_hash": agent.state.run_hash}, nan_momentum))
+    assert not agent.outer.strategy.state_dict()["momentum_buffer"].any()  # not half-installed either
     with pytest.raises(AgentError, match="donor serves another run"):
         asyncio.run(
-            agent._install({"round_id": 9, "run_hash": "0" * 64}, {**state, "theta": state["theta"] + 1})
+            agent.outer.install({"round_id": 9, "run_hash": "0" * 64}, {**state, "theta": state["theta"] + 1})
         )
-    assert agent.round_id == before and agent.outer_hash == hash_before
-    assert torch.equal(agent.theta, theta_before)
-    agent._outer_thread().shutdown()
+    assert agent.outer.round_id == before and agent.outer.outer_hash == hash_before
+    assert torch.equal(agent.outer.theta, theta_before)
+    agent.outer.thread().shutdown()

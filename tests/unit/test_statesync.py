@@ -522,9 +522,9 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
     from farloco.node.daemon.agent import Agent
 
     agent = Agent(load_config(None, []), tmp_path / "joiner")
-    honest = agent.outer.snapshot()
+    honest = agent.outer.round.snapshot()
     honest["theta"] += 0.25  # the swarm's theta, a few rounds on
-    meta = {"round_id": 5, "run_hash": agent.run_hash}
+    meta = {"round_id": 5, "run_hash": agent.state.run_hash}
     nan_momentum = {**honest, "strategy.momentum_buffer": honest["strategy.momentum_buffer"].clone()}
     nan_momentum["strategy.momentum_buffer"][123] = float("nan")
     wrong_layout = {**honest, "strategy.momentum_buffer": torch.zeros(7)}
@@ -547,8 +547,8 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
                     timeout=30,
                     vouched={5: {theta_hash}},
                     on_refused=lambda *r: refused.append(r),
-                    layout=agent._state_layout(),
-                    check=agent._state_problem,
+                    layout=agent.outer.state_layout(),
+                    check=agent.outer.state_problem,
                 )
             assert [(d, reason) for d, reason, _ in refused] == [
                 (layout_addr, "WRONG_LAYOUT"),
@@ -565,17 +565,17 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
                 timeout=30,
                 vouched={5: {theta_hash}},
                 on_refused=lambda *r: refused.append(r),
-                layout=agent._state_layout(),
-                check=agent._state_problem,
+                layout=agent.outer.state_layout(),
+                check=agent.outer.state_problem,
             )
             assert {reason for _, reason, _ in refused} == {"WRONG_LAYOUT", "BAD_STATE_VALUES"}
             assert_same(got, honest)
-            await agent._install(got_meta, got)
-            assert agent.round_id == 5 and agent.outer_hash == theta_hash
+            await agent.outer.install(got_meta, got)
+            assert agent.outer.round_id == 5 and agent.outer.outer_hash == theta_hash
         finally:
             await client.close()
             for server, _, _ in servers:
                 await server.stop(0)
 
     run(body)
-    agent._outer_thread().shutdown()
+    agent.outer.thread().shutdown()

@@ -97,12 +97,12 @@ def committed_rounds(agent: Agent, num_rounds: int) -> None:
     """Drive `num_rounds` solo rounds through the strategy as `Agent._round` does (no network needed)."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(num_rounds):
-        theta_local = agent.theta + 1e-3 * torch.randn(agent.theta.shape, generator=generator)
+        theta_local = agent.outer.theta + 1e-3 * torch.randn(agent.outer.theta.shape, generator=generator)
         contribution = agent.outer.contribution(theta_local)
-        transmitted = agent.codec.decode(agent.codec.encode(contribution))
-        agent.outer_hash = agent.outer.commit(contribution, transmitted, transmitted)
-        agent.round_id += 1
-    assert agent.outer_hash == theta_hash(agent.theta)
+        transmitted = agent.outer.codec.decode(agent.outer.codec.encode(contribution))
+        agent.outer.outer_hash = agent.outer.round.commit(contribution, transmitted, transmitted)
+        agent.outer.round_id += 1
+    assert agent.outer.outer_hash == theta_hash(agent.outer.theta)
 
 
 def test_joiner_and_resumed_node_sync_the_same_fragment(tmp_path: Path) -> None:
@@ -111,28 +111,32 @@ def test_joiner_and_resumed_node_sync_the_same_fragment(tmp_path: Path) -> None:
     )
     donor = Agent(config, tmp_path / "donor")
     committed_rounds(donor, 5)
-    expected = donor.strategy.current_fragment()
-    assert expected == donor.strategy.fragments[5 % 3]
+    expected = donor.outer.strategy.current_fragment()
+    assert expected == donor.outer.strategy.fragments[5 % 3]
 
     # a joiner installs what a donor serves over state sync
     joiner = Agent(config, tmp_path / "joiner")
-    assert joiner.strategy.current_fragment() == joiner.strategy.fragments[0]
-    meta, tensors = asyncio.run(donor._state_snapshot())
-    asyncio.run(joiner._install(meta, tensors))
-    assert joiner.strategy.current_fragment() == expected
-    assert joiner.outer_hash == donor.outer_hash
-    assert torch.equal(joiner.strategy.residual, donor.strategy.residual)
+    assert joiner.outer.strategy.current_fragment() == joiner.outer.strategy.fragments[0]
+    meta, tensors = asyncio.run(donor.outer.snapshot())
+    asyncio.run(joiner.outer.install(meta, tensors))
+    assert joiner.outer.strategy.current_fragment() == expected
+    assert joiner.outer.outer_hash == donor.outer.outer_hash
+    assert torch.equal(joiner.outer.strategy.residual, donor.outer.strategy.residual)
 
     # a node restarted on its run directory resumes the same schedule from its checkpoint
     resumed_dir = tmp_path / "resumed"
     root = checkpoints_dir(resumed_dir)
-    save_checkpoint(root, donor.round_id, tensors, {"run_hash": donor.run_hash, "inner_step": "0"})
-    assert load_checkpoint(root / checkpoint_name(donor.round_id))[0]["round_id"] == str(donor.round_id)
+    save_checkpoint(
+        root, donor.outer.round_id, tensors, {"run_hash": donor.state.run_hash, "inner_step": "0"}
+    )
+    assert load_checkpoint(root / checkpoint_name(donor.outer.round_id))[0]["round_id"] == str(
+        donor.outer.round_id
+    )
     resumed = Agent(config, resumed_dir)
-    asyncio.run(resumed._resume_from_checkpoint())
-    assert resumed.round_id == 5
-    assert resumed.strategy.current_fragment() == expected
-    assert torch.equal(resumed.theta, donor.theta)
+    asyncio.run(resumed.checkpoints.resume())
+    assert resumed.outer.round_id == 5
+    assert resumed.outer.strategy.current_fragment() == expected
+    assert torch.equal(resumed.outer.theta, donor.outer.theta)
 
 
 def test_outer_update_is_checked_at_config_load() -> None:
