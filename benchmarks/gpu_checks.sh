@@ -94,7 +94,7 @@ throughput() {  # NAME TIMEOUT ROUNDS PRESET...
 stage_tests() {
     say "tests marked gpu"
     rm -rf /tmp/pt
-    if ! timeout -s INT -k 10 $(limit 220) $PY -m pytest -m gpu tests/test_parallel.py tests/test_swarm.py tests/test_island.py -v -rs \
+    if ! timeout -s INT -k 10 $(limit 220) $PY -m pytest -m gpu tests/integration/test_parallel_ranks.py tests/integration/test_swarm.py tests/integration/test_island.py -v -rs \
         --timeout 200 --basetemp /tmp/pt -p no:cacheprovider >>"$LOG" 2>&1; then
         say "tests failed"
         tails /tmp/pt

@@ -9,7 +9,7 @@ without the C kernels) and with the C kernels (one pass, no GIL held), on 1..N o
 
 Each figure is the median of `--repeats` passes, after one that is not counted, over buffers written once before
 (resident, no page faults).
-Both paths give the same bits (tests/test_kernels.py); `x torch` is the torch path's time over the kernel's at
+Both paths give the same bits (tests/unit/test_kernels.py); `x torch` is the torch path's time over the kernel's at
 the same thread count.
 """
 

@@ -4,8 +4,8 @@
 
 Import the JSON in Grafana (Dashboards -> New -> Import) and pick the Prometheus data source that scrapes the
 nodes' control endpoints (`http://NODE:CONTROL_PORT/metrics`; OPERATORS.md). Every series is per node
-(`instance`); the `instance` variable filters them. tests/test_deploy.py checks that every query names a metric
-the daemon exports and that the file is what this script writes.
+(`instance`); the `instance` variable filters them. tests/unit/test_grafana.py checks that every query names a
+metric the daemon exports and that the file is what this script writes.
 """
 
 from __future__ import annotations
