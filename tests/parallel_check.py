@@ -1,4 +1,5 @@
-"""Worker of tests/test_parallel.py: the trainer's layouts against a plain single-process model, on real gloo ranks.
+"""Worker of tests/integration/test_parallel_ranks.py: the trainer's layouts against a plain single-process
+model, on real gloo ranks.
 
 Run as `python tests/parallel_check.py WORLD TP [cpu|cuda] [RUN_MODEL [CHECK,...]]` (it spawns WORLD ranks: gloo on
 cpu, NCCL on cuda). Each rank builds the built-in tiny model (or RUN_MODEL: an HF config.json or an entry point),

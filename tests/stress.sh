@@ -54,7 +54,7 @@ for i in $(seq 1 "$runs"); do
   say ""
   say "run $i: exit $code in ${seconds}s, load $(cut -d' ' -f1-3 /proc/loadavg): ${result:-no summary line}"
   say "  slowest:"
-  # pytest's durations table: "12.34s call     tests/test_x.py::test_y"
+  # pytest's durations table: "12.34s call     tests/unit/test_x.py::test_y"
   grep -E '^[0-9.]+s (setup|call|teardown) ' "$log" | head -n 10 | sed 's/^/    /' | tee -a "$summary"
   over=$(grep -E '^[0-9.]+s (setup|call|teardown) ' "$log" | awk -v limit="$limit" '$1 + 0 > limit')
   if [ -n "$over" ]; then
