@@ -12,7 +12,7 @@ with the run's codec like any valid update (what `FARLOCO_FAULTS=byzantine=ATTAC
 - ``noise``: random noise, std 100;
 - ``stale``: its update of the round before (its first round: its own).
 
-Aggregation follows the daemon's exchange (protocol/exchange.py): the flat vector is cut into k contiguous parts
+Aggregation follows the daemon's exchange (protocol/exchange/): the flat vector is cut into k contiguous parts
 (one per member) and each part into chunks of 262144 values (`chunk_bytes` 1 MiB), and the chunk's owner applies
 `run.aggregator` to every member's decoded copy of the chunk, in member order: the plain mean (the control),
 coordinate-wise trimmed mean, coordinate median, norm clipping, CenteredClip (farloco.optim.aggregate); for the

@@ -1,4 +1,4 @@
-"""What the exchange's codec threads buy (protocol/exchange.py, Threads): the same exchange with its codec work on
+"""What the exchange's codec threads buy (protocol/exchange/codecpool.py): the same exchange with its codec work on
 the event loop (0 threads) and on 1, 2, ... threads per member.
 
     python benchmarks/codec_threads.py                        # 2 members x 256 MiB, int8, 0/1/2 threads

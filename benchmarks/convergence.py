@@ -5,7 +5,7 @@ built-in model with its own AdamW and its own disjoint `BatchSampler` slot of th
 seq_len 128). Outer rounds use the real `farloco.optim` objects the way the agent does: every worker has its own
 strategy (its own error-feedback state) and its own copy of theta_outer; per round each worker makes its
 contribution and encodes it, everyone decodes every payload, `mean_of` averages in worker order, and each worker
-proposes/applies/commits and merges. Dense codecs go through the codec twice like in `protocol/exchange.py` (the
+proposes/applies/commits and merges. Dense codecs go through the codec twice like in `protocol/exchange/` (the
 part owner re-encodes the mean); sparse ones are all-gathered.
 
 Bytes sent per worker are the real payload sizes in the daemon's exchange pattern: dense codecs reduce-scatter +

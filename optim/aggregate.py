@@ -155,8 +155,8 @@ def byzantine_update(kind: str, update: torch.Tensor, stale: torch.Tensor | None
 
 
 class Aggregator:
-    """`aggregate(name, ...)` as a callable the exchange takes (protocol/exchange.py `RobustRule`): the chunk owner
-    calls it on every member's decoded copy of a chunk, in member order."""
+    """`aggregate(name, ...)` as a callable the exchange takes (protocol/exchange/api.py `RobustRule`): the chunk
+    owner calls it on every member's decoded copy of a chunk, in member order."""
 
     def __init__(self, name: str) -> None:
         if name not in AGGREGATORS:

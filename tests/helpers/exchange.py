@@ -19,15 +19,21 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from farloco.node.faults.wrappers import CorruptingClient
 from farloco.protocol.auth import Authenticator
-from farloco.protocol.exchange import Exchange, ExchangeAborted
+from farloco.protocol.exchange import PUSH_METHOD, Exchange, ExchangeAborted
+from farloco.protocol.exchange import owner as owner_module
+from farloco.protocol.exchange import push as push_module
 from farloco.protocol.rpc import RpcClient, RpcServer
 from farloco.protocol.types import Group, GroupMember
+
+if TYPE_CHECKING:
+    import pytest
 
 
 class Fp32Codec:
@@ -171,22 +177,31 @@ def tolerance(codec: str, tensors: list[torch.Tensor]) -> float:
 
 class Node:
     """One exchange member. `plane`: "tcp" streams on the TCP data plane (the daemon's default), "grpc" keeps
-    them on gRPC; subprocess workers take it from EXCHANGE_TEST_PLANE."""
+    them on gRPC; subprocess workers take it from EXCHANGE_TEST_PLANE. `corrupting`: the exchange pushes
+    through `self.corrupting` (node/faults/wrappers.py), whose `arm(round_id, mode)` corrupts that round's
+    payloads (the chaos fault `corrupt=MODE@exchange`)."""
 
     def __init__(
-        self, peer_id: str, plane: str | None = None, lanes: int = 1, slices: int = 0, codec_threads: int = 1
+        self,
+        peer_id: str,
+        plane: str | None = None,
+        lanes: int = 1,
+        slices: int = 0,
+        codec_threads: int = 1,
+        corrupting: bool = False,
     ) -> None:
         auth = Authenticator(RUN, SECRET, peer_id)
         self.peer_id = peer_id
         plane = plane or os.environ.get("EXCHANGE_TEST_PLANE", "tcp")
         self.server = RpcServer(auth, data_port=0 if plane == "tcp" else None)
         self.client = RpcClient(auth)
+        self.corrupting = CorruptingClient(self.client, PUSH_METHOD) if corrupting else None
         # Subprocess workers: the peers whose membership record "expired" (EXCHANGE_TEST_GONE), as the agent's
         # view of the DHT would say once a frozen member stopped heartbeating.
         gone = set(filter(None, os.environ.get("EXCHANGE_TEST_GONE", "").split(",")))
         self.exchange = Exchange(
             self.server,
-            self.client,
+            self.corrupting or self.client,
             peer_id,
             chunk_bytes=CHUNK,
             streams_per_peer=lanes,
@@ -207,13 +222,33 @@ class Node:
 
 
 async def start_nodes(
-    count: int, plane: str | None = None, lanes: Sequence[int] = (), codec_threads: int = 1
+    count: int,
+    plane: str | None = None,
+    lanes: Sequence[int] = (),
+    codec_threads: int = 1,
+    corrupting: Sequence[int] = (),
 ) -> tuple[list[Node], Group]:
+    """`count` members on servers of their own, grouped for round 11; those in `corrupting` push through a
+    CorruptingClient (see Node)."""
     nodes = [
-        Node(f"peer-{i}", plane, lanes[i] if lanes else 1, codec_threads=codec_threads) for i in range(count)
+        Node(
+            f"peer-{i}",
+            plane,
+            lanes[i] if lanes else 1,
+            codec_threads=codec_threads,
+            corrupting=i in corrupting,
+        )
+        for i in range(count)
     ]
     members = [await node.start() for node in nodes]
     return nodes, Group.make(11, members)
+
+
+def skip_own_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's members skip the check that stops an honest node from sending its own NaN/Inf (as a buggy or
+    hostile peer would): on the way out (push.py) and into its own part's mean (owner.py)."""
+    for module in (push_module, owner_module):
+        monkeypatch.setattr(module, "own_chunk_error", lambda codec, chunk, offset: None)
 
 
 def run(coro: Any) -> Any:

@@ -21,6 +21,7 @@ from helpers.exchange import (
     TopKCodec,
     make_input,
     run,
+    skip_own_check,
     start_nodes,
     tolerance,
 )
@@ -178,8 +179,9 @@ def test_a_member_whose_chunks_go_out_corrupted_is_refused_or_outvoted(mode: str
     from farloco.optim import Aggregator
 
     async def body() -> None:
-        nodes, group = await start_nodes(3)
-        nodes[1].exchange.corrupt_rounds[group.round_id] = mode
+        nodes, group = await start_nodes(3, corrupting=[1])
+        assert nodes[1].corrupting is not None
+        nodes[1].corrupting.arm(group.round_id, mode)
         inputs = [make_input(i, 50_000) for i in range(3)]
         rule = Aggregator("median") if mode == "huge" else None
         try:
@@ -260,9 +262,7 @@ def test_raw_path_own_nonfinite_input_excludes_itself() -> None:
 def test_raw_path_blames_a_member_that_sends_nonfinite_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """peer-1 skips its own check (as a buggy or hostile peer would) and sends NaN into peer-0's part: the
     owner refuses the chunk, blames peer-1, and the retry goes on without it."""
-    import farloco.protocol.exchange as exchange_module
-
-    monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
+    skip_own_check(monkeypatch)
 
     async def body() -> None:
         nodes, group = await start_nodes(2)
@@ -343,9 +343,7 @@ def test_nan_insider_in_a_group_of_three_never_splits_the_round(
     owners hit, the majority names it and peer-0 and peer-1 average without it; with one owner hit there is one
     report, which may come from a liar, and everyone aborts alike. Never a split, never a mean with the
     insider's data."""
-    import farloco.protocol.exchange as exchange_module
-
-    monkeypatch.setattr(exchange_module, "_own_chunk_error", lambda codec, chunk, offset: None)
+    skip_own_check(monkeypatch)
 
     async def body() -> None:
         nodes, group = await start_nodes(3, lanes=[2, 3, 3])  # the NaN comes by one lane of several
@@ -388,25 +386,26 @@ def test_nan_insider_in_a_group_of_three_never_splits_the_round(
 
 
 def test_exclusion_rule_needs_a_majority() -> None:
-    from farloco.protocol.exchange import _excluded
+    from farloco.protocol.exchange.vote import excluded
+    from farloco.protocol.exchange.wire import Vote
 
     members = [GroupMember(f"p{i}", f"127.0.0.1:{i + 1}") for i in range(4)]
 
-    def vote(bad: list[str], n: int = 10) -> dict[str, Any]:
-        return {"ok": False, "bad": bad, "n": n, "c": "fp32"}
+    def vote(bad: list[str], n: int = 10) -> Vote:
+        return Vote(ok=False, bad=tuple(bad), numel=n, codec="fp32")
 
     # A strict majority of the others names p3: only p3 goes.
     votes = {"p0": vote(["p3"]), "p1": vote(["p3"]), "p2": vote([]), "p3": vote([])}
-    assert _excluded(members, votes) == {"p3"}
+    assert excluded(members, votes) == {"p3"}
     # One accusation, no majority: nobody can tell a true report from a lie, nobody goes.
     votes = {"p0": vote(["p3"]), "p1": vote([]), "p2": vote([]), "p3": vote([])}
-    assert _excluded(members, votes) == set()
+    assert excluded(members, votes) == set()
     # A member whose tensor has another size than the majority's goes, whatever it reports of others.
     votes = {"p0": vote([]), "p1": vote([]), "p2": vote([]), "p3": vote(["p0"], n=11)}
-    assert _excluded(members, votes) == {"p3"}
+    assert excluded(members, votes) == {"p3"}
     # Self-reports (our own NaN) drop only ourselves.
     votes = {"p0": vote([]), "p1": vote(["p1"]), "p2": vote([]), "p3": vote([])}
-    assert _excluded(members, votes) == {"p1"}
+    assert excluded(members, votes) == {"p1"}
 
 
 def test_raw_and_codec_fp32_members_refuse_each_other() -> None:
@@ -530,7 +529,7 @@ def test_wrong_group_id_refused() -> None:
                 intruder.exchange.average(wrong, make_input(5, 5000), Fp32Codec(), timeout=20)
             )
             # Wait until its stream is parked at peer-0, waiting for peer-0 to start that (wrong) group.
-            while not any(not a.started.is_set() for a in nodes[0].exchange._attempts.values()):
+            while not any(not a.started.is_set() for a in nodes[0].exchange.attempts.values()):
                 await asyncio.sleep(0.01)
             inputs = [make_input(i, 5000) for i in range(2)]
             results = await asyncio.gather(

@@ -1,4 +1,4 @@
-"""The exchange's codec work on its own threads (protocol/exchange.py, Threads): the same bits as on the event
+"""The exchange's codec work on its own threads (protocol/exchange/codecpool.py): the same bits as on the event
 loop, an event loop that keeps answering while a chunk is coded, and no job of an abandoned attempt that writes
 after `average` returned. Real RpcServers on 127.0.0.1."""
 
@@ -198,8 +198,9 @@ def test_a_member_whose_coded_chunks_do_not_decode_is_named_by_every_owner(mode:
     without it and agree, bit for bit; peer-1 is told it was excluded. Decoded on the loop or on threads alike."""
 
     async def body() -> None:
-        nodes, group = await start_nodes(3, codec_threads=threads)
-        nodes[1].exchange.corrupt_rounds[group.round_id] = mode
+        nodes, group = await start_nodes(3, codec_threads=threads, corrupting=[1])
+        assert nodes[1].corrupting is not None
+        nodes[1].corrupting.arm(group.round_id, mode)
         inputs = [make_input(i, 120_000) for i in range(3)]
         try:
             outcomes = await asyncio.gather(

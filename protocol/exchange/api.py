@@ -1,0 +1,84 @@
+"""What the exchange takes (`TensorCodec`, `RobustRule`) and what `Exchange.average` gives back (`AverageResult`)
+or raises (`ExchangeAborted`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class TensorCodec(Protocol):
+    """What farloco.optim codecs look like (structural typing: protocol never imports optim).
+
+    A codec may also carry `lossless = True` (decode(encode(x)) is x, bit for bit, e.g. plain fp32); the
+    exchange then skips the decode(encode(.)) round trips that would only copy.
+
+    A dense codec may further carry `raw_float32 = True`: its payload says nothing but the finite float32
+    values themselves (farloco.optim's fp32). The exchange then never calls encode/decode: it sends each chunk
+    as raw little-endian float32 bytes straight from the tensor, sums straight from the received buffers and
+    checks finiteness itself (one pass over each reduced chunk and each received mean). There is no per-chunk
+    CRC on that path: gRPC over TCP (and TLS, when configured) already guards the bytes in flight, and the
+    codec's own CRC stays on every payload that is stored or crosses other paths.
+
+    Optional and used when present: `encode_decoded(tensor) -> (bytes, tensor)`, equal to
+    `(encode(t), decode(encode(t)))` but cheaper (farloco.optim codecs have it). A codec that says
+    `optional_checksum = True` (farloco.optim's) takes `checksum=False` and `out=` in `encode`, `encode_decoded`
+    and `decode`: chunks then travel without the codec's CRC (the transport guards them, as it guards raw fp32
+    chunks) and decoded values are written straight into the result instead of a fresh tensor and a copy.
+    """
+
+    name: str
+    dense: bool
+
+    def encode(self, tensor: torch.Tensor) -> bytes: ...
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor: ...
+
+
+class RobustRule(Protocol):
+    """A robust aggregation rule (farloco.optim's `Aggregator`): replaces the weighted mean where a minority of
+    members may send wrong-but-valid data. Called by a dense chunk's owner on every member's decoded copy of the
+    chunk (sparse codecs: by every member on every decoded payload), in member (sorted peer id) order; must be
+    deterministic. Its `name` travels in every hello: members of one group must use the same rule."""
+
+    name: str
+
+    def __call__(self, decoded: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+
+@dataclass
+class AverageResult:
+    """The outcome of one successful exchange."""
+
+    averaged: torch.Tensor  # fp32 mean over `contributors`, bit-identical on every member that returns
+    # What this node's own contribution became on the wire (for error feedback). For a lossless codec it is
+    # the (flattened) input tensor itself, not a copy.
+    transmitted: torch.Tensor
+    contributors: tuple[str, ...]  # peer ids whose contribution is in the mean (sorted)
+    # Bytes of farloco frames (headers and payloads) this member sent and received over every attempt,
+    # failed ones included; the transport's own framing (HTTP/2, TCP/IP, a data-plane preamble) is not counted.
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    # What a dense fp32 all-reduce of the same work would have sent from this member: 4 bytes per value sent
+    # (dense codecs: the chunks pushed and the means returned; sparse codecs: the ring all-reduce's
+    # 2(k-1)/k * 4 bytes per value of each attempt, pro rata of the payload sent). Raw fp32 sends 4 bytes per
+    # value plus frame headers, so bytes_sent >= fp32_bytes for it: its compression ratio never exceeds 1.
+    fp32_bytes: int = 0
+
+
+class ExchangeAborted(Exception):
+    """The round cannot produce a mean that is consistent across the survivors.
+
+    Carries the bytes the failed attempts moved anyway (same meaning as AverageResult's fields)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"exchange aborted, reason={reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.fp32_bytes = 0

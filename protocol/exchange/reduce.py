@@ -1,0 +1,152 @@
+"""The arithmetic of the exchange, as codec jobs (codecpool.py) run it: our contribution encoded, an owner's chunk
+reduced to its mean, the sparse mean, a group of one.
+
+An owner sums the contributions present on a chunk in fp32 in member (= sorted peer id) order, weighted, and
+scales by 1/total weight (two members of equal weight: one lerp pass), then re-encodes with the same codec; everyone
+(the owner too) uses decode(those bytes), so the result is bit-identical on every member. Codecs that say
+`raw_float32` (farloco.optim's fp32) skip the codec altogether: chunks travel as raw float32 bytes, the owner sums
+straight from the received buffers and sends the mean's own bytes, which everyone copies as is. A robust rule
+(`RobustRule`) takes the place of the weighted mean where the group chose one.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from typing import Any, NoReturn
+
+import torch
+
+from farloco.protocol.exchange.api import RobustRule
+from farloco.protocol.exchange.attempt import Attempt
+from farloco.protocol.exchange.codec import all_finite, decode, encode, encode_decoded, raw_bytes
+from farloco.protocol.exchange.wire import Blamed
+
+
+def encode_chunk(attempt: Attempt, a: int, b: int) -> bytes:
+    """Our contribution's chunk [a, b) for the wire (lossy codecs: what the others decode of it into
+    `transmitted`)."""
+    if attempt.lossless:
+        return encode(attempt.codec, attempt.flat[a:b], attempt.fast)
+    return encode_decoded(attempt.codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[0]
+
+
+class OwnChunkError(Exception):
+    """Our own chunk could not be encoded (NaN/Inf in our contribution): `error` is the codec's."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# In an owner's contributions to a chunk: ours, to be encoded and decoded by the reduction's job (a lossy codec).
+OWN_CHUNK = Marker("OWN_CHUNK")
+# What `chunk_mean` returns when a member's contribution did not decode (refused where it was decoded).
+UNDECODABLE = Marker("UNDECODABLE")
+
+
+def chunk_mean(
+    attempt: Attempt, a: int, b: int, contributions: list[Any], weights: list[float]
+) -> bytes | memoryview | Marker | None:
+    """An owner's chunk [a, b): the contributions present (in member order: a tensor, OWN_CHUNK, or a decode's
+    job, waited for here: it was submitted before this job, so it ran first or runs now) reduced, the mean ready for
+    the wire (and, lossy or lossless, what everyone decodes of it in the result). None: a raw chunk is not finite
+    (the caller finds whose it was); UNDECODABLE: a contribution was refused."""
+    codec = attempt.codec
+    inputs: list[torch.Tensor] = []
+    for contribution in contributions:
+        if contribution is OWN_CHUNK:
+            try:
+                inputs.append(
+                    encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
+                )
+            except Exception as exc:
+                raise OwnChunkError(exc) from None
+        elif isinstance(contribution, Future):
+            if contribution.cancelled() or contribution.exception() is not None:
+                return UNDECODABLE
+            inputs.append(contribution.result())
+        else:
+            inputs.append(contribution)
+    # Lossless codecs: the mean is the result itself, so it is summed straight into place.
+    total = attempt.result[a:b] if attempt.lossless else torch.empty(b - a, dtype=torch.float32)
+    if attempt.rule is not None:
+        # A robust rule instead of the mean (contributions in member order, unweighted). A NaN need not reach its
+        # result (a median skips it), so every raw contribution is checked here first.
+        if attempt.raw and not all(all_finite(c) for c in inputs):
+            return None
+        total.copy_(attempt.rule(inputs))
+    else:
+        terms = [c if w == 1.0 else c * w for c, w in zip(inputs, weights, strict=True)]
+        if len(terms) == 1:
+            total.copy_(inputs[0])  # the weighted mean of one contribution is itself
+        elif len(terms) == 2 and weights[0] == weights[1]:
+            # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
+            # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
+            torch.lerp(terms[0], terms[1], 0.5, out=total)
+        else:
+            torch.add(terms[0], terms[1], out=total)
+            for term in terms[2:]:
+                total.add_(term)
+            total.mul_(1.0 / math.fsum(weights))
+    if attempt.raw:
+        # One finiteness pass over the mean covers every contribution (NaN/Inf propagate through the sum).
+        return raw_bytes(total) if all_finite(total) else None
+    if attempt.lossless:
+        return encode(codec, total, attempt.fast)
+    return encode_decoded(codec, total, attempt.fast, attempt.result[a:b])[0]
+
+
+def sparse_mean(
+    rule: RobustRule | None, decoded: list[torch.Tensor], weights: list[float], total: torch.Tensor
+) -> None:
+    """Every member's decoded payload, in member order, reduced into `total`."""
+    if rule is not None:
+        # Every member applies the rule to every payload, in member order: a rule whose arithmetic could differ
+        # between machines (a norm's reduction) must not be used with sparse codecs (the agent refuses it).
+        total.copy_(rule(decoded))
+        return
+    for index, (values, weight) in enumerate(zip(decoded, weights, strict=True)):
+        term = values if weight == 1.0 else values * weight
+        if index == 0:
+            total.copy_(term)
+        else:
+            total.add_(term)
+    total.div_(math.fsum(weights))
+
+
+def reduce_alone(attempt: Attempt) -> None:
+    """A dense group of one (all others dropped): the mean is our own contribution, through the codec twice like
+    every owner's mean."""
+    codec = attempt.codec
+    for a, b in attempt.plan.chunks(0):
+        if not attempt.covers(a, b):
+            continue
+        own = encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
+        encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
+
+
+def encode_sparse(attempt: Attempt) -> bytes:
+    """Our sparse payload, and what the others will decode of it in `transmitted`."""
+    payload = encode(attempt.codec, attempt.flat, attempt.fast)
+    decode(attempt.codec, payload, attempt.plan.numel, "own payload", attempt.fast, attempt.transmitted)
+    return payload
+
+
+def blame_nonfinite(member_ids: list[str], contributions: dict[int, torch.Tensor | None]) -> NoReturn:
+    """A reduced raw chunk is not finite: reject the first member whose contribution carries NaN/Inf."""
+    for index in sorted(contributions):
+        contribution = contributions[index]
+        if contribution is not None and not all_finite(contribution):
+            culprit = member_ids[index]
+            raise Blamed(culprit, "BAD_PAYLOAD", f"contribution of {culprit}: expected finite float32")
+    # Every input finite but the weighted sum overflowed float32: nobody lied.
+    raise Blamed(None, "OVERFLOW", "the weighted mean of finite contributions overflowed float32")
