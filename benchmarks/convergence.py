@@ -572,7 +572,7 @@ class Bench:
                 self._reported(result, step)
 
     def _run_overlapped(self, result: RunResult) -> None:
-        """The daemon's `run.outer_update = delayed | eager` (node/daemon/agent.py `_overlapped_loop`): at a sync point
+        """The daemon's `run.outer_update = delayed | eager` (node/daemon/rounds.py `RoundRunner._overlapped_loop`): at a sync point
         each worker's contribution is measured from the weights its inner phase started from, the round in
         flight (the previous one) lands on theta_outer, and the next inner phase starts at once from theta_outer
         (delayed) or from theta_outer plus the worker's preview of its own fresh contribution (eager:

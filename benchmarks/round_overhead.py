@@ -5,7 +5,7 @@ parameter, with a plain memcpy of the same bytes in the same process as the yard
     python benchmarks/round_overhead.py --params 128e6 --strategy diloco --codec int8 --rounds 5
 
 What runs is the agent's own code (farloco.node.daemon.outer.OuterRound, the hand-off, the strategy and codec), on a
-flat theta of `--params` float32 values; the network is left out. Each round, as `Agent._round` does it:
+flat theta of `--params` float32 values; the network is left out. Each round, as `RoundRunner._round` does it:
 
 - `read`: the ranks' weights from the shared-memory hand-off (a view; a copy for streaming-diloco, whose ranks
   train on during the exchange);

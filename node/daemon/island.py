@@ -25,7 +25,7 @@ One round r of an island of k nodes (`Island.reduce`, then `Island.gather`):
 The group lives in one thread of the agent (`farloco-island`), which also re-forms it between rounds when the
 rendezvous has nodes waiting, or after a failure: rounds never wait for a rendezvous (a node whose island is
 re-forming exchanges alone). Weights: a node's island weight is the sum of its members' weights, so the swarm's
-weighted mean is the mean over nodes whatever the island layout (ALGORITHMS.md, Hierarchical all-reduce).
+weighted mean is the mean over nodes whatever the island layout (a hierarchical all-reduce: the island reduces first, the swarm second).
 """
 
 from __future__ import annotations

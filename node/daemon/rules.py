@@ -1,9 +1,9 @@
 """What a round does next, as a pure function of what happened in it so far: no sockets, no clocks, no state.
 
-`Agent._round` runs the round's phases (matchmaking, the hash check, the exchange), records each one's outcome in
+`RoundRunner._round` (node/daemon/rounds.py) runs the round's phases (matchmaking, the hash check, the exchange), records each one's outcome in
 a `RoundFacts`, and after each phase asks `decide` whether to go on, and if not, how the round closes: commit the
 outer step, abort it (theta_outer stays, the residual is kept), catch up with the swarm's state at the next
-round boundary, or close the round without an update. The agent then enacts the decision (`Agent._close`).
+round boundary, or close the round without an update. The round runner then enacts the decision (`RoundRunner._close`).
 Every rule the round follows is here, tested on its own (tests/test_round_rules.py) as membership and
 matchmaking are; the agent holds the I/O.
 

@@ -398,7 +398,7 @@ def test_a_second_node_on_a_run_directory_in_use_is_refused_naming_the_first(tmp
 
 
 def test_the_slot_a_node_asks_for_is_its_checkpoints_else_node_data_slot(tmp_path: Path) -> None:
-    """`_saved_slot`, the slot a joining node's first claim asks for: a resumed node keeps its checkpoint's slot;
+    """`Checkpoints.saved_slot`, the slot a joining node's first claim asks for: a resumed node keeps its checkpoint's slot;
     one without a checkpoint of the run asks for node.data_slot (-1: any, the lowest free one)."""
     import torch
 

@@ -517,7 +517,7 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
     """The swarm vouches for theta only. A donor serving the vouched theta beside a strategy state of another
     layout is refused before a byte is fetched (WRONG_LAYOUT); one serving it beside a NaN momentum under a
     manifest consistent with it is refused once the bytes verify (BAD_STATE_VALUES), and the honest donor's
-    state is fetched and installed. Checked with a real agent's layout and checks (what `_sync_from` passes)."""
+    state is fetched and installed. Checked with a real agent's layout and checks (what `Swarm.sync_from` passes)."""
     from farloco.node.config import load_config
     from farloco.node.daemon.agent import Agent
 

@@ -94,7 +94,7 @@ def test_demo_command_picks_the_strategys_defaults_unless_given() -> None:
 
 # ---- the fragment schedule travels with the state ------------------------------------------------------------
 def committed_rounds(agent: Agent, num_rounds: int) -> None:
-    """Drive `num_rounds` solo rounds through the strategy as `Agent._round` does (no network needed)."""
+    """Drive `num_rounds` solo rounds through the strategy as `RoundRunner._round` does (no network needed)."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(num_rounds):
         theta_local = agent.outer.theta + 1e-3 * torch.randn(agent.outer.theta.shape, generator=generator)
