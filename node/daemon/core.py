@@ -41,6 +41,8 @@ from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
 
 if TYPE_CHECKING:
+    from hivemind import DHT
+
     from farloco.node.daemon.island import Island
     from farloco.node.faults.injector import FaultInjector
     from farloco.protocol.exchange import Exchange
@@ -206,7 +208,7 @@ class Network:
     the round runner talk through. `dht` is hivemind's DHT (or the fault injector's wrapper of it), `exchange`
     the exchange (or its wrapper), `island` the node's island when node.island names one."""
 
-    dht: Any
+    dht: DHT
     server: RpcServer
     client: RpcClient
     exchange: Exchange
