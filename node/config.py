@@ -702,7 +702,7 @@ def run_section(config: Config | RunConfig) -> dict[str, SCALAR]:
     return flat
 
 
-# The built-in decoder's presets (node/training/model.py MODEL_PRESETS; tests/test_usermodel.py checks they
+# The built-in decoder's presets (node/training/model.py MODEL_PRESETS; tests/unit/test_usermodel.py checks they
 # agree): named here so that reading a config never imports torch.
 MODEL_PRESET_NAMES = ("tiny", "small", "125m", "350m", "1b")
 

@@ -267,6 +267,6 @@ class LauncherFailures(logging.Handler):
 def _drop_orphan_warning(record: logging.LogRecord) -> bool:
     """The launcher runs in the agent's supervisor thread, where it cannot install signal handlers, and warns on
     every start that its ranks could be orphaned. They cannot: each rank exits as soon as its parent changes
-    (node/training/trainer.py) and the agent's signal handlers stop them on a leave; tests/test_node_leave.py SIGKILLs the
+    (node/training/trainer.py) and the agent's signal handlers stop them on a leave; tests/integration/test_node_leave.py SIGKILLs the
     agent and checks that no rank (nor the DHT process) outlives it. So the warning is kept out of the logs."""
     return not (isinstance(record.msg, str) and record.msg.startswith("Failed to register signal handlers"))

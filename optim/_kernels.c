@@ -4,7 +4,7 @@
    The eager-torch path in optim/dense.py takes about six memory passes per value (amin, amax, divide, round,
    clamp, cast) and two more to rebuild the decoded values; these loops do it in one pass per block, in L1.
    The arithmetic is the torch path's, operation for operation, so the bytes and the decoded values are the
-   same with or without this module (tests/test_kernels.py checks that):
+   same with or without this module (tests/unit/test_kernels.py checks that):
      scale = absmax / levels                          (float32 division)
      code  = clamp(round_half_even(x / (scale > 0 ? scale : 1)), -levels, levels)
      value = (float)code * scale                      (one float32 multiplication)

@@ -47,7 +47,7 @@ def _load_kernels() -> ModuleType | None:
     return _kernels  # type: ignore[no-any-return]
 
 
-# One-pass quantization: the same bytes and values as the torch path below (tests/test_kernels.py).
+# One-pass quantization: the same bytes and values as the torch path below (tests/unit/test_kernels.py).
 KERNELS = _load_kernels()
 
 

@@ -363,7 +363,7 @@ class _Op(enum.IntEnum):
 def _in_one_pass(op: _Op, tensors: tuple[torch.Tensor, ...], scalars: tuple[float, ...]) -> bool:
     """Run `op` over the vectors `tensors` in the C kernels, one call per range of the range runner, and say so;
     False where the kernels are not built or a tensor is not a contiguous float32 CPU vector outside autograd
-    (the caller's torch ops then do it, with the same bits: tests/test_kernels.py)."""
+    (the caller's torch ops then do it, with the same bits: tests/unit/test_kernels.py)."""
     kernels = dense.KERNELS
     if kernels is None:
         return False

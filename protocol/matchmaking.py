@@ -1089,7 +1089,7 @@ class DHTMatchmaker:
                         self._relay(chosen, me)
                         # A DHT copy under our key too: if the leader died having reached only us and our relays
                         # are lost, the next candidate must still see this group before its window opens, or it
-                        # freezes a second one (tests/test_matchmaking_links.py finds such rounds without it).
+                        # freezes a second one (tests/unit/test_matchmaking_links.py finds such rounds without it).
                         self._spawn(self._store(group_key, chosen.to_wire(), expiration))
                     self.last_leader = chosen.leader
                     self._last_group = (round_id, {m.peer_id: m.address for m in decision.group.members})

@@ -20,6 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from farloco.node.fsutil import write_atomic
+
 CONTROL_FILE = "control.json"
 TOKEN_FILE = "control.token"
 MAX_BODY = 64 * 1024
@@ -62,9 +64,7 @@ class ControlServer:
 
     def start(self) -> None:
         self._thread.start()
-        tmp = self.run_dir / (CONTROL_FILE + ".tmp")
-        tmp.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
-        os.replace(tmp, self.run_dir / CONTROL_FILE)
+        write_atomic(self.run_dir / CONTROL_FILE, json.dumps({"url": self.url, "pid": os.getpid()}))
 
     def stop(self) -> None:
         self.httpd.shutdown()

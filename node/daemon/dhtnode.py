@@ -278,7 +278,7 @@ def stop_dht(dht: Any) -> None:
     if graceful is not None:
         # Its own join of the child returns once the child is gone: wait for it, so no two threads reap the same
         # child at once (the one whose waitpid comes second gets ECHILD, and multiprocessing then reports a dead
-        # child as alive: tests/test_dhtnode.py saw `is_alive()` true right after this returned).
+        # child as alive: tests/integration/test_dhtnode.py saw `is_alive()` true right after this returned).
         graceful.join(10)
     dht.join(5)
 
@@ -296,7 +296,7 @@ async def reach_peers(
     An isolated node (protocol/isolation.py) calls this to find its swarm again: after a partition the routing
     tables on both sides have dropped each other, and nobody would dial across by themselves. Every dial, ping and
     the lookup are bounded by `timeout`: one pass that dialled into the cut just before it was mended hung for the
-    caller's whole 30 s, and the node rejoined 41 s after its peer had (tests/test_netns_partition.py)."""
+    caller's whole 30 s, and the node rejoined 41 s after its peer had (tests/integration/test_netns_partition.py)."""
     import asyncio
 
     from hivemind.p2p import PeerID

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from farloco.node.fsutil import write_atomic
 
 log = logging.getLogger("farloco.agent")
 
@@ -44,10 +45,10 @@ class KnownPeers:
         current = dict(list(current.items())[:MAX_PEERS])
         if not current or current == self._written:
             return
-        tmp = self.path.with_name(f".{FILE_NAME}.tmp")
         try:
-            tmp.write_text(json.dumps({"run_hash": self.run_hash, "peers": current}, indent=1) + "\n")
-            os.replace(tmp, self.path)
+            write_atomic(
+                self.path, json.dumps({"run_hash": self.run_hash, "peers": current}, indent=1) + "\n"
+            )
         except OSError as exc:
             log.warning("could not write %s: %s", self.path, exc)
             return

@@ -4,7 +4,7 @@
 a `RoundFacts`, and after each phase asks `decide` whether to go on, and if not, how the round closes: commit the
 outer step, abort it (theta_outer stays, the residual is kept), catch up with the swarm's state at the next
 round boundary, or close the round without an update. The round runner then enacts the decision (`RoundRunner._close`).
-Every rule the round follows is here, tested on its own (tests/test_round_rules.py) as membership and
+Every rule the round follows is here, tested on its own (tests/unit/test_round_rules.py) as membership and
 matchmaking are; the agent holds the I/O.
 
     facts = RoundFacts(round_id=r, min_peers=run.min_peers)

@@ -9,7 +9,7 @@ Two properties matter to the rest of farloco:
 - ``build_model(config, seed)`` gives bit-identical parameters for the same seed on every machine, because every
   node of a swarm must start round 0 from the same theta.
 - Each ``TransformerBlock`` is a self-contained module with no cross-block state, so FSDP2 ``fully_shard`` can
-  be applied per block and then to the root (checked by ``tests/test_model.py``).
+  be applied per block and then to the root (checked by ``tests/unit/test_model.py``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class ModelConfig:
         return self.dim // self.n_heads
 
 
-# Sizes in the comments are from num_parameters(build_model(...)) and are checked by tests/test_model.py.
+# Sizes in the comments are from num_parameters(build_model(...)) and are checked by tests/unit/test_model.py.
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # ~1.02M parameters, byte vocab: the tests' and the demo's model; several steps/s on one CPU core.
     "tiny": ModelConfig(
