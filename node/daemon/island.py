@@ -14,7 +14,7 @@ One round r of an island of k nodes (`Island.reduce`, then `Island.gather`):
    round (its own contribution, all of it, its own weight): exactly a node without an island.
 2. Go: a reduce-scatter of the weighted contributions (gloo). Node j of the island holds the island's weighted
    mean on its span: slices [j*S/k, (j+1)*S/k) of the run's `island_slices` S, and takes it across the slow
-   network with its island's total weight (protocol/exchange.py, Spans): the matching slices of every island
+   network with its island's total weight (protocol/exchange/plan.py, Spans): the matching slices of every island
    meet at the same owners, each island node on its own links (no leader carries the island's traffic).
 3. An all-gather of one flag per node (did its exchange return the mean of its span?), then, when every flag
    is set, of the means and of what the swarm saw of the island's contribution (for error feedback): every

@@ -418,7 +418,7 @@ class RoundRunner:
     async def _average(
         self, group: Any, contribution: torch.Tensor, facts: RoundFacts, weight: float = 1.0
     ) -> tuple[Averaged | None, RoundFacts]:
-        """The group's mean of contributions (protocol/exchange.py; a group of one encodes nothing), counting
+        """The group's mean of contributions (protocol/exchange/; a group of one encodes nothing), counting
         every byte that crossed the wire, aborted attempts included. With an island (node/daemon/island.py) that
         goes through the round together: the island's reduce-scatter first, our slice of the island's mean
         across the swarm, then the island's all-gather of every slice's result."""

@@ -116,7 +116,7 @@ def corrupt_payload(data: bytes | memoryview, mode: str) -> bytes:
 
 
 class ByzantineExchange:
-    """An exchange (protocol/exchange.py `Exchange`) through which a Byzantine insider sends a wrong-but-valid
+    """An exchange (protocol/exchange/ `Exchange`) through which a Byzantine insider sends a wrong-but-valid
     update in place of its own in the rounds `wrong(round_id)` names an attack for (FARLOCO_FAULTS
     `wrong=ATTACK@exchange[:ROUNDS]`, `byzantine=ATTACK`; farloco.optim ATTACKS). What it reports as transmitted
     is what the swarm would have seen of its honest update (the codec's round trip), so its error feedback stays
