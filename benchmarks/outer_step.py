@@ -2,7 +2,7 @@
 theta_local) + residual) and the Nesterov outer step, and DeMo's sign step (theta*(1 - lr*wd) - lr*sign(mean)),
 each with the torch ops chunk by chunk (optim's path
 without the C kernels) and with the C kernels (one pass, no GIL held), on 1..N of the agent's threads
-(farloco.protocol.parallel), beside a memcpy of theta on as many threads. In one process.
+(farloco.util.parallel), beside a memcpy of theta on as many threads. In one process.
 
     python benchmarks/outer_step.py                          # 128M parameters, 1 and all cores
     python benchmarks/outer_step.py --params 1e9 --threads 1 4 8 15
@@ -24,7 +24,7 @@ from digest import timed  # benchmarks/digest.py (this script's folder is on sys
 
 from farloco.optim import dense, get_codec, ranges
 from farloco.optim.strategies import DeMo, DiLoCo, _nesterov_step
-from farloco.protocol import parallel
+from farloco.util import parallel
 
 
 def main() -> None:

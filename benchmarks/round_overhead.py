@@ -110,7 +110,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     tune_malloc()  # as the agent does
     # As the agent does (node/daemon/core.py): torch's intra-op threads and the round's passes over `--threads`.
     from farloco.optim import ranges
-    from farloco.protocol import parallel
+    from farloco.util import parallel
 
     torch.set_num_threads(args.threads)
     parallel.set_threads(args.threads)

@@ -3,7 +3,7 @@
 optim is pure tensor math and starts no threads. Its passes over whole vectors (int8's kernels, the outer step,
 the contribution, the finiteness checks) are written as `work(first, last)` over units (codec blocks, chunks of
 `CHUNK` values) and handed to the runner set here: by default one call over every unit, on the calling thread;
-the agent sets `farloco.protocol.parallel.map_ranges`, which runs one contiguous range per thread. Every range
+the agent sets `farloco.util.parallel.map_ranges`, which runs one contiguous range per thread. Every range
 computes what the whole pass computes for it, so the bits are the same whoever runs them.
 """
 

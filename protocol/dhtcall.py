@@ -111,7 +111,7 @@ async def await_future(future: concurrent.futures.Future[T], timeout: float) -> 
             waiter.set_exception(TimeoutError(f"the DHT did not answer within {timeout:g} s"))
 
     # A timer, not asyncio.wait_for: before Python 3.12 wait_for swallows a cancellation that arrives in the
-    # turn its future completes (protocol/tasks.py wait_for), and a cancelled heartbeat then ran on.
+    # turn its future completes (util/tasks.py wait_for), and a cancelled heartbeat then ran on.
     timer = loop.call_later(timeout, expire)
     try:
         return await waiter

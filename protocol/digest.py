@@ -25,7 +25,7 @@ import hashlib
 import struct
 from typing import Any
 
-from farloco.protocol.parallel import map_ranges
+from farloco.util.parallel import map_ranges
 
 LEAF_BYTES = 1 << 20
 PREFIX = b"farloco-sha256-tree-v1\0"
@@ -43,7 +43,7 @@ def _leaves(view: memoryview, first: int, last: int) -> bytes:
 
 def digest(data: Any, threads: int | None = None) -> str:
     """Hex tree hash (above) of `data`: anything exposing a C-contiguous buffer (bytes, a numpy array, its
-    `.data`). `threads`: how many threads may hash leaves (default: `farloco.protocol.parallel.set_threads`'s,
+    `.data`). `threads`: how many threads may hash leaves (default: `farloco.util.parallel.set_threads`'s,
     the agent's share of the host's cores); the value does not depend on it."""
     view = memoryview(data)
     if not view.c_contiguous:

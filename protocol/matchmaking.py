@@ -58,11 +58,11 @@ from typing import Any
 import grpc
 
 from farloco.protocol import dhtcall
-from farloco.protocol.clock import Clock, DHTClock
 from farloco.protocol.errors import Reject
 from farloco.protocol.membership import DHTMembership, members_key
-from farloco.protocol.tasks import cancel_and_wait, wait_for
 from farloco.protocol.types import Group, GroupMember
+from farloco.util.clock import Clock, DHTClock
+from farloco.util.tasks import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)
 

@@ -57,8 +57,8 @@ from pydantic.v1 import (
 )
 
 from farloco.protocol import dhtcall
-from farloco.protocol.clock import Clock, DHTClock
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.util.clock import Clock, DHTClock
+from farloco.util.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

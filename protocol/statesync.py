@@ -40,8 +40,8 @@ import torch
 
 from farloco.protocol import digest
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
-from farloco.protocol.tasks import wait_for
 from farloco.protocol.types import DTYPES
+from farloco.util.tasks import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def _raw_bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 def _digests(buffers: Mapping[str, np.ndarray[Any, np.dtype[np.uint8]]]) -> dict[str, str]:
     """Every buffer's digest (`farloco.protocol.digest`: the value theta's `outer_hash` is), over the agent's
-    threads (`farloco.protocol.parallel`)."""
+    threads (`farloco.util.parallel`)."""
     return {name: digest.digest(b.data) for name, b in buffers.items()}
 
 

@@ -40,7 +40,7 @@ import msgpack
 import torch
 
 from farloco.protocol.errors import FrameError, Reject, RpcError
-from farloco.protocol.tasks import cancel_and_wait, wait_for
+from farloco.util.tasks import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 

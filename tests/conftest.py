@@ -29,7 +29,7 @@ import psutil
 import pytest
 import pytest_timeout
 
-from farloco.protocol.tasks import describe, run
+from farloco.util.tasks import describe, run
 
 TASK_CANCEL_GRACE = 5.0
 HARD_TIMEOUT_GRACE = float(os.environ.get("FARLOCO_TEST_HARD_GRACE", "60"))

@@ -54,10 +54,10 @@ from farloco.node.daemon.ranks import Ranks
 from farloco.node.daemon.rounds import RoundRunner
 from farloco.node.daemon.swarm import Swarm
 from farloco.optim import ranges
-from farloco.protocol import parallel
-from farloco.protocol.tasks import cancel_and_wait, wait_for
-from farloco.protocol.tasks import run as run_bounded
 from farloco.protocol.tcpstream import tune_malloc
+from farloco.util import parallel
+from farloco.util.tasks import cancel_and_wait, wait_for
+from farloco.util.tasks import run as run_bounded
 
 if TYPE_CHECKING:
     from farloco.node.daemon.island import Island
@@ -99,7 +99,7 @@ class Agent:
     def __init__(self, config: Config, run_dir: Path) -> None:
         # The agent's share of the cores (node.agent_threads: by default what the ranks leave). The round's large
         # passes (theta's digest, int8's kernels, the contribution, the outer step) are cut into contiguous
-        # ranges over that many threads (protocol/parallel.py); on CPU its torch ops take no more, since the
+        # ranges over that many threads (util/parallel.py); on CPU its torch ops take no more, since the
         # trainer ranks own the other cores (oversubscribed torch threads were measured 20-100x slower here).
         threads = agent_threads(config)
         if config.node.device != "cuda":

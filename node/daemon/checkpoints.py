@@ -65,7 +65,7 @@ class Checkpoints:
         done, _ = await asyncio.wait({self.task}, timeout=timeout)
         if not done:
             log.warning("the checkpoint in progress did not finish before leaving; it is discarded")
-            from farloco.protocol.tasks import cancel_and_wait
+            from farloco.util.tasks import cancel_and_wait
 
             await cancel_and_wait(self.task, timeout=1.0)
 

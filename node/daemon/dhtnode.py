@@ -302,7 +302,7 @@ async def reach_peers(
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    from farloco.protocol.tasks import wait_for
+    from farloco.util.tasks import wait_for
 
     by_peer: dict[Any, list[Any]] = {}
     for text in maddrs:

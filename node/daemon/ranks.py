@@ -29,7 +29,7 @@ from farloco.node.daemon.core import RANK_STOP_FLOOR, AgentError, NodeState, log
 from farloco.node.daemon.outerstate import OuterState
 from farloco.node.handoff import COMMAND_STOP, Handoff, RankReport
 from farloco.node.logs import LauncherFailures, console_format
-from farloco.protocol.tasks import wait_for
+from farloco.util.tasks import wait_for
 
 
 class Ranks:

@@ -40,7 +40,7 @@ from farloco.node.daemon.rules import Action, Decision, RoundFacts, decide
 from farloco.node.daemon.swarm import Swarm
 from farloco.protocol import shares
 from farloco.protocol.shares import left_out_reason
-from farloco.protocol.tasks import cancel_and_wait, wait_for
+from farloco.util.tasks import cancel_and_wait, wait_for
 
 
 @dataclass(frozen=True)

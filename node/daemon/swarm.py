@@ -33,7 +33,7 @@ from farloco.node.daemon.outerstate import OuterState
 from farloco.node.daemon.ranks import Ranks
 from farloco.node.daemon.rules import healing_winner
 from farloco.node.logs import SyncProgress
-from farloco.protocol.tasks import cancel_and_wait
+from farloco.util.tasks import cancel_and_wait
 
 
 class SwarmGone(Exception):

@@ -28,8 +28,8 @@ from farloco.protocol.exchange.codecpool import Jobs
 from farloco.protocol.exchange.plan import Plan, lanes_for
 from farloco.protocol.exchange.wire import AttemptRef, Hello, Vote, precondition
 from farloco.protocol.rpc import CallContext, Frame, Reject
-from farloco.protocol.tasks import wait_for
 from farloco.protocol.types import GroupMember
+from farloco.util.tasks import wait_for
 
 log = logging.getLogger("farloco.protocol.exchange")
 

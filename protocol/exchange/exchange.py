@@ -29,8 +29,8 @@ from farloco.protocol.exchange.vote import Voter
 from farloco.protocol.exchange.vote import excluded as vote_excluded
 from farloco.protocol.exchange.wire import PUSH_METHOD, VOTE_METHOD
 from farloco.protocol.rpc import RpcClient, RpcServer
-from farloco.protocol.tasks import cancel_and_wait
 from farloco.protocol.types import Group, GroupMember
+from farloco.util.tasks import cancel_and_wait
 
 log = logging.getLogger("farloco.protocol.exchange")
 

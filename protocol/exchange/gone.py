@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from farloco.protocol.exchange.attempt import Attempt
 from farloco.protocol.rpc import RpcClient
-from farloco.protocol.tasks import wait_for
+from farloco.util.tasks import wait_for
 
 GONE_SILENCE_SECONDS = 2.0
 GONE_PING_SECONDS = 2.0

@@ -24,8 +24,8 @@ from farloco.protocol.exchange.attempt import Attempt, Attempts
 from farloco.protocol.exchange.gone import GONE_CHECK_SECONDS, GoneWatch
 from farloco.protocol.exchange.wire import VOTE_METHOD, AttemptRef, Vote, VoteRequest
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError
-from farloco.protocol.tasks import cancel_and_wait
 from farloco.protocol.types import GroupMember
+from farloco.util.tasks import cancel_and_wait
 
 log = logging.getLogger("farloco.protocol.exchange")
 

@@ -167,7 +167,7 @@ def test_a_cancellation_arriving_as_the_answer_does_is_never_swallowed() -> None
     """Before Python 3.12, asyncio.wait_for returned the result when the caller was cancelled in the loop turn
     its future completed, and the caller ran on as if never cancelled (a cancelled heartbeat loop kept
     publishing after remove()). Neither dhtcall.await_future nor tasks.wait_for may do that."""
-    from farloco.protocol import tasks
+    from farloco.util import tasks
 
     async def body(wait: Any, future: Any) -> str:
         await wait(future)

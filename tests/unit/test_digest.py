@@ -65,7 +65,7 @@ def test_map_ranges_covers_every_unit_once_in_order_and_waits_for_every_range() 
     import threading
     import time
 
-    from farloco.protocol.parallel import MIN_BYTES_PER_THREAD, map_ranges, workers_for
+    from farloco.util.parallel import MIN_BYTES_PER_THREAD, map_ranges, workers_for
 
     assert workers_for(100 * MIN_BYTES_PER_THREAD, 1000, threads=7) == 7
     assert workers_for(3 * MIN_BYTES_PER_THREAD, 1000, threads=7) == 3  # too little work for 7
@@ -95,7 +95,7 @@ def test_map_ranges_covers_every_unit_once_in_order_and_waits_for_every_range() 
 
 
 def test_a_pass_started_inside_a_range_runs_there_instead_of_waiting_on_the_pool() -> None:
-    from farloco.protocol.parallel import MIN_BYTES_PER_THREAD, map_ranges
+    from farloco.util.parallel import MIN_BYTES_PER_THREAD, map_ranges
 
     big = 100 * MIN_BYTES_PER_THREAD
     inner = map_ranges(lambda a, b: map_ranges(lambda c, d: (c, d), 8, big, threads=64), 64, big, threads=64)

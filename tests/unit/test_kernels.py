@@ -103,10 +103,10 @@ def test_kernel_checks_buffer_sizes() -> None:
 
 def test_the_kernels_spread_over_threads_give_the_same_bytes_and_name_the_same_block() -> None:
     """At millions of values the kernels run on the agent's threads, each on a contiguous run of whole blocks
-    (farloco.protocol.parallel, handed to the codec as the agent does): the payload, the decoded values and the block an error names are those of one
+    (farloco.util.parallel, handed to the codec as the agent does): the payload, the decoded values and the block an error names are those of one
     thread."""
     from farloco.optim import ranges
-    from farloco.protocol import parallel
+    from farloco.util import parallel
 
     block = 100  # runs of whole blocks that do not fall on powers of two
     x = torch.randn(12_000_037, generator=torch.Generator().manual_seed(3))
@@ -206,7 +206,7 @@ def test_strategy_kernels_give_the_torch_bits(monkeypatch: pytest.MonkeyPatch, n
 
 def test_strategy_kernels_run_on_threads_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     from farloco.optim import ranges
-    from farloco.protocol import parallel
+    from farloco.util import parallel
 
     one = _strategy_passes(3_000_017)
     threads = parallel.get_threads()

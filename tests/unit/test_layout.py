@@ -2,6 +2,7 @@
 of node.
 
 optim and protocol are siblings that never import each other, and neither imports node: node composes them.
+util is below all three and imports none of them.
 Inside node: the shared modules at its top (config, handoff, checkpoint, logs, fsutil) import no room; the
 trainer side (node/training) never imports the daemon or the user tools; the daemon (node/daemon) never imports
 the user tools (node/tools), which may import everything.
@@ -17,6 +18,7 @@ from helpers import ROOT
 
 ROOMS = ("farloco.node.daemon", "farloco.node.training", "farloco.node.tools")
 FORBIDDEN = {
+    "util": ("farloco.protocol", "farloco.optim", "farloco.node"),
     "optim": ("farloco.protocol", "farloco.node"),
     "protocol": ("farloco.optim", "farloco.node"),
     "node/training": ("farloco.node.daemon", "farloco.node.tools"),
@@ -63,10 +65,10 @@ def test_dependency_direction(package: str) -> None:
 
 def test_no_bare_top_level_imports() -> None:
     offenders = []
-    for folder in ("node", "protocol", "optim", "tests", "benchmarks"):
+    for folder in ("node", "protocol", "optim", "util", "tests", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             for lineno, module in imported_modules(path):
-                if module.split(".")[0] in ("node", "protocol", "optim"):
+                if module.split(".")[0] in ("node", "protocol", "optim", "util"):
                     offenders.append(f"{path.relative_to(ROOT)}:{lineno} imports bare {module}")
     assert not offenders, "use farloco.node / farloco.protocol / farloco.optim:\n" + "\n".join(offenders)
 
@@ -75,6 +77,12 @@ def test_installed_names() -> None:
     import farloco.node
     import farloco.optim
     import farloco.protocol
+    import farloco.util
 
-    for module, folder in ((farloco.node, "node"), (farloco.optim, "optim"), (farloco.protocol, "protocol")):
+    for module, folder in (
+        (farloco.node, "node"),
+        (farloco.optim, "optim"),
+        (farloco.protocol, "protocol"),
+        (farloco.util, "util"),
+    ):
         assert Path(module.__file__ or "").parent.name == folder

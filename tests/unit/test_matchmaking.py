@@ -698,10 +698,10 @@ def test_a_vanished_member_that_refuses_connections_or_answers_no_call_is_not_wa
     import socket
 
     from farloco.protocol.auth import Authenticator
-    from farloco.protocol.clock import FakeClock
     from farloco.protocol.matchmaking import DHTMatchmaker
     from farloco.protocol.membership import DHTMembership
     from farloco.protocol.rpc import RpcClient, RpcServer
+    from farloco.util.clock import FakeClock
 
     secret = b"0123456789abcdef0123"
 

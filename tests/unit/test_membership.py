@@ -13,7 +13,6 @@ from helpers.dht import CONFIG, DhtPeer, dht_nodes, dht_swarm, rec  # noqa: F401
 from hivemind.utils.timed_storage import get_dht_time
 
 from farloco.protocol.auth import Authenticator
-from farloco.protocol.clock import FakeClock
 from farloco.protocol.membership import (
     NO_SLOT,
     Departure,
@@ -26,6 +25,7 @@ from farloco.protocol.membership import (
     config_differences,
     members_key,
 )
+from farloco.util.clock import FakeClock
 
 # --------------------------------------------------------------------------------------------- sans-IO
 

@@ -28,9 +28,9 @@ CASES = [
 @pytest.fixture(params=[1, 4], ids=["one-range", "four-threads"])
 def agent_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """The passes as the agent runs them: one range on the calling thread, or cut into contiguous ranges over 4
-    threads (protocol/parallel.py; its minimum work per thread lowered so that these short vectors split too)."""
+    threads (util/parallel.py; its minimum work per thread lowered so that these short vectors split too)."""
     from farloco.optim import ranges
-    from farloco.protocol import parallel
+    from farloco.util import parallel
 
     threads = request.param
     before = parallel.get_threads()
