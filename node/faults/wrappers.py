@@ -176,3 +176,15 @@ class CorruptingOuter:
         theta[0] += 1e-3
         log.warning("fault injected: theta_outer corrupted after round %d", self._round_id())
         return theta_hash(theta)
+
+
+def slowed(step: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    """`step` taking `seconds` longer each call (FARLOCO_FAULTS `slow-steps=S`: a node with less compute than the
+    others, a straggler)."""
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        time.sleep(seconds)
+        return result
+
+    return slow_step

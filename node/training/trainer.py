@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -195,7 +195,7 @@ def loop(
     steps_taken = 0
     # The first steps of a compiled model compile it: they stay out of the step time (and so of tokens/s).
     warmup_steps = COMPILE_WARMUP_STEPS if config.node.compile else 0
-    slow_step = slow_step_seconds()
+    step_fn = inner_step_function()
     while True:
         while (
             handoff.publish_seq <= done_seq
@@ -230,9 +230,7 @@ def loop(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
             inputs, targets = sampler.batch(step)
-            losses.append(train_step(spec, optimizer, inputs.to(device), targets.to(device), config))
-            if slow_step:
-                time.sleep(slow_step)
+            losses.append(step_fn(spec, optimizer, inputs.to(device), targets.to(device), config))
             tokens += inputs.numel()
             handoff.mark_progress(rank, inner_step=step + 1, tokens=tokens, pid=pid, now_ns=time.time_ns())
             stop, cut = step_signals(handoff, parent, device, seq)
@@ -421,12 +419,18 @@ def serve_inner_request(
     return seq
 
 
-def slow_step_seconds() -> float:
-    """Chaos, from FARLOCO_FAULTS 'slow-steps=S': every inner step of this node takes S seconds longer (a node
-    with less compute than the others: a straggler). The agent checked the plan before starting the ranks."""
+def inner_step_function() -> Callable[..., torch.Tensor]:
+    """`train_step`, or, when the node's fault plan (FARLOCO_FAULTS) asks for `slow-steps=S`, the same step taking
+    S seconds longer (node/faults/wrappers.py `slowed`: a straggler on purpose). The agent checked the plan
+    before starting the ranks."""
     from farloco.node.faults.plan import parse_faults
 
-    return parse_faults(os.environ.get("FARLOCO_FAULTS", "")).slow_steps
+    seconds = parse_faults(os.environ.get("FARLOCO_FAULTS", "")).slow_steps
+    if not seconds:
+        return train_step
+    from farloco.node.faults.wrappers import slowed
+
+    return slowed(train_step, seconds)
 
 
 def step_signals(handoff: Handoff, parent: int, device: torch.device, seq: int) -> tuple[bool, bool]:
