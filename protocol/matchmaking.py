@@ -51,24 +51,25 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from farloco.protocol import dhtcall
 from farloco.protocol.errors import Reject
 from farloco.protocol.membership import DHTMembership, members_key
+from farloco.protocol.messages import Fields, WireError, check_hex, check_int, check_str
 from farloco.protocol.types import Group, GroupMember
 from farloco.util.clock import Clock, DHTClock
 from farloco.util.tasks import cancel_and_wait, wait_for
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 STORE_ATTEMPTS = 4
-_HEX = frozenset("0123456789abcdef")
 
 
 class LateForRound(Exception):
@@ -95,51 +96,38 @@ def round_key(run_name: str, round_id: int) -> str:
     return f"{members_key(run_name).rsplit('/', 1)[0]}/round/{round_id}"
 
 
-def _check_str(data: Mapping[str, Any], name: str, where: str) -> str:
-    value = data[name]
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise ValueError(f"{where}.{name} must be a non-empty str of at most 256 chars, got {value!r}")
-    return value
-
-
-def _check_round(data: Mapping[str, Any], where: str) -> int:
-    value = data["round_id"]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{where}.round_id must be an int >= 0, got {value!r}")
-    return value
-
-
-def _check_time(data: Mapping[str, Any], name: str, where: str) -> float:
-    value = data[name]
-    if not isinstance(value, float) or not math.isfinite(value):
-        raise ValueError(f"{where}.{name} must be a finite float (DHT time), got {value!r}")
-    return value
-
-
-def _check_fields(data: object, expected: set[str], where: str) -> Mapping[str, Any]:
-    if not isinstance(data, dict) or set(data) != expected:
-        got = sorted(data) if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{where} must be a dict with fields {sorted(expected)}, got {got}")
-    return data
-
-
 MAX_WAIT = 86400.0  # the largest straggler wait a ready record may propose (seconds)
 KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
 KNOCK_TIMEOUT = 2.0  # a knock that has no answer by then says nothing
+MAX_GROUP = 4096  # the most members a group record may list
+MAX_UPDATES = (1 << 53) - 1  # outer steps a declared theta may hold (exact in a float)
+
+
+def _check_name(value: object, where: str) -> str:
+    """A peer id or an address as it travels: a non-empty str of at most 256 characters."""
+    return check_str(value, where, min_len=1)
 
 
 def _check_hash(value: object, where: str) -> str:
     """A theta hash as it travels: lowercase hex, at most 128 characters ("" where none is declared)."""
-    if not isinstance(value, str) or len(value) > 128 or not all(c in _HEX for c in value):
-        raise ValueError(f"{where} must be a hex theta hash of at most 128 chars, got {str(value)[:80]!r}")
-    return value
+    return check_hex(value, where, max_len=128)
 
 
 def _check_updates(value: object, where: str) -> int:
     """How many outer steps a declared theta holds: an int >= 0."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 53:
-        raise ValueError(f"{where} must be an int >= 0 (outer steps applied), got {str(value)[:80]!r}")
-    return value
+    return check_int(value, where, high=MAX_UPDATES)
+
+
+def _check_member(value: object, where: str) -> GroupMember:
+    """A group record's member entry: [peer_id, address, outer_hash, updates]."""
+    if not isinstance(value, list | tuple) or len(value) != 4:
+        raise WireError(where, "[peer_id, address, outer_hash, updates]", value)
+    return GroupMember(
+        _check_name(value[0], f"{where}.peer_id"),
+        _check_name(value[1], f"{where}.address"),
+        _check_hash(value[2], f"{where}.outer_hash"),
+        _check_updates(value[3], f"{where}.updates"),
+    )
 
 
 @dataclass(frozen=True)
@@ -170,21 +158,20 @@ class ReadyRecord:
 
     @classmethod
     def from_wire(cls, data: object) -> ReadyRecord:
-        where = "ready record"
-        fields = _check_fields(
-            data, {"peer_id", "address", "round_id", "ready_at", "wait", "outer_hash", "updates"}, where
+        """Decode a ready record (exactly its seven fields); `WireError` (a ValueError) naming the bad field."""
+        fields = Fields(
+            data,
+            "ready record",
+            ("peer_id", "address", "round_id", "ready_at", "wait", "outer_hash", "updates"),
         )
-        wait = fields["wait"]
-        if not isinstance(wait, float) or not 0.0 <= wait <= MAX_WAIT:
-            raise ValueError(f"{where}.wait must be a float in [0, {MAX_WAIT:g}] seconds, got {wait!r}")
         return cls(
-            _check_str(fields, "peer_id", where),
-            _check_str(fields, "address", where),
-            _check_round(fields, where),
-            _check_time(fields, "ready_at", where),
-            wait,
-            _check_hash(fields["outer_hash"], f"{where}.outer_hash"),
-            _check_updates(fields["updates"], f"{where}.updates"),
+            _check_name(fields.raw("peer_id"), fields.at("peer_id")),
+            _check_name(fields.raw("address"), fields.at("address")),
+            fields.integer("round_id"),
+            fields.real("ready_at", finite=True),
+            fields.real("wait", low=0.0, high=MAX_WAIT),
+            _check_hash(fields.raw("outer_hash"), fields.at("outer_hash")),
+            _check_updates(fields.raw("updates"), fields.at("updates")),
         )
 
 
@@ -207,42 +194,60 @@ class GroupRecord:
 
     @classmethod
     def from_wire(cls, data: object) -> GroupRecord:
-        """Parse and check a group record: the group id must match its round and members, the leader be one."""
-        where = "group record"
-        fields = _check_fields(data, {"leader", "round_id", "group_id", "members", "frozen_at"}, where)
-        members_raw = fields["members"]
-        if not isinstance(members_raw, list) or not 0 < len(members_raw) <= 4096:
-            raise ValueError(
-                f"{where}.members must be a non-empty list of [peer_id, address, outer_hash, updates], got "
-                f"{str(members_raw)[:200]}"
-            )
-        members = []
-        for item in members_raw:
-            if not isinstance(item, list | tuple) or len(item) != 4:
-                raise ValueError(
-                    f"{where}.members entries must be [peer_id, address, outer_hash, updates], got "
-                    f"{str(item)[:200]}"
-                )
-            members.append(
-                GroupMember(
-                    _check_str({"p": item[0]}, "p", where),
-                    _check_str({"a": item[1]}, "a", where),
-                    _check_hash(item[2], f"{where}.members' outer_hash"),
-                    _check_updates(item[3], f"{where}.members' updates"),
-                )
-            )
-        group = Group.make(_check_round(fields, where), members)
+        """Decode and check a group record: the group id must match its round and members, the leader be one
+        of them (`WireError`, a ValueError, naming what is wrong)."""
+        fields = Fields(data, "group record", ("leader", "round_id", "group_id", "members", "frozen_at"))
+        members = fields.items("members", _check_member, min_len=1, max_len=MAX_GROUP)
+        group = Group.make(fields.integer("round_id"), members)
         if len({m.peer_id for m in group.members}) != len(group.members):
-            raise ValueError(f"{where}.members repeats a peer id: {[m.peer_id for m in group.members]}")
-        if fields["group_id"] != group.group_id:
-            raise ValueError(
-                f"{where}.group_id does not match its round and members: expected {group.group_id[:16]}, "
-                f"got {str(fields['group_id'])[:16]}"
+            raise WireError(fields.at("members"), "distinct peer ids", [m.peer_id for m in group.members])
+        if fields.raw("group_id") != group.group_id:
+            raise WireError(
+                fields.at("group_id"),
+                f"the group id of its round and members, {group.group_id[:16]}...",
+                str(fields.raw("group_id"))[:16],
             )
-        leader = _check_str(fields, "leader", where)
+        leader = _check_name(fields.raw("leader"), fields.at("leader"))
         if leader not in {m.peer_id for m in group.members}:
-            raise ValueError(f"{where}: leader {leader} is not one of its members")
-        return cls(leader, group, _check_time(fields, "frozen_at", where))
+            raise WireError(fields.at("leader"), "one of its members", leader)
+        return cls(leader, group, fields.real("frozen_at", finite=True))
+
+
+R = TypeVar("R", ReadyRecord, GroupRecord)
+
+
+@dataclass(frozen=True)
+class RecordPush(Generic[R]):
+    """A `MatchReady` or `MatchGroup` call: a ready record pushed by its peer (header `r`), or a group record
+    pushed or relayed by one of its members (header `g`)."""
+
+    record: R
+
+    def encode(self) -> dict[str, Any]:
+        return {_PUSH_KEYS[type(self.record)]: self.record.to_wire()}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], kind: type[R]) -> RecordPush[R]:
+        """The `kind` of record the method carries, decoded (`WireError`, a ValueError, if malformed)."""
+        return cls(kind.from_wire(header.get(_PUSH_KEYS[kind])))
+
+
+_PUSH_KEYS: dict[type, str] = {ReadyRecord: "r", GroupRecord: "g"}
+
+
+@dataclass(frozen=True)
+class AtMessage:
+    """A `MatchAt` call: the sender starts its local work for the token's round from the theta of hash
+    `outer_hash` (header `h`, left out when "")."""
+
+    outer_hash: str = ""
+
+    def encode(self) -> dict[str, Any]:
+        return {"h": self.outer_hash} if self.outer_hash else {}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> AtMessage:
+        return cls(_check_hash(header.get("h", ""), "announcement.h"))
 
 
 @dataclass(frozen=True)
@@ -632,9 +637,10 @@ class DHTMatchmaker:
         if self._wake is not None:
             self._wake.set()
 
-    def _parse(self, parse: Any, raw: object, reason: str) -> Any:
+    def _parse(self, decode: Callable[[], T], reason: str) -> T:
+        """`decode()`, or `Reject` (INVALID_ARGUMENT, `reason`) naming the bad field."""
         try:
-            return parse(raw)
+            return decode()
         except ValueError as exc:
             self.counters["rejected"] += 1
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, reason, str(exc)) from None
@@ -642,7 +648,7 @@ class DHTMatchmaker:
     async def _on_ready(self, ctx: Any, frame: Any) -> Any:
         from farloco.protocol.rpc import Frame
 
-        record = self._parse(ReadyRecord.from_wire, frame.header.get("r"), "BAD_READY")
+        record = self._parse(lambda: RecordPush.decode(frame.header, ReadyRecord), "BAD_READY").record
         if record.peer_id != ctx.sender or record.round_id != ctx.round_id:
             self.counters["rejected"] += 1
             raise Reject(
@@ -665,11 +671,7 @@ class DHTMatchmaker:
                 raise Reject(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY", f"{len(self._at)} peers announced rounds"
                 )
-        try:
-            outer_hash = _check_hash(frame.header.get("h", ""), "an announcement's theta hash")
-        except ValueError as exc:
-            self.counters["rejected"] += 1
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_ANNOUNCEMENT", str(exc)) from None
+        outer_hash = self._parse(lambda: AtMessage.decode(frame.header), "BAD_ANNOUNCEMENT").outer_hash
         self._at[ctx.sender] = (ctx.round_id, self.clock.now(), outer_hash)
         if self._wake is not None:
             self._wake.set()
@@ -695,7 +697,7 @@ class DHTMatchmaker:
         self._at[peer_id] = (round_id, self.clock.now(), outer_hash)
         if self.client is None:
             return
-        header = {"h": outer_hash} if outer_hash else {}
+        header = AtMessage(outer_hash).encode()
         live = self.membership.core.live(self.clock.now())
         for address in self._link_targets(round_id, live, peer_id).values():
             self._spawn(self._push(address, AT_METHOD, header, round_id))
@@ -841,7 +843,7 @@ class DHTMatchmaker:
     async def _on_group(self, ctx: Any, frame: Any) -> Any:
         from farloco.protocol.rpc import Frame
 
-        record = self._parse(GroupRecord.from_wire, frame.header.get("g"), "BAD_GROUP")
+        record = self._parse(lambda: RecordPush.decode(frame.header, GroupRecord), "BAD_GROUP").record
         members = {m.peer_id for m in record.group.members}
         if ctx.sender not in members or record.group.round_id != ctx.round_id:
             self.counters["rejected"] += 1
@@ -1062,7 +1064,9 @@ class DHTMatchmaker:
                     for peer_id, address in targets.items():
                         if peer_id not in pushed:
                             pushed.add(peer_id)
-                            self._spawn(self._push(address, READY_METHOD, {"r": mine.to_wire()}, round_id))
+                            self._spawn(
+                                self._push(address, READY_METHOD, RecordPush(mine).encode(), round_id)
+                            )
                 groups = list(dht.groups)
                 groups += [g for g in self._groups_in.get(round_id, {}).values() if g.leader in ready]
                 catching_up = self._catching_up(round_id, live, now, me.peer_id)
@@ -1129,7 +1133,7 @@ class DHTMatchmaker:
     def _relay(self, record: GroupRecord, me: GroupMember) -> None:
         """Pass the group on once to its other members (the leader may have reached only some)."""
         self.counters["relayed"] += 1
-        header = {"g": record.to_wire()}
+        header = RecordPush(record).encode()
         for member in record.group.members:
             if member.peer_id not in (me.peer_id, record.leader):
                 self._spawn(self._push(member.address, GROUP_METHOD, header, record.group.round_id))
@@ -1150,7 +1154,7 @@ class DHTMatchmaker:
         )
         others = [m for m in record.group.members if m.peer_id != record.leader]
         if self.client is not None and others:
-            header = {"g": record.to_wire()}
+            header = RecordPush(record).encode()
             delivered = await asyncio.gather(
                 *(self._push(m.address, GROUP_METHOD, header, round_id) for m in others)
             )

@@ -2,8 +2,8 @@
 
 Records live under the DHT key `farloco/{run_name}/members`, one sub-key per member. The sub-key is the
 member's RSA public key as hivemind's `RSASignatureValidator` formats it, so every record is signed and only
-its owner can overwrite it; hivemind's `SchemaValidator` (a pydantic.v1 model) refuses records of the wrong
-shape at `store()` and on every read from a remote peer.
+its owner can overwrite it; `MembersValidator` refuses an entry that `parse_entry` (the records' one decoder)
+refuses, at `store()` and on every read from a remote peer.
 
 Two layers:
 - `Membership` is the sans-IO core: a table of records keyed by owner, queried with an explicit `now`
@@ -42,21 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic.v1 import (
-    BaseModel,
-    ConstrainedFloat,
-    ConstrainedInt,
-    ConstrainedStr,
-    Extra,
-    StrictBool,
-    StrictInt,
-    create_model,
-)
 
 from farloco.protocol import dhtcall
+from farloco.protocol.messages import Fields, WireError, check_str
 from farloco.util.clock import Clock, DHTClock
 from farloco.util.tasks import cancel_and_wait
 
@@ -69,6 +61,7 @@ _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # Caps keep one member record small: the DHT carries it on every heartbeat of every member.
 MAX_CONFIG_KEYS = 256
 MAX_MADDRS = 16
+MAX_PEER_ID = 128  # characters of a peer id (other text fields: at most 256)
 # Distinct (reason, owner, where) triples remembered so a record re-read every poll is logged and counted once.
 MAX_IGNORED_REMEMBERED = 4096
 
@@ -142,72 +135,56 @@ class MemberRecord:
     proof: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("peer_id", "address", "state", "run_hash", "outer_hash", "version", "proof"):
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise ValueError(f"MemberRecord.{name} must be a str, got {type(value).__name__}: {value!r}")
-        if not self.peer_id:
-            raise ValueError("MemberRecord.peer_id must be a non-empty str, got ''")
-        if self.state not in MEMBER_STATES:
-            raise ValueError(f"MemberRecord.state must be one of {MEMBER_STATES}, got {self.state!r}")
-        for name, low in (("round_id", 0), ("inner_step", 0), ("slot", NO_SLOT)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"MemberRecord.{name} must be an int >= {low}, got {value!r}")
-        for name in ("loss", "heartbeat"):
-            value = getattr(self, name)
-            if not isinstance(value, float) or (name == "heartbeat" and not math.isfinite(value)):
-                raise ValueError(
-                    f"MemberRecord.{name} must be a float, got {type(value).__name__}: {value!r}"
-                )
-        if not isinstance(self.run_config, Mapping) or len(self.run_config) > MAX_CONFIG_KEYS:
-            raise ValueError(
-                f"MemberRecord.run_config must be a flat mapping of at most {MAX_CONFIG_KEYS} keys, "
-                f"got {type(self.run_config).__name__} of size {len(self.run_config) if isinstance(self.run_config, Mapping) else '?'}"
+        """A record built in code meets the decoder's checks too (`WireError`, a ValueError, if not)."""
+        if not isinstance(self.maddrs, tuple):
+            raise WireError("member record.maddrs", f"a tuple of at most {MAX_MADDRS} str", self.maddrs)
+        if not isinstance(self.run_config, Mapping):
+            raise WireError(
+                "member record.run_config", f"a map of at most {MAX_CONFIG_KEYS} keys", self.run_config
             )
-        for key, value in self.run_config.items():
-            if not isinstance(key, str) or not isinstance(value, str | int | float | bool):
-                raise ValueError(
-                    f"MemberRecord.run_config must map str -> str|int|float|bool, got {key!r} -> {value!r}"
-                )
-        if not isinstance(self.maddrs, tuple) or len(self.maddrs) > MAX_MADDRS:
-            raise ValueError(
-                f"MemberRecord.maddrs must be a tuple of at most {MAX_MADDRS} str, got {self.maddrs!r}"
-            )
-        if not all(isinstance(maddr, str) for maddr in self.maddrs):
-            raise ValueError(f"MemberRecord.maddrs must hold str multiaddrs, got {self.maddrs!r}")
+        _member_fields(Fields(self.to_wire(), "member record", _MEMBER_KEYS))
 
     def to_wire(self) -> dict[str, Any]:
-        """The msgpack-able dict stored on the DHT (exactly the shape `_MemberModel` accepts)."""
-        wire = dataclasses.asdict(self)
+        """The msgpack-able dict stored on the DHT (the fields in their declared order)."""
+        wire = {name: getattr(self, name) for name in _MEMBER_KEYS}
         wire["run_config"] = dict(self.run_config)
         wire["maddrs"] = list(self.maddrs)
         return wire
 
     @classmethod
     def from_wire(cls, data: object) -> MemberRecord:
-        """Parse a DHT value; ValueError naming the expected field set or the bad field."""
-        if not isinstance(data, dict):
-            raise ValueError(f"a member record must be a dict, got {type(data).__name__}")
-        expected = {f.name for f in dataclasses.fields(cls)}
-        if set(data) != expected:
-            raise ValueError(
-                f"a member record must have fields {sorted(expected)}; "
-                f"missing {sorted(expected - set(data))}, unexpected {sorted(set(data) - expected)}"
-            )
-        values = dict(data)
-        maddrs = values["maddrs"]
-        if not isinstance(maddrs, list | tuple):
-            raise ValueError(f"MemberRecord.maddrs must be a list of str, got {maddrs!r}")
-        values["maddrs"] = tuple(maddrs)
-        if not isinstance(values["run_config"], dict):
-            raise ValueError(f"MemberRecord.run_config must be a dict, got {values['run_config']!r}")
-        return cls(**values)
+        """Decode a DHT value (exactly the record's fields); `WireError` (a ValueError) naming the bad field."""
+        return cls(**_member_fields(Fields(data, "member record", _MEMBER_KEYS)))
+
+
+_MEMBER_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MemberRecord))
+
+
+def _member_fields(fields: Fields) -> dict[str, Any]:
+    """A member record's fields, each checked (strict types, the size caps above)."""
+    return {
+        "peer_id": fields.text("peer_id", min_len=1, max_len=MAX_PEER_ID),
+        "address": fields.text("address"),
+        "state": fields.choice("state", MEMBER_STATES),
+        "round_id": fields.integer("round_id"),
+        "inner_step": fields.integer("inner_step"),
+        "slot": fields.integer("slot", low=NO_SLOT),
+        "run_hash": fields.text("run_hash"),
+        "run_config": fields.scalars("run_config", max_keys=MAX_CONFIG_KEYS),
+        "outer_hash": fields.text("outer_hash"),
+        "loss": fields.real("loss"),
+        "heartbeat": fields.real("heartbeat", finite=True),
+        "maddrs": tuple(fields.items("maddrs", check_str, max_len=MAX_MADDRS)),
+        "version": fields.text("version"),
+        "proof": fields.text("proof"),
+    }
 
 
 @dataclass(frozen=True)
 class Departure:
-    """A tombstone: the member with this peer id left gracefully at `heartbeat` (DHT time)."""
+    """A tombstone: the member with this peer id left gracefully at `heartbeat` (DHT time).
+
+    On the wire: `{peer_id, heartbeat, left: True, proof}`."""
 
     peer_id: str
     heartbeat: float
@@ -218,97 +195,71 @@ class Departure:
 
     @classmethod
     def from_wire(cls, data: object) -> Departure:
-        if (
-            not isinstance(data, dict)
-            or set(data) != {"peer_id", "heartbeat", "left", "proof"}
-            or data["left"] is not True
-        ):
-            raise ValueError(
-                f"a departure record must be {{peer_id, heartbeat, left: True, proof}}, got {data!r:.300}"
-            )
-        if (
-            not isinstance(data["peer_id"], str)
-            or not isinstance(data["heartbeat"], float)
-            or not isinstance(data["proof"], str)
-        ):
-            raise ValueError(
-                f"a departure record needs peer_id: str, heartbeat: float, proof: str, got {data!r:.300}"
-            )
-        return cls(data["peer_id"], data["heartbeat"], data["proof"])
+        """Decode a tombstone; `WireError` (a ValueError) naming the bad field."""
+        fields = Fields(data, "departure", ("peer_id", "heartbeat", "left", "proof"))
+        if fields.raw("left") is not True:
+            raise WireError(fields.at("left"), "True", fields.raw("left"))
+        return cls(
+            fields.text("peer_id", min_len=1, max_len=MAX_PEER_ID),
+            fields.real("heartbeat"),
+            fields.text("proof"),
+        )
 
 
 def parse_entry(data: object) -> MemberRecord | Departure:
-    """A member sub-key's value: a live record or a departure tombstone (ValueError if neither)."""
+    """A member sub-key's value: a live record or a departure tombstone (a map with `left`); ValueError if
+    neither. This is the one check of the members key: `MembersValidator` stores and serves exactly what it
+    accepts."""
     if isinstance(data, dict) and "left" in data:
         return Departure.from_wire(data)
     return MemberRecord.from_wire(data)
 
 
-# --------------------------------------------------------------------------------------------- schema
+# --------------------------------------------------------------------------------------------- DHT validator
+
+# The sub-key of a member entry: bytes holding the owner's public key, as RSASignatureValidator formats it.
+_OWNER_SUBKEY = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*")
 
 
-class _Text(ConstrainedStr):
-    strict = True
-    max_length = 256
+class MembersValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind ships no type hints
+    """Refuses, at every store and every read from a remote peer, a members-key entry that `parse_entry` refuses
+    or whose sub-key holds no public key; entries of other keys pass (they are other validators' business).
 
+    It runs after `RSASignatureValidator` (priority 0, below the signature validator's, so it sees the value
+    with the signature stripped) and merges with the validators of other runs on the same DHT.
+    """
 
-class _PeerId(ConstrainedStr):
-    strict = True
-    min_length = 1
-    max_length = 128
+    def __init__(self, run_name: str) -> None:
+        self._keys = {DHTID.generate(source=members_key(run_name)).to_bytes(): members_key(run_name)}
 
+    def validate(self, record: DHTRecord) -> bool:
+        key = self._keys.get(record.key)
+        if key is None:
+            return True
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            logger.debug("refusing an entry under %s: not under a member's sub-key", key)
+            return False
+        try:
+            owner = DHTProtocol.serializer.loads(record.subkey)
+            value = DHTProtocol.serializer.loads(record.value)
+        except Exception as error:  # msgpack raises several unrelated types on bad input
+            logger.debug("refusing an entry under %s: not msgpack (%s)", key, error)
+            return False
+        if not isinstance(owner, bytes) or _OWNER_SUBKEY.match(owner) is None:
+            logger.debug("refusing an entry under %s: its sub-key holds no public key", key)
+            return False
+        try:
+            parse_entry(value)
+        except ValueError as error:
+            logger.debug("refusing an entry under %s: %s", key, error)
+            return False
+        return True
 
-class _State(ConstrainedStr):
-    strict = True
-    regex = re.compile("^(" + "|".join(MEMBER_STATES) + ")$")
-
-
-class _Count(ConstrainedInt):
-    strict = True
-    ge = 0
-
-
-class _Slot(ConstrainedInt):
-    strict = True
-    ge = NO_SLOT
-
-
-class _Float(ConstrainedFloat):
-    strict = True
-
-
-class _MemberModel(BaseModel):
-    """Schema of a live member record (hivemind compares the parsed value to the raw one: no coercion)."""
-
-    peer_id: _PeerId
-    address: _Text
-    state: _State
-    round_id: _Count
-    inner_step: _Count
-    slot: _Slot
-    run_hash: _Text
-    run_config: dict[_Text, StrictBool | StrictInt | _Float | _Text]
-    outer_hash: _Text
-    loss: _Float
-    heartbeat: _Float
-    maddrs: list[_Text]
-    version: _Text
-    proof: _Text
-
-    class Config:
-        extra = Extra.forbid
-
-
-class _DepartureModel(BaseModel):
-    """Schema of a departure tombstone."""
-
-    peer_id: _PeerId
-    heartbeat: _Float
-    left: StrictBool
-    proof: _Text
-
-    class Config:
-        extra = Extra.forbid
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, MembersValidator):
+            return False
+        self._keys.update(other._keys)
+        return True
 
 
 def make_record_validators(
@@ -317,15 +268,10 @@ def make_record_validators(
     """Validators the agent passes to `hivemind.DHT(record_validators=...)` for this run.
 
     The signature validator signs records whose sub-key holds our public key (and refuses unsigned or
-    forged ones); the schema validator checks the members key. `private_key` defaults to hivemind's
+    forged ones); `MembersValidator` checks the members key. `private_key` defaults to hivemind's
     process-wide key; tests running several DHTs in one process pass one key per peer.
     """
-    # The schema's field name must be the raw DHT key: SchemaValidator maps DHTID(field name) -> field.
-    schema = create_model(
-        "FarlocoMembersSchema",
-        **{members_key(run_name): (dict[BytesWithPublicKey, _MemberModel | _DepartureModel], None)},  # type: ignore[call-overload]
-    )
-    return [RSASignatureValidator(private_key), SchemaValidator(schema, allow_extra_keys=True)]
+    return [RSASignatureValidator(private_key), MembersValidator(run_name)]
 
 
 # --------------------------------------------------------------------------------------------- sans-IO core
@@ -676,7 +622,7 @@ class DHTMembership:
         self.core.prune(self.clock.now())
 
     async def members(self) -> list[MemberRecord]:
-        """Live members of our run (same run_hash, schema-checked), sorted by peer id."""
+        """Live members of our run (same run_hash, decoded by `parse_entry`), sorted by peer id."""
         await self.refresh()
         return self.core.live(self.clock.now())
 

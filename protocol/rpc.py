@@ -593,15 +593,3 @@ class RpcClient:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
-
-
-def header_field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], *, where: str) -> Any:
-    """Read a required header field of the given type, or raise Reject(INVALID_ARGUMENT, BAD_HEADER)."""
-    value = header.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Reject(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "BAD_HEADER",
-            f"{where}: header field {name!r} must be {getattr(kind, '__name__', kind)}, got {value!r:.80}",
-        )
-    return value

@@ -10,6 +10,8 @@ Wire (all frames, see rpc.py; nothing is pickled):
   `{"meta": {...}, "tensors": [{"name", "dtype", "shape", "nbytes", "sha256"}], "chunk_bytes": int}`), then
   for each range its bytes in chunks of at most 1 MiB: header `{"kind": "chunk", "name", "offset", "crc32"}`,
   payload = the tensor's raw little-endian bytes at [offset, offset + len).
+Each of these is a typed message (`StateRequest`, `Manifest` with its `TensorEntry`s, `StateChunk`) decoded with
+the field checks of `farloco.protocol.messages`.
 
 The joiner (`fetch_state`) reads every donor's manifest, keeps the donors of the highest round that agree on
 one manifest, checks sizes/dtypes/shapes against its limits *before* allocating, then lets each donor pull
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 from farloco.protocol import digest
+from farloco.protocol.messages import Fields, WireError, check_int, check_str
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
 from farloco.protocol.types import DTYPES
 from farloco.util.tasks import wait_for
@@ -68,6 +71,11 @@ class StateSyncError(Exception):
     """A state fetch failed: no usable donor, a manifest over our limits, or data that does not verify."""
 
 
+MAX_NAME = 1024  # characters of a tensor name
+MAX_DIMS = 16
+MAX_RANGES = 1 << 16  # ranges one request may ask for
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of the manifest."""
@@ -87,10 +95,28 @@ class TensorEntry:
             "sha256": self.sha256,
         }
 
+    @classmethod
+    def from_wire(cls, data: object, where: str) -> TensorEntry:
+        """Decode a manifest's tensor entry; its nbytes must be what its dtype and shape take (`WireError`)."""
+        fields = Fields(data, where, ("name", "dtype", "shape", "nbytes", "sha256"))
+        name = fields.text("name", min_len=1, max_len=MAX_NAME)
+        dtype = fields.choice("dtype", sorted(DTYPES))
+        shape = tuple(fields.items("shape", check_int, max_len=MAX_DIMS))
+        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        expected = math.prod(shape) * itemsize
+        nbytes = fields.raw("nbytes")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes != expected:
+            raise WireError(
+                fields.at("nbytes"), f"{expected} (shape {list(shape)} x {itemsize} bytes)", nbytes
+            )
+        return cls(name, dtype, shape, nbytes, fields.hex("sha256", exact=64))
+
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a donor serves: the provider's meta (round_id, run_hash, ...) and its tensors' layout and hashes."""
+    """What a donor serves: the provider's meta (round_id, run_hash, ...) and its tensors' layout and hashes.
+
+    On the wire: the payload of the answer's first frame, msgpack of `{meta, tensors, chunk_bytes}`."""
 
     meta: dict[str, Any]
     tensors: tuple[TensorEntry, ...]
@@ -120,71 +146,117 @@ class Manifest:
         }
         return bytes(msgpack.packb(wire, use_bin_type=True))
 
+    @classmethod
+    def decode(
+        cls,
+        payload: bytes | memoryview,
+        *,
+        max_total_bytes: int,
+        max_tensors: int,
+        max_chunk_bytes: int = 4 * CHUNK_BYTES,
+    ) -> Manifest:
+        """Decode and check a manifest against our limits (StateSyncError naming the field); nothing is
+        allocated for the tensors here."""
+        if len(payload) > MAX_MANIFEST_BYTES:
+            raise _fail("manifest", f"at most {MAX_MANIFEST_BYTES} bytes", f"{len(payload)} bytes")
+        try:
+            wire = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=max_tensors + 16)
+        except Exception as error:  # msgpack raises several unrelated types on bad input
+            raise _fail("manifest", "valid msgpack", f"{type(error).__name__}: {error}") from None
+        try:
+            fields = Fields(wire, "manifest", ("meta", "tensors", "chunk_bytes"))
+            meta = fields.raw("meta")
+            if not isinstance(meta, dict):
+                raise WireError(fields.at("meta"), "a map with round_id: int >= 0", meta)
+            Fields.loose(meta, fields.at("meta")).integer("round_id")
+            chunk_bytes = fields.integer("chunk_bytes", low=1, high=max_chunk_bytes)
+            entries = fields.items("tensors", TensorEntry.from_wire, max_len=max_tensors)
+        except WireError as error:
+            raise StateSyncError(str(error)) from None
+        names = [t.name for t in entries]
+        if len(set(names)) != len(names):
+            raise _fail("manifest.tensors", "unique names", sorted(n for n in names if names.count(n) > 1))
+        total = 0
+        for entry in entries:
+            total += entry.nbytes
+            if total > max_total_bytes:
+                raise _fail(
+                    "manifest",
+                    f"a state of at most max_total_bytes={max_total_bytes}",
+                    f"more than {total} bytes",
+                )
+        return cls(meta, tuple(entries), chunk_bytes)
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """A `GetState` request: the byte ranges `[name, start, end)` wanted (none: the manifest only), of the state
+    `manifest_id` pins (None: the donor's current one). Whether a range lies within a tensor is the donor's
+    check."""
+
+    ranges: tuple[tuple[str, int, int], ...] = ()
+    manifest_id: str | None = None
+
+    def encode(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"ranges": [list(r) for r in self.ranges]}
+        if self.manifest_id is not None:
+            header["manifest_id"] = self.manifest_id
+        return header
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> StateRequest:
+        """Decode a request frame's header; `Reject` (INVALID_ARGUMENT, BAD_RANGE or BAD_REQUEST) if malformed."""
+        fields = Fields.loose(header, "request")
+        try:
+            ranges = fields.items("ranges", _check_range, max_len=MAX_RANGES) if fields.has("ranges") else []
+        except WireError as error:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_RANGE", str(error)) from None
+        try:
+            pinned = None if fields.raw("manifest_id") is None else fields.hex("manifest_id", exact=64)
+        except WireError as error:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST", str(error)) from None
+        return cls(tuple(ranges), pinned)
+
+
+def _check_range(value: object, where: str) -> tuple[str, int, int]:
+    if not isinstance(value, list) or len(value) != 3:
+        raise WireError(where, "[name, start, end]", value)
+    return (
+        check_str(value[0], f"{where}.name", min_len=1, max_len=MAX_NAME),
+        check_int(value[1], f"{where}.start"),
+        check_int(value[2], f"{where}.end"),
+    )
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    """The header of an answer's chunk frame: the payload is tensor `name`'s bytes from `offset`, of CRC-32
+    `crc32`."""
+
+    name: str
+    offset: int
+    crc32: int
+
+    def encode(self) -> dict[str, Any]:
+        return {"kind": "chunk", "name": self.name, "offset": self.offset, "crc32": self.crc32}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> StateChunk:
+        """Decode a chunk frame's header; `WireError` naming the bad field."""
+        fields = Fields(header, "chunk", ("kind", "name", "offset", "crc32"))
+        fields.choice("kind", ("chunk",))
+        return cls(
+            fields.text("name", min_len=1, max_len=MAX_NAME),
+            fields.integer("offset"),
+            fields.integer("crc32", high=0xFFFFFFFF),
+        )
+
+
+MANIFEST_HEADER = {"kind": "manifest"}  # the header of an answer's first frame (the manifest is its payload)
+
 
 def _fail(where: str, expected: str, got: object) -> StateSyncError:
     return StateSyncError(f"{where}: expected {expected}, got {got!r:.200}")
-
-
-def parse_manifest(
-    payload: bytes | memoryview,
-    *,
-    max_total_bytes: int,
-    max_tensors: int,
-    max_chunk_bytes: int = 4 * CHUNK_BYTES,
-) -> Manifest:
-    """Decode and check a manifest against our limits; nothing is allocated for the tensors here."""
-    if len(payload) > MAX_MANIFEST_BYTES:
-        raise _fail("manifest", f"at most {MAX_MANIFEST_BYTES} bytes", f"{len(payload)} bytes")
-    try:
-        wire = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=max_tensors + 16)
-    except Exception as error:  # msgpack raises several unrelated types on bad input
-        raise _fail("manifest", "valid msgpack", f"{type(error).__name__}: {error}") from None
-    if not isinstance(wire, dict) or set(wire) != {"meta", "tensors", "chunk_bytes"}:
-        raise _fail(
-            "manifest",
-            "a map with meta, tensors, chunk_bytes",
-            sorted(wire) if isinstance(wire, dict) else wire,
-        )
-    meta, tensors, chunk_bytes = wire["meta"], wire["tensors"], wire["chunk_bytes"]
-    if not isinstance(meta, dict) or not isinstance(meta.get("round_id"), int) or meta["round_id"] < 0:
-        raise _fail("manifest meta", "a map with round_id: int >= 0", meta)
-    if not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= max_chunk_bytes:
-        raise _fail("manifest chunk_bytes", f"an int in (0, {max_chunk_bytes}]", chunk_bytes)
-    if not isinstance(tensors, list) or len(tensors) > max_tensors:
-        raise _fail(
-            "manifest tensors", f"a list of at most {max_tensors} entries", f"{type(tensors).__name__}"
-        )
-    entries, names, total = [], set(), 0
-    for item in tensors:
-        if not isinstance(item, dict) or set(item) != {"name", "dtype", "shape", "nbytes", "sha256"}:
-            raise _fail("manifest tensor", "{name, dtype, shape, nbytes, sha256}", item)
-        name, dtype, shape, nbytes, sha = (item[k] for k in ("name", "dtype", "shape", "nbytes", "sha256"))
-        if not isinstance(name, str) or not name or name in names:
-            raise _fail("manifest tensor name", "a unique non-empty str", name)
-        if dtype not in DTYPES:
-            raise _fail(f"dtype of {name}", f"one of {sorted(DTYPES)}", dtype)
-        if (
-            not isinstance(shape, list)
-            or len(shape) > 16
-            or not all(isinstance(d, int) and d >= 0 for d in shape)
-        ):
-            raise _fail(f"shape of {name}", "a list of at most 16 ints >= 0", shape)
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        expected = math.prod(shape) * itemsize
-        if nbytes != expected:
-            raise _fail(f"nbytes of {name}", f"{expected} (shape {shape} x {itemsize} bytes)", nbytes)
-        if not isinstance(sha, str) or len(sha) != 64:
-            raise _fail(f"sha256 of {name}", "64 hex chars", sha)
-        total += nbytes
-        if total > max_total_bytes:
-            raise _fail(
-                "manifest",
-                f"a state of at most max_total_bytes={max_total_bytes}",
-                f"more than {total} bytes",
-            )
-        names.add(name)
-        entries.append(TensorEntry(name, dtype, tuple(shape), nbytes, sha))
-    return Manifest(meta, tuple(entries), chunk_bytes)
 
 
 def _raw_bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -325,14 +397,8 @@ class StateServer:
                 "BAD_REQUEST",
                 "GetState expects one request frame, got none",
             )
-        ranges = request.header.get("ranges", [])
-        pinned = request.header.get("manifest_id")
-        if not isinstance(ranges, list) or len(ranges) > 1 << 16:
-            raise Reject(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "BAD_RANGE",
-                f"ranges must be a list, got {type(ranges).__name__}",
-            )
+        asked = StateRequest.decode(request.header)
+        pinned = asked.manifest_id
         served = self._pinned(pinned) if pinned is not None else None
         if served is not None:  # the state this transfer began on, current or kept: no new snapshot needed
             served.used = time.monotonic()
@@ -347,26 +413,20 @@ class StateServer:
                 f"requested state {str(pinned)[:16]}, this donor now serves round {manifest.round_id} "
                 f"({manifest.manifest_id[:16]}){kept}",
             )
-        checked = []
-        for item in ranges:
-            ok = isinstance(item, list) and len(item) == 3 and item[0] in raw
-            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in item[1:])
-            if not ok or not 0 <= item[1] < item[2] <= raw[item[0]].nbytes:
+        for name, start, end in asked.ranges:
+            if name not in raw or not start < end <= raw[name].nbytes:
                 raise Reject(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "BAD_RANGE",
-                    f"expected [name, start, end] within a tensor, got {item!r:.120}",
+                    f"expected [name, start, end] within a tensor, got {[name, start, end]!r:.120}",
                 )
-            checked.append((item[0], item[1], item[2]))
-        yield Frame({"kind": "manifest"}, manifest.encode())
-        for name, start, end in checked:
+        yield Frame(dict(MANIFEST_HEADER), manifest.encode())
+        for name, start, end in asked.ranges:
             data = raw[name].data
             for offset in range(start, end, self.chunk_bytes):
                 payload = data[offset : min(offset + self.chunk_bytes, end)]
                 self.bytes_served += len(payload)
-                yield Frame(
-                    {"kind": "chunk", "name": name, "offset": offset, "crc32": zlib.crc32(payload)}, payload
-                )
+                yield Frame(StateChunk(name, offset, zlib.crc32(payload)).encode(), payload)
                 if self.on_served is not None:
                     self.on_served(self.bytes_served)
 
@@ -466,13 +526,15 @@ async def fetch_state(
             async for frame in client.stream(
                 donor,
                 METHOD,
-                _one_request(Frame({"ranges": []})),
+                _one_request(Frame(StateRequest().encode())),
                 round_id=0,
                 timeout=max(deadline - loop.time(), 0.001),
             ):
-                if frame.header.get("kind") != "manifest":
+                if frame.header != MANIFEST_HEADER:
                     raise _fail(f"first frame from {donor}", "a manifest", frame.header)
-                return parse_manifest(frame.payload, max_total_bytes=max_total_bytes, max_tensors=max_tensors)
+                return Manifest.decode(
+                    frame.payload, max_total_bytes=max_total_bytes, max_tensors=max_tensors
+                )
             raise _fail(f"answer from {donor}", "a manifest frame", "an empty stream")
         except (RpcError, StateSyncError) as error:
             failures[donor] = str(error)
@@ -595,7 +657,7 @@ async def _download(
     sha256-checked at the end (`_BadData`); StateSyncError when the donors fail or time runs out."""
     loop = asyncio.get_running_loop()
     timeout = max(deadline - loop.time(), 0.001)
-    # Sizes were checked by parse_manifest: only now allocate.
+    # Sizes were checked by Manifest.decode: only now allocate.
     tensors = {t.name: torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in manifest.tensors}
     buffers = {name: _raw_bytes(t) for name, t in tensors.items()}  # views sharing the tensors' storage
     total, done = manifest.total_bytes, 0
@@ -612,7 +674,7 @@ async def _download(
     async def receive(donor: str, segment: _Segment) -> None:
         nonlocal done
         request = Frame(
-            {"ranges": [[segment.name, segment.start, segment.end]], "manifest_id": manifest.manifest_id}
+            StateRequest(((segment.name, segment.start, segment.end),), manifest.manifest_id).encode()
         )
         frames = client.stream(
             donor,
@@ -625,16 +687,16 @@ async def _download(
         async for frame in frames:
             if first:
                 first = False
-                if frame.header.get("kind") != "manifest":
+                if frame.header != MANIFEST_HEADER:
                     raise _fail(f"first frame from {donor}", "a manifest", frame.header)
                 continue
-            header, payload = frame.header, frame.payload
-            if (
-                header.get("kind") != "chunk"
-                or header.get("name") != segment.name
-                or header.get("offset") != segment.start
-            ):
-                raise _fail(f"chunk from {donor}", f"{segment.name}@{segment.start}", header)
+            payload = frame.payload
+            try:
+                chunk = StateChunk.decode(frame.header)
+            except WireError as error:
+                raise StateSyncError(f"chunk from {donor}: {error}") from None
+            if chunk.name != segment.name or chunk.offset != segment.start:
+                raise _fail(f"chunk from {donor}", f"{segment.name}@{segment.start}", frame.header)
             size = len(payload)
             if not 0 < size <= segment.end - segment.start:
                 raise _fail(
@@ -642,10 +704,10 @@ async def _download(
                     f"1..{segment.end - segment.start} bytes",
                     size,
                 )
-            if zlib.crc32(payload) != header.get("crc32"):
+            if zlib.crc32(payload) != chunk.crc32:
                 raise _fail(
                     f"chunk {segment.name}@{segment.start} from {donor}",
-                    f"crc32={header.get('crc32')}",
+                    f"crc32={chunk.crc32}",
                     zlib.crc32(payload),
                 )
             buffers[segment.name][segment.start : segment.start + size] = np.frombuffer(

@@ -7,25 +7,40 @@ frame per chunk of the lane (dense; `absent` outside the sender's span, no paylo
 answerer's `Vote`.
 
 Each message is a frozen dataclass: `encode()` gives the frame header (1-2 letter msgpack keys, in a fixed
-order), `decode(header)` checks every field's type and raises a `Reject` naming what is wrong. Checks that need
-the attempt (does the hello's codec match ours? is this the chunk we expect next?) are the receiver's.
+order), `decode(header)` reads it with the field checks of `farloco.protocol.messages` (no coercion; fields
+a decoder does not read are ignored) and raises a `Reject` with the exchange's reason code for the field
+(`refusing` turns the check's `WireError` into it), its detail naming the field, what was expected and what
+came. Checks that need the attempt (does the hello's codec match ours? is this the chunk we expect next?) are
+the receiver's.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from farloco.protocol.exchange.plan import MAX_LANES
+from farloco.protocol.messages import Fields, WireError, check_str
 from farloco.protocol.rpc import Frame, Reject, encode_frame_header
 
 PUSH_METHOD = "ExchangePush"
 VOTE_METHOD = "ExchangeVote"
 # A stream that simply ends early is what a crashed or cancelled peer looks like: no evidence of bad data.
 NOT_BLAME = frozenset({"TRUNCATED"})
+MAX_BAD = 1 << 16  # members a vote may name as bad
+
+
+@contextmanager
+def refusing(reason: str) -> Iterator[None]:
+    """Turn a field check's `WireError` into a `Reject` (INVALID_ARGUMENT) with the exchange's `reason` code."""
+    try:
+        yield
+    except WireError as error:
+        raise invalid(reason, str(error)) from None
 
 
 def invalid(reason: str, detail: str) -> Reject:
@@ -68,10 +83,9 @@ class AttemptRef:
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> AttemptRef:
-        key, attempt_no = header.get("g"), header.get("a")
-        if not isinstance(key, str) or len(key) != 64 or not isinstance(attempt_no, int):
-            raise invalid("BAD_HEADER", f"expected a 64-char group id and an attempt number, got {key!r:.80}")
-        return cls(key, attempt_no)
+        fields = Fields.loose(header, "header")
+        with refusing("BAD_HEADER"):
+            return cls(fields.hex("g", exact=64), fields.integer("a"))
 
 
 @dataclass(frozen=True)
@@ -114,37 +128,24 @@ class Hello:
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Hello:
         ref = AttemptRef.decode(header)
-        numel = header.get("n")
-        if not isinstance(numel, int):
-            raise invalid("SHAPE_MISMATCH", f"expected an int numel, got {numel!r:.20}")
-        chunk_elems, slices = header.get("ce"), header.get("sl", 0)
-        if not isinstance(chunk_elems, int) or not isinstance(slices, int):
-            raise invalid(
-                "CHUNK_MISMATCH",
-                f"expected int chunk elements and slices, got {chunk_elems!r:.20} at {slices!r:.20}",
-            )
-        codec, dense, raw = header.get("c"), header.get("d"), header.get("r", False)
-        if not isinstance(codec, str) or not isinstance(dense, bool) or not isinstance(raw, bool):
-            raise invalid("CODEC_MISMATCH", f"expected a codec name and its flags, got {codec!r:.40}")
-        aggregator = header.get("ag", "mean")
-        if not isinstance(aggregator, str):
-            raise invalid("AGGREGATOR_MISMATCH", f"expected an aggregator name, got {aggregator!r:.40}")
-        weight = header.get("w")
-        if not isinstance(weight, float) or not (math.isfinite(weight) and weight > 0):
-            raise invalid("BAD_WEIGHT", f"expected a finite weight > 0, got {weight!r}")
-        lanes, lane = header.get("L", 1), header.get("l", 0)
-        if (
-            not isinstance(lanes, int)
-            or not isinstance(lane, int)
-            or not 1 <= lanes <= MAX_LANES
-            or (not dense and lanes != 1)
-        ):
-            raise invalid(
-                "BAD_HEADER", f"expected lanes in 1..{MAX_LANES} (1 for a sparse codec), got {lanes!r:.20}"
-            )
-        length = header.get("len")
-        if length is not None and not (isinstance(length, int) and length >= 0):
-            raise invalid("SIZE_MISMATCH", f"expected a payload length >= 0, got {length!r:.20}")
+        fields = Fields.loose(header, "hello")
+        with refusing("SHAPE_MISMATCH"):
+            numel = fields.integer("n")
+        with refusing("CHUNK_MISMATCH"):
+            chunk_elems, slices = fields.integer("ce"), fields.integer("sl", default=0)
+        with refusing("CODEC_MISMATCH"):
+            codec, dense, raw = fields.text("c"), fields.flag("d"), fields.flag("r", default=False)
+        with refusing("AGGREGATOR_MISMATCH"):
+            aggregator = fields.text("ag", default="mean")
+        with refusing("BAD_WEIGHT"):
+            weight = fields.real("w", finite=True)
+            if not weight > 0:
+                raise WireError(fields.at("w"), "a finite float > 0", weight)
+        with refusing("BAD_HEADER"):
+            lanes = fields.integer("L", low=1, high=MAX_LANES if dense else 1, default=1)
+            lane = fields.integer("l", default=0)
+        with refusing("SIZE_MISMATCH"):
+            length = None if fields.raw("len") is None else fields.integer("len")
         return cls(
             ref, numel, chunk_elems, slices, codec, dense, weight, raw, lane, lanes, aggregator, length
         )
@@ -163,10 +164,9 @@ class Chunk:
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Chunk:
-        index = header.get("k")
-        if not isinstance(index, int):
-            raise invalid("CHUNK_ORDER", f"expected a chunk index, got {index!r:.20}")
-        return cls(index, header.get("x", False) is True)
+        fields = Fields.loose(header, "chunk")
+        with refusing("CHUNK_ORDER"):
+            return cls(fields.integer("k"), fields.flag("x", default=False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,10 +180,8 @@ class Piece:
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Piece:
-        offset = header.get("o")
-        if not isinstance(offset, int):
-            raise invalid("SIZE_MISMATCH", f"expected a payload offset, got {offset!r:.20}")
-        return cls(offset)
+        with refusing("SIZE_MISMATCH"):
+            return cls(Fields.loose(header, "piece").integer("o"))
 
 
 @dataclass(frozen=True)
@@ -196,7 +194,7 @@ class Done:
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Done:
         if header.get("done") is not True:
-            raise invalid("BAD_HEADER", "expected a done frame")
+            raise invalid("BAD_HEADER", f"done.done: expected True, got {header.get('done')!r:.20}")
         return cls()
 
 
@@ -216,17 +214,10 @@ class Vote:
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> Vote:
-        vote = header.get("v")
-        if (
-            not isinstance(vote, dict)
-            or not isinstance(ok := vote.get("ok"), bool)
-            or not isinstance(numel := vote.get("n"), int)
-            or not isinstance(codec := vote.get("c"), str)
-            or not isinstance(bad := vote.get("bad"), list)
-            or not all(isinstance(p, str) for p in bad)
-        ):
-            raise invalid("BAD_VOTE", f"expected a vote, got {vote!r:.200}")
-        return cls(ok, tuple(bad), numel, codec)
+        with refusing("BAD_VOTE"):
+            fields = Fields.loose(header.get("v"), "vote")
+            bad = fields.items("bad", check_str, max_len=MAX_BAD)
+            return cls(fields.flag("ok"), tuple(bad), fields.integer("n"), fields.text("c"))
 
 
 @dataclass(frozen=True)
@@ -241,7 +232,4 @@ class VoteRequest:
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> VoteRequest:
-        key = header.get("g")
-        if not isinstance(key, str):
-            raise invalid("BAD_HEADER", f"expected a group id string, got {key!r:.80}")
         return cls(AttemptRef.decode(header), Vote.decode(header))

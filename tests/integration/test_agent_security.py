@@ -208,7 +208,7 @@ def _dht_node(maddr: str) -> DhtNode:
 
     from farloco.protocol.membership import make_record_validators
 
-    # Its own key (not hivemind's process-wide one), and the run's schema so what it stores is well-formed:
+    # Its own key (not hivemind's process-wide one), and the run's validators so what it stores is well-formed:
     # only farloco's own checks can tell these records apart from real ones.
     validators = make_record_validators(RUN_NAME, private_key=RSAPrivateKey())
     dht = make_dht(

@@ -10,6 +10,11 @@ from typing import Any
 
 import pytest
 from helpers.dht import CONFIG, DhtPeer, dht_nodes, dht_swarm, rec  # noqa: F401  (dht_nodes, dht_swarm: fixtures)
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from farloco.protocol.auth import Authenticator
@@ -20,10 +25,12 @@ from farloco.protocol.membership import (
     MemberRecord,
     Membership,
     MembershipError,
+    MembersValidator,
     RunMismatchError,
     SlotsExhaustedError,
     config_differences,
     members_key,
+    parse_entry,
 )
 from farloco.util.clock import FakeClock
 
@@ -91,11 +98,11 @@ def test_config_differences_tell_types_apart() -> None:
 
 
 def test_member_record_validation_names_the_bad_field() -> None:
-    with pytest.raises(ValueError, match="state must be one of"):
+    with pytest.raises(ValueError, match=r"member record.state: expected one of"):
         rec("a", state="sleeping")
-    with pytest.raises(ValueError, match="round_id must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"member record.round_id: expected an int >= 0, got -1"):
         rec("a", round_id=-1)
-    with pytest.raises(ValueError, match="loss must be a float, got int"):
+    with pytest.raises(ValueError, match=r"member record.loss: expected a float, got 1"):
         rec("a", loss=1)
     with pytest.raises(ValueError, match="missing \\['version'\\]"):
         MemberRecord.from_wire({k: v for k, v in rec("a").to_wire().items() if k != "version"})
@@ -149,27 +156,107 @@ def test_published_records_are_seen_by_other_peers_and_removed_at_once(dht_swarm
 
 @pytest.mark.dht
 def test_dht_refuses_wrong_schema_and_forged_records(dht_swarm: Any) -> None:  # noqa: F811
+    """Stores through a real DHT: what `parse_entry` refuses (a wrong type, a bool for an int, an extra or a missing
+    field, a bad tombstone) and what is not signed by the sub-key's owner is refused; a record and its tombstone
+    are stored and read back."""
     a, b = dht_swarm(2, run_name="schema")
     key = members_key("schema")
 
     async def main() -> None:
         expiration = get_dht_time() + 30
-        bad = dict(a.record(0).to_wire(), state="dreaming")
-        assert not await a.dht.store(key, bad, expiration, subkey=a.membership.public_key, return_future=True)
-        coerced = dict(a.record(0).to_wire(), loss=1)  # int where the schema wants a float
-        assert not await a.dht.store(
-            key, coerced, expiration, subkey=a.membership.public_key, return_future=True
-        )
-        unsigned = a.record(0).to_wire()
-        assert not await a.dht.store(key, unsigned, expiration, subkey=b"no-key", return_future=True)
+
+        async def store(value: object, subkey: bytes = a.membership.public_key, later: float = 0.0) -> bool:
+            return bool(await a.dht.store(key, value, expiration + later, subkey=subkey, return_future=True))
+
+        record = a.record(0, heartbeat=get_dht_time())
+        good = record.to_wire()
+        for bad in (
+            dict(good, state="dreaming"),
+            dict(good, loss=1),  # int where a float is due
+            dict(good, round_id=0.0),
+            dict(good, slot=False),
+            dict(good, extra=1),
+            {k: v for k, v in good.items() if k != "maddrs"},
+            dict(Departure(record.peer_id, record.heartbeat).to_wire(), left=False),
+        ):
+            assert not await store(bad), bad
+        assert not await store(good, subkey=b"no-key")  # unsigned
         # a cannot write under b's key: it has no b's private key, so the signature check fails
-        forged = b.record(0, state="leaving").to_wire()
-        assert not await a.dht.store(
-            key, forged, expiration, subkey=b.membership.public_key, return_future=True
-        )
+        assert not await store(b.record(0, state="leaving").to_wire(), subkey=b.membership.public_key)
         assert await b.membership.members() == []
+        assert await store(good)
+        assert [r.peer_id for r in await b.membership.members()] == [record.peer_id]
+        # the DHT keeps a sub-key's entry with the latest expiration: the tombstone expires later
+        assert await store(Departure(record.peer_id, record.heartbeat + 1.0).to_wire(), later=1.0)
+        await b.membership.refresh()
+        assert b.membership.departed() == {record.peer_id}
 
     asyncio.run(main())
+
+
+def _entry(validator: MembersValidator, value: object, subkey: object, key: str) -> bool:
+    """What `validator` says of `value` stored under `subkey` of DHT key `key` (as hivemind serializes them)."""
+    serializer = DHTProtocol.serializer
+    raw_subkey = subkey if isinstance(subkey, bytes) and subkey in DHTProtocol.RESERVED_SUBKEYS else None
+    record = DHTRecord(
+        DHTID.generate(source=key).to_bytes(),
+        raw_subkey if raw_subkey is not None else serializer.dumps(subkey),
+        serializer.dumps(value),
+        get_dht_time() + 30,
+    )
+    return validator.validate(record)
+
+
+def test_members_validator_accepts_exactly_what_parse_entry_accepts() -> None:
+    """The members key's DHT validator refuses what the records' decoder refuses: no coercion, no extra field,
+    no missing field, a public key in the sub-key; other keys pass; validators of two runs merge."""
+    validator = MembersValidator("schema")
+    owner = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    key = members_key("schema")
+    good = rec("a").to_wire()
+    departure = Departure("a", 100.0, "proof").to_wire()
+    accepted = [
+        good,
+        departure,
+        dict(good, slot=NO_SLOT, maddrs=[], run_config={}),
+        dict(good, loss=float("nan")),
+    ]
+    refused = [
+        dict(good, extra=1),
+        {k: v for k, v in good.items() if k != "version"},
+        dict(good, round_id=3.0),
+        dict(good, inner_step=True),
+        dict(good, loss=1),
+        dict(good, heartbeat=float("inf")),
+        dict(good, state="dreaming"),
+        dict(good, peer_id=""),
+        dict(good, peer_id="p" * 129),
+        dict(good, address="a" * 257),
+        dict(good, maddrs=[1]),
+        dict(good, maddrs=["m"] * 17),
+        dict(good, run_config={"k": None}),
+        dict(good, run_config={"k": "v" * 257}),
+        dict(departure, extra=1),
+        dict(departure, left=False),
+        dict(departure, heartbeat=100),
+        {k: v for k, v in departure.items() if k != "proof"},
+        [1, 2],
+        None,
+    ]
+    for value in accepted:
+        assert _entry(validator, value, owner, key), value
+        assert parse_entry(value) is not None
+    for value in refused:
+        assert not _entry(validator, value, owner, key), value
+        with pytest.raises(ValueError):
+            parse_entry(value)
+    for subkey in (b"no key", "a str", 5, DHTProtocol.IS_REGULAR_VALUE, DHTProtocol.IS_DICTIONARY):
+        assert not _entry(validator, good, subkey, key), subkey
+    assert _entry(validator, "anything", owner, members_key("another"))  # another key: not ours to check
+    other = MembersValidator("another")
+    assert validator.merge_with(other) and not validator.merge_with(RSASignatureValidator(RSAPrivateKey()))
+    assert not _entry(validator, dict(good, extra=1), owner, members_key("another"))
+    assert validator.priority < RSASignatureValidator(RSAPrivateKey()).priority  # it sees the stripped value
 
 
 @pytest.mark.dht
