@@ -391,7 +391,7 @@ class TimeoutConfig:
     match_timeout_min: float = 2.0
     """Lower bound of the adaptive straggler wait: each round the leader waits for live members not ready yet
     about twice the 90th percentile of recent rounds' ready spreads, within [match_timeout_min, match_timeout]
-    (protocol/matchmaking.py `StragglerWait`); a member dropped for being late raises the wait at once. A round
+    (protocol/matchmaking/rules.py `StragglerWait`); a member dropped for being late raises the wait at once. A round
     never waits less than `leader_timeout` (what keeps the leader election in agreement)."""
     leader_timeout: float = 5.0
     """How long followers wait for a group beyond `match_timeout` before the next peer leads."""

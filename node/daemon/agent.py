@@ -490,7 +490,7 @@ class Agent:
                 "sync": state.sync_progress.snapshot() if state.sync_progress is not None else None,
                 "leave_mode": state.leave_mode,
                 "last_round_seconds": counters.last_round_seconds,
-                # The straggler wait we proposed last round (adaptive, protocol/matchmaking.py StragglerWait).
+                # The straggler wait we proposed last round (adaptive, protocol/matchmaking/rules.py StragglerWait).
                 "match_wait_seconds": (serving.net.matchmaker.last_wait or None)
                 if serving is not None
                 else None,

@@ -374,7 +374,7 @@ class RoundRunner:
         return prepared
 
     async def _match(self, facts: RoundFacts) -> tuple[Any, RoundFacts]:
-        """Form the round's group (protocol/matchmaking.py): (the group or None, the facts with the outcome).
+        """Form the round's group (protocol/matchmaking/): (the group or None, the facts with the outcome).
         No member-record store here: our record moved to this round when its work started (what the early
         freeze needs); the next heartbeat says 'exchanging'. The round's agreement goes over the links."""
         from farloco.protocol.matchmaking import LateForRound, MatchmakingError

@@ -206,7 +206,7 @@ class Swarm:
             name="farloco-prefault",
         )
         # Heartbeats from now on: during a long state fetch our record must stay live and say `syncing`, which
-        # is what makes the others wait for us (protocol/matchmaking.py, catching up).
+        # is what makes the others wait for us (protocol/matchmaking/, catching up).
         self.heartbeat_task = asyncio.create_task(self.heartbeat_loop(), name="farloco-heartbeat")
         others = [m for m in members if m.peer_id != self.state.peer_id and m.round_id > 0]
         if others:

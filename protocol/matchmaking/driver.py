@@ -1,48 +1,6 @@
-"""Round matchmaking: which peers exchange together in outer round r (one group per round).
-
-The rule (a pure function, `decide`, of an injected `now` and the records a peer sees, plus a thin driver,
-`DHTMatchmaker`, that carries the records over the members' own gRPC links and keeps a copy in the DHT):
-
-1. A peer that finished its local work for round r sends a *ready* record (peer id, gRPC address, ready_at in
-   DHT time, the hash of the theta_outer it holds) to every live member over its authenticated link, and
-   stores it in the background under `farloco/{run}/round/{r}` (sub-key = its public key, so the record is
-   signed) for peers its links miss.
-2. The round *opens* at the earliest ready_at seen. Its freeze deadline is `opened + wait`, where `wait` is the
-   straggler wait proposed in the opening record (each peer proposes one from the round's own arrival
-   statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`;
-   never less than `leader_timeout`, which the argument below needs). All
-   peers compute the same deadline from the same records, so a leader change cannot restart the clock.
-3. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
-   (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
-   live member whose member record says round r (and is not leaving) is ready and no member's record says
-   a later round (such a member left round r, so r's group may already exist), and at the latest at the
-   freeze deadline; it then publishes the group (sorted members with addresses and the theta hash each declared
-   in its ready record; group_id = sha256 of the round, member ids and hashes): pushed to its members over the
-   links, and stored under `farloco/{run}/round/{r}/group`.
-4. Followers wait for a group record. If none appears, candidate k (k >= 1) takes over in the window
-   `[freeze + k*leader_timeout, freeze + k*leader_timeout + leader_timeout/2)` and publishes the ready peers
-   it sees minus the k candidates ranked before it (they failed to lead, so they are presumed dead). Every
-   candidate, the leader included, publishes only inside its window, and only if it sees no group yet.
-5. A member that learns the group from another member relays it once to the others and keeps a DHT copy under
-   its own key (a group record may be stored by any of its members): a leader that dies having reached only
-   some members, whose relays are lost, still has its group seen by every candidate before its window.
-   A peer that sees group records takes the one from the lowest leader peer id. If it is not a member, it
-   is late for r: `LateForRound` (it joins round r+1 and never blocks the others). When every candidate's
-   window has passed without a group, every remaining peer is late.
-
-Why it agrees: windows of different candidates are `leader_timeout/2` apart, the eligibility cutoff is
-`leader_timeout/2` before the freeze, so if a record reaches every peer within `leader_timeout/2` (over a link
-or through the DHT, clock skew included), at the freeze every peer sees the same candidates and at
-most one candidate publishes. The early freeze is safe if a member's record moves to round r at least
-twice that bound before it declares itself ready for r, which holds because the record moves when the local
-work of round r starts. The lowest-leader tie-break only matters when those bounds are broken.
-
-Who may write. Ready and group records are read only from signing keys that own a live, proven member record of
-our run (`Membership.owners()`), and a ready record must speak for the peer id of that member record; anything
-else (a foreign DHT node's records, a member's key claiming another peer id) is ignored, logged and counted in
-`Membership.ignored` (NOT_A_MEMBER, PEER_ID_MISMATCH). A ready record from a key we do not know yet triggers one
-re-read of the member table first, so a member whose record we have not seen yet is not dropped by mistake.
-"""
+"""`DHTMatchmaker`: the matchmaking rule (rules.py) driven over the members' authenticated gRPC links, with a
+copy of every record in the DHT for the peers a link misses: pushes and relays, background DHT reads, the
+inbox of records that arrive for rounds around ours, the waits and the late answers."""
 
 from __future__ import annotations
 
@@ -52,469 +10,49 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
 from farloco.protocol import dhtcall
 from farloco.protocol.errors import Reject
+from farloco.protocol.matchmaking.records import (
+    AT_METHOD,
+    GROUP_METHOD,
+    READY_METHOD,
+    AtMessage,
+    GroupRecord,
+    LateForRound,
+    MatchmakingError,
+    ReadyRecord,
+    RecordPush,
+    dht_entries,
+    parse_groups,
+    parse_ready,
+    round_key,
+)
+from farloco.protocol.matchmaking.rules import (
+    Joined,
+    Late,
+    Publish,
+    RoundView,
+    StragglerWait,
+    Wait,
+    decide,
+    schedule,
+    spread_sample,
+)
 from farloco.protocol.membership import DHTMembership, members_key
-from farloco.protocol.messages import Fields, WireError, check_hex, check_int, check_str
 from farloco.protocol.types import Group, GroupMember
 from farloco.util.clock import Clock, DHTClock
 from farloco.util.tasks import cancel_and_wait, wait_for
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("farloco.protocol.matchmaking")
 T = TypeVar("T")
-
-
 STORE_ATTEMPTS = 4
-
-
-class LateForRound(Exception):
-    """This peer is not in the group of `round_id` (frozen without it, or no group formed): go to round_id + 1."""
-
-    def __init__(self, round_id: int, peer_id: str, reason: str, *, group_formed: bool) -> None:
-        super().__init__(f"peer {peer_id} is late for round {round_id}: {reason}")
-        self.round_id = round_id
-        self.peer_id = peer_id
-        self.reason = reason
-        # True: a group of round_id exists without us (its members move on; fetch their state).
-        # False: no group formed at all, so nobody's theta changed in round_id.
-        self.group_formed = group_formed
-
-
-class MatchmakingError(Exception):
-    """The DHT refused one of our matchmaking records, or did not answer a read in time."""
-
-
-def round_key(run_name: str, round_id: int) -> str:
-    """DHT key of round `round_id`'s ready records (its group lives under this key + '/group')."""
-    if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
-        raise ValueError(f"round_id must be an int >= 0, got {round_id!r}")
-    return f"{members_key(run_name).rsplit('/', 1)[0]}/round/{round_id}"
-
-
-MAX_WAIT = 86400.0  # the largest straggler wait a ready record may propose (seconds)
 KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
 KNOCK_TIMEOUT = 2.0  # a knock that has no answer by then says nothing
-MAX_GROUP = 4096  # the most members a group record may list
-MAX_UPDATES = (1 << 53) - 1  # outer steps a declared theta may hold (exact in a float)
-
-
-def _check_name(value: object, where: str) -> str:
-    """A peer id or an address as it travels: a non-empty str of at most 256 characters."""
-    return check_str(value, where, min_len=1)
-
-
-def _check_hash(value: object, where: str) -> str:
-    """A theta hash as it travels: lowercase hex, at most 128 characters ("" where none is declared)."""
-    return check_hex(value, where, max_len=128)
-
-
-def _check_updates(value: object, where: str) -> int:
-    """How many outer steps a declared theta holds: an int >= 0."""
-    return check_int(value, where, high=MAX_UPDATES)
-
-
-def _check_member(value: object, where: str) -> GroupMember:
-    """A group record's member entry: [peer_id, address, outer_hash, updates]."""
-    if not isinstance(value, list | tuple) or len(value) != 4:
-        raise WireError(where, "[peer_id, address, outer_hash, updates]", value)
-    return GroupMember(
-        _check_name(value[0], f"{where}.peer_id"),
-        _check_name(value[1], f"{where}.address"),
-        _check_hash(value[2], f"{where}.outer_hash"),
-        _check_updates(value[3], f"{where}.updates"),
-    )
-
-
-@dataclass(frozen=True)
-class ReadyRecord:
-    """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`, holding the
-    theta_outer of hash `outer_hash` with `updates` outer steps applied; if its record opens the round, wait
-    `wait` seconds for stragglers' (0: the configured match_timeout; see `schedule`). The leader copies each
-    member's hash and steps into the group record.'"""
-
-    peer_id: str
-    address: str
-    round_id: int
-    ready_at: float
-    wait: float = 0.0
-    outer_hash: str = ""
-    updates: int = 0
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id,
-            "address": self.address,
-            "round_id": self.round_id,
-            "ready_at": self.ready_at,
-            "wait": self.wait,
-            "outer_hash": self.outer_hash,
-            "updates": self.updates,
-        }
-
-    @classmethod
-    def from_wire(cls, data: object) -> ReadyRecord:
-        """Decode a ready record (exactly its seven fields); `WireError` (a ValueError) naming the bad field."""
-        fields = Fields(
-            data,
-            "ready record",
-            ("peer_id", "address", "round_id", "ready_at", "wait", "outer_hash", "updates"),
-        )
-        return cls(
-            _check_name(fields.raw("peer_id"), fields.at("peer_id")),
-            _check_name(fields.raw("address"), fields.at("address")),
-            fields.integer("round_id"),
-            fields.real("ready_at", finite=True),
-            fields.real("wait", low=0.0, high=MAX_WAIT),
-            _check_hash(fields.raw("outer_hash"), fields.at("outer_hash")),
-            _check_updates(fields.raw("updates"), fields.at("updates")),
-        )
-
-
-@dataclass(frozen=True)
-class GroupRecord:
-    """A frozen group as its `leader` published it at `frozen_at`."""
-
-    leader: str
-    group: Group
-    frozen_at: float
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "leader": self.leader,
-            "round_id": self.group.round_id,
-            "group_id": self.group.group_id,
-            "members": [[m.peer_id, m.address, m.outer_hash, m.updates] for m in self.group.members],
-            "frozen_at": self.frozen_at,
-        }
-
-    @classmethod
-    def from_wire(cls, data: object) -> GroupRecord:
-        """Decode and check a group record: the group id must match its round and members, the leader be one
-        of them (`WireError`, a ValueError, naming what is wrong)."""
-        fields = Fields(data, "group record", ("leader", "round_id", "group_id", "members", "frozen_at"))
-        members = fields.items("members", _check_member, min_len=1, max_len=MAX_GROUP)
-        group = Group.make(fields.integer("round_id"), members)
-        if len({m.peer_id for m in group.members}) != len(group.members):
-            raise WireError(fields.at("members"), "distinct peer ids", [m.peer_id for m in group.members])
-        if fields.raw("group_id") != group.group_id:
-            raise WireError(
-                fields.at("group_id"),
-                f"the group id of its round and members, {group.group_id[:16]}...",
-                str(fields.raw("group_id"))[:16],
-            )
-        leader = _check_name(fields.raw("leader"), fields.at("leader"))
-        if leader not in {m.peer_id for m in group.members}:
-            raise WireError(fields.at("leader"), "one of its members", leader)
-        return cls(leader, group, fields.real("frozen_at", finite=True))
-
-
-R = TypeVar("R", ReadyRecord, GroupRecord)
-
-
-@dataclass(frozen=True)
-class RecordPush(Generic[R]):
-    """A `MatchReady` or `MatchGroup` call: a ready record pushed by its peer (header `r`), or a group record
-    pushed or relayed by one of its members (header `g`)."""
-
-    record: R
-
-    def encode(self) -> dict[str, Any]:
-        return {_PUSH_KEYS[type(self.record)]: self.record.to_wire()}
-
-    @classmethod
-    def decode(cls, header: dict[str, Any], kind: type[R]) -> RecordPush[R]:
-        """The `kind` of record the method carries, decoded (`WireError`, a ValueError, if malformed)."""
-        return cls(kind.from_wire(header.get(_PUSH_KEYS[kind])))
-
-
-_PUSH_KEYS: dict[type, str] = {ReadyRecord: "r", GroupRecord: "g"}
-
-
-@dataclass(frozen=True)
-class AtMessage:
-    """A `MatchAt` call: the sender starts its local work for the token's round from the theta of hash
-    `outer_hash` (header `h`, left out when "")."""
-
-    outer_hash: str = ""
-
-    def encode(self) -> dict[str, Any]:
-        return {"h": self.outer_hash} if self.outer_hash else {}
-
-    @classmethod
-    def decode(cls, header: dict[str, Any]) -> AtMessage:
-        return cls(_check_hash(header.get("h", ""), "announcement.h"))
-
-
-@dataclass(frozen=True)
-class RoundView:
-    """What one peer sees of round r at `now`.
-
-    `ready`: ready records of the round by peer id; `groups`: group records of the round whose leader's
-    ownership was checked; `expected`: peer ids of live members whose record says this round and that are not
-    leaving; `ahead`: live members whose record says a later round (they left this round, so its group may
-    already exist); `leaving`: peer ids whose member record says 'leaving' (never waited for, never grouped);
-    `catching_up`: the members of `expected` that are there because their record says they are fetching the
-    swarm's state (`syncing`, at this round or behind): waited for like the others, but one that misses the
-    freeze says nothing about how long stragglers need (no `StragglerWait` sample).
-    """
-
-    now: float
-    ready: Mapping[str, ReadyRecord]
-    groups: Sequence[GroupRecord]
-    expected: frozenset[str]
-    ahead: frozenset[str] = frozenset()
-    leaving: frozenset[str] = frozenset()
-    catching_up: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing to do yet; look again (re-read the DHT) no later than `until`."""
-
-    until: float
-
-
-@dataclass(frozen=True)
-class Publish:
-    """We lead: store this group record; once stored, the group is ours."""
-
-    record: GroupRecord
-
-
-@dataclass(frozen=True)
-class Joined:
-    """The round's group, with us in it."""
-
-    group: Group
-
-
-@dataclass(frozen=True)
-class Late:
-    """We are not in round r's group (or none formed): raise LateForRound with `reason`."""
-
-    reason: str
-
-
-Decision = Wait | Publish | Joined | Late
-
-
-@dataclass(frozen=True)
-class RoundSchedule:
-    """The deadlines of a round, derived from its ready records (equal on every peer that sees them)."""
-
-    opened: float
-    freeze_at: float
-    candidates: tuple[str, ...]  # eligible peers, by peer id: rank 0 leads, rank k takes over k-th
-    leader_timeout: float
-
-    def window(self, rank: int) -> tuple[float, float]:
-        """[start, end) during which candidate `rank` may publish a group (rank 0 may also freeze early)."""
-        start = self.freeze_at + rank * self.leader_timeout
-        return (-math.inf if rank == 0 else start), start + self.leader_timeout / 2
-
-    @property
-    def give_up_at(self) -> float:
-        """After this, no candidate may publish any more: peers still without a group are late."""
-        return self.freeze_at + len(self.candidates) * self.leader_timeout
-
-
-def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) -> RoundSchedule:
-    """Deadlines and candidate ranking of the round `view` describes (it must hold a ready record).
-
-    The straggler wait is the one proposed by the record that opened the round (earliest ready_at, then lowest
-    peer id), capped at `match_timeout`; a record proposing none (0) waits `match_timeout`. Every peer that
-    sees the opening record computes the same freeze deadline, whatever its own estimate."""
-    if not view.ready:
-        raise ValueError("a round schedule needs at least one ready record (our own), got none")
-    opener = min(view.ready.values(), key=lambda record: (record.ready_at, record.peer_id))
-    opened = opener.ready_at
-    wait = min(opener.wait, match_timeout) if opener.wait > 0 else match_timeout
-    # Never below leader_timeout: the agreement argument needs every record that is in time for the candidate
-    # cutoff (leader_timeout/2 before the freeze) to reach every peer before the freeze. A 2 s wait with a 5 s
-    # leader_timeout left the opener its only candidate, and peers that had not seen the opener's record yet
-    # each led a group of their own (8 peers on 2 cores, 0.1 s rounds: 21 of 81 rounds with two groups).
-    wait = max(wait, min(leader_timeout, match_timeout))
-    cutoff = opened + max(wait - leader_timeout / 2, 0.0)
-    candidates = tuple(
-        sorted(
-            peer_id
-            for peer_id, record in view.ready.items()
-            if record.ready_at <= cutoff and peer_id not in view.leaving
-        )
-    )
-    return RoundSchedule(opened, opened + wait, candidates, leader_timeout)
-
-
-def decide(
-    round_id: int, me: GroupMember, view: RoundView, *, match_timeout: float, leader_timeout: float
-) -> Decision:
-    """The matchmaking rule (module docstring) for peer `me` in round `round_id`, given what it sees."""
-    if not match_timeout > 0 or not leader_timeout > 0:
-        raise ValueError(
-            f"match_timeout and leader_timeout must be > 0, got {match_timeout} and {leader_timeout}"
-        )
-    if me.peer_id not in view.ready:
-        raise ValueError(
-            f"peer {me.peer_id} must see its own ready record for round {round_id} before deciding"
-        )
-    groups = [record for record in view.groups if record.group.round_id == round_id]
-    if groups:
-        chosen = min(groups, key=lambda record: record.leader)
-        if me.peer_id in {m.peer_id for m in chosen.group.members}:
-            return Joined(chosen.group)
-        return Late(
-            f"round {round_id} was frozen by {chosen.leader} with {len(chosen.group.members)} members "
-            f"({', '.join(m.peer_id for m in chosen.group.members)}), not including us"
-        )
-
-    plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
-    now = view.now
-    if me.peer_id in plan.candidates:
-        rank = plan.candidates.index(me.peer_id)
-        start, end = plan.window(rank)
-        if rank == 0 and now < plan.freeze_at:
-            # A member already past this round means a group may exist that we cannot see yet: no early
-            # freeze then, the deadline (or that group's record) settles it.
-            everyone_ready = (
-                me.peer_id in view.expected and view.expected <= view.ready.keys() and not view.ahead
-            )
-            if not everyone_ready:
-                return Wait(plan.freeze_at)
-        if start <= now < end:
-            skipped = set(plan.candidates[:rank])
-            members = [
-                GroupMember(record.peer_id, record.address, record.outer_hash, record.updates)
-                for record in view.ready.values()
-                if record.peer_id not in skipped and record.peer_id not in view.leaving
-            ]
-            return Publish(GroupRecord(me.peer_id, Group.make(round_id, members), now))
-        if now < start:
-            return Wait(start)
-    if now >= plan.give_up_at:
-        return Late(
-            f"no group was published for round {round_id} by any of its {len(plan.candidates)} leader "
-            f"candidates ({', '.join(plan.candidates)}) before {plan.give_up_at:.3f}"
-        )
-    return Wait(plan.give_up_at)
-
-
-@dataclass
-class StragglerWait:
-    """The straggler wait a peer proposes in its ready records, from the round's own arrival statistics.
-
-    Each formed group gives one sample: how long after the round opened its last member was ready (the ready
-    spread), or, when a member we expected was not ready in time, the wait that round used (a censored sample:
-    the straggler needed more). The proposal is `factor` times the `quantile` of the last `window` samples,
-    bounded below by `floor` (`timeouts.match_timeout_min`) and above by `ceiling` (`timeouts.match_timeout`);
-    until `min_samples` rounds are seen it is the ceiling. So fast rounds are not held for a timeout sized for
-    slow links, a member that is merely slow raises the wait within a round or two (each censored sample at
-    least doubles it, up to the ceiling), and a dead member costs at most the wait (or its record's expiry).
-    """
-
-    floor: float
-    ceiling: float
-    window: int = 32
-    min_samples: int = 5
-    quantile: float = 0.9
-    factor: float = 2.0
-    samples: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.floor <= self.ceiling:
-            raise ValueError(
-                f"need 0 < match_timeout_min <= match_timeout, got {self.floor} and {self.ceiling}"
-            )
-
-    def observe(self, spread: float) -> None:
-        self.samples.append(max(0.0, float(spread)))
-        del self.samples[: -self.window]
-
-    def wait(self) -> float:
-        if len(self.samples) < self.min_samples:
-            return self.ceiling
-        ordered = sorted(self.samples)
-        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-        return min(self.ceiling, max(self.floor, self.factor * q))
-
-
-def spread_sample(group: Group, view: RoundView, plan: RoundSchedule) -> float:
-    """One `StragglerWait` sample from a formed group and the view it was decided on (see there)."""
-    members = {m.peer_id for m in group.members}
-    if (
-        view.expected - view.catching_up - members
-    ):  # someone we waited for missed the freeze: too short a wait
-        return plan.freeze_at - plan.opened
-    times = [view.ready[p].ready_at for p in members if p in view.ready]
-    return max(times, default=plan.opened) - plan.opened
-
-
-# --------------------------------------------------------------------------------------------- DHT driver
-
-
-def _entries(result: Any) -> dict[bytes, Any]:
-    """{sub-key: raw value} of a hivemind get() result on a dictionary key (empty when nothing is stored)."""
-    value = getattr(result, "value", None) if result is not None else None
-    if not isinstance(value, dict):
-        return {}
-    return {
-        subkey: getattr(item, "value", None) for subkey, item in value.items() if isinstance(subkey, bytes)
-    }
-
-
-def parse_ready(raw: Mapping[bytes, Any], round_id: int) -> tuple[dict[str, ReadyRecord], dict[str, bytes]]:
-    """Ready records of `round_id` by peer id, and each peer id's owner key.
-
-    A peer id claimed under two different owner keys is dropped: we cannot tell which one is real.
-    """
-    ready: dict[str, ReadyRecord] = {}
-    owners: dict[str, bytes] = {}
-    disputed: set[str] = set()
-    for owner, value in raw.items():
-        try:
-            record = ReadyRecord.from_wire(value)
-        except ValueError as error:
-            logger.warning("ignoring a malformed ready record for round %d: %s", round_id, error)
-            continue
-        if record.round_id != round_id:
-            logger.warning("ignoring a ready record of round %d under round %d", record.round_id, round_id)
-            continue
-        if record.peer_id in owners and owners[record.peer_id] != owner:
-            disputed.add(record.peer_id)
-        ready[record.peer_id], owners[record.peer_id] = record, owner
-    for peer_id in disputed:
-        logger.warning("ignoring peer %s in round %d: two owner keys claim it", peer_id, round_id)
-        del ready[peer_id], owners[peer_id]
-    return ready, owners
-
-
-def parse_groups(raw: Mapping[bytes, Any], round_id: int, owners: Mapping[str, bytes]) -> list[GroupRecord]:
-    """Group records of `round_id` stored by one of the group's members, under the key that owns that member's
-    ready record (the leader's copy, or the copy a member keeps once it learned the group from someone else)."""
-    writers = {owner: peer_id for peer_id, owner in owners.items()}
-    groups = []
-    for owner, value in raw.items():
-        try:
-            record = GroupRecord.from_wire(value)
-        except ValueError as error:
-            logger.warning("ignoring a malformed group record for round %d: %s", round_id, error)
-            continue
-        if record.group.round_id != round_id or writers.get(owner) not in {
-            m.peer_id for m in record.group.members
-        }:
-            # Unknown writer (its ready record not seen yet, or not a member): look again next poll.
-            continue
-        groups.append(record)
-    return groups
-
-
-READY_METHOD = "MatchReady"
-GROUP_METHOD = "MatchGroup"
-AT_METHOD = "MatchAt"
 # Rounds of pushed messages kept around the one we are in: behind it (a relay or a duplicate arriving late) and
 # ahead of it (peers that finished their local work before us).
 _INBOX_BEHIND = 2
@@ -919,7 +457,7 @@ class DHTMatchmaker:
             raise MatchmakingError(
                 f"the DHT did not answer a read of {key} within {dhtcall.DHT_CALL_TIMEOUT:.0f} s"
             ) from exc
-        return _entries(result)
+        return dht_entries(result)
 
     def _from_members(self, raw: Mapping[bytes, Any], key: str, now: float) -> dict[bytes, Any]:
         """The entries of `raw` signed by a current member's key and speaking for that member's peer id."""
