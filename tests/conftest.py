@@ -208,4 +208,4 @@ def _kill_children_of(children: dict[int, str]) -> None:
             psutil.Process(pid).kill()
 
 
-pytest_plugins = ["pytester"]  # tests/unit/test_hygiene.py runs small suites under this conftest
+pytest_plugins = ["pytester"]  # tests/integration/test_hygiene.py runs small suites under this conftest
