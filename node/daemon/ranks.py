@@ -54,10 +54,6 @@ class Ranks:
         )
 
     @property
-    def started(self) -> bool:
-        return self._handoff is not None
-
-    @property
     def handoff(self) -> Handoff:
         if self._handoff is None:
             raise AgentError("the trainer ranks have not started")
