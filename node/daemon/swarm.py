@@ -21,6 +21,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from farloco.node.config import diff_run, run_section
@@ -551,7 +552,7 @@ class Swarm:
         log.info("round %d closed without an update (%s)", self.outer.round_id - 1, reason)
         return False
 
-    async def _resume(self, path: Any) -> None:
+    async def _resume(self, path: Path | None) -> None:
         """Resume from our checkpoint `path` (None: the newest loadable one, if any); the exchange moves with
         the round id."""
         await self.checkpoints.resume(path)
