@@ -561,6 +561,15 @@ def test_an_insiders_bad_data_is_refused_counted_and_the_round_commits_without_i
                     yield frame
 
                 owner = next(m for m in group.members if m.peer_id != node.peer_id)
+                # Sent once the agents are in their attempt (their pushes to us wait for ours), the claim meets
+                # the started attempt and is refused as STALE_ROUND; sent before, the owner's move to `target`
+                # would refuse it as ATTEMPT_OVER (this node moved on), a refusal for a different reason.
+                deadline = time.monotonic() + timeouts.exchange_timeout
+                while not any(
+                    a.key == group.group_id and a.waiters >= len(ids) for a in exchange.attempts.values()
+                ):
+                    assert time.monotonic() < deadline, "the agents never pushed to the insider"
+                    await asyncio.sleep(0.02)
                 try:
                     async for _ in client.stream(
                         owner.address, "ExchangePush", once(), round_id=target - 1, timeout=30
