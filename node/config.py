@@ -256,8 +256,8 @@ class NetworkConfig:
     dht_port: int = 0
     """hivemind DHT port (0: any free port)."""
     data_plane: str = "tcp"
-    """How the exchange's bulk streams travel: "tcp" (a plain TCP listener beside gRPC, same authentication and
-    checks, ~2x less CPU per byte than Python gRPC) or "grpc". With mutual TLS configured they always ride gRPC."""
+    """How the exchange's bulk streams travel: "tcp" (a TCP listener beside gRPC, same authentication, checks
+    and encryption, ~2x less CPU per byte than Python gRPC) or "grpc"."""
     data_port: int = 0
     """Port of the TCP data plane (0: any free port; peers learn it over gRPC)."""
     streams_per_peer: int = 1
@@ -281,9 +281,15 @@ class NetworkConfig:
     """Address of the local control/metrics HTTP endpoint (keep it on loopback)."""
     control_port: int = 0
     """Port of the control/metrics endpoint (0: any free port; it is written to the run directory)."""
+    encryption: str = "auto"
+    """Encryption of every connection between nodes (gRPC calls, exchange streams, state sync): TLS 1.3 with a
+    certificate both ways. "auto" (default): on when `host` is not a loopback address, off on 127.0.0.1 / ::1
+    (the demo, the tests); "tls": always; "off": never (beyond loopback only with auth.insecure_no_secret).
+    The certificates are tls_cert/tls_key/tls_ca when given, else made at start from a CA derived from the run
+    secret, so every holder of the secret trusts every other and nobody else (docs/security.md)."""
     tls_cert: str = ""
-    """PEM certificate (chain) this node presents on gRPC for mutual TLS. Set tls_cert, tls_key and tls_ca
-    together, or none of them (then gRPC is clear text, every call still authenticated by the run secret)."""
+    """PEM certificate (chain) this node presents for mutual TLS (`farloco certs` makes a CA and one per node).
+    Set tls_cert, tls_key and tls_ca together, or none of them (then the run secret's CA, see `encryption`)."""
     tls_key: str = ""
     """PEM private key of `tls_cert` (unencrypted)."""
     tls_ca: str = ""
@@ -307,10 +313,17 @@ class NetworkConfig:
             )
         if self.data_plane not in ("tcp", "grpc"):
             raise ConfigError(f"network.data_plane: expected 'tcp' or 'grpc', got {self.data_plane!r}")
+        if self.encryption not in ENCRYPTION_MODES:
+            raise ConfigError(
+                f"network.encryption: expected one of {', '.join(ENCRYPTION_MODES)}, got {self.encryption!r}"
+            )
+        if self.encryption == "off" and self.tls_cert:
+            raise ConfigError("network.encryption = 'off' contradicts network.tls_cert: drop one of them")
         _check_tls(self)
 
 
 TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
+ENCRYPTION_MODES = ("auto", "tls", "off")
 
 
 def _check_tls(network: NetworkConfig) -> None:
@@ -364,10 +377,10 @@ def _check_tls(network: NetworkConfig) -> None:
 
 
 def load_tls(network: NetworkConfig) -> Any:
-    """The `farloco.protocol.rpc.TlsConfig` of `network` (checked at config load), or None without TLS."""
+    """The `farloco.protocol.transport.TlsConfig` of `network` (checked at config load), or None without TLS."""
     if not network.tls_cert:
         return None
-    from farloco.protocol.rpc import TlsConfig
+    from farloco.protocol.transport import TlsConfig
 
     return TlsConfig(
         root_certificates=Path(network.tls_ca).read_bytes(),
@@ -375,6 +388,28 @@ def load_tls(network: NetworkConfig) -> Any:
         private_key=Path(network.tls_key).read_bytes(),
         server_name=network.tls_server_name or None,
     )
+
+
+def transport_tls(config: Config, secret: bytes, run_id: str, name: str) -> Any:
+    """The TLS material every connection of this node uses (`farloco.protocol.transport.TlsConfig`), or None
+    for plaintext: the operator's certificates when configured, else, where `network.encryption` asks for TLS
+    (by default: beyond loopback), a certificate of the CA derived from the run secret, issued now for a fresh
+    key named `name`. ConfigError for plaintext beyond loopback without auth.insecure_no_secret."""
+    network = config.network
+    if network.tls_cert:
+        return load_tls(network)
+    loopback = is_loopback(network.host)
+    if network.encryption == "off" or (network.encryption == "auto" and loopback):
+        if not loopback and not config.auth.insecure_no_secret:
+            raise ConfigError(
+                f"network.encryption = 'off' with network.host = {network.host!r}: every update and mean would "
+                f"cross the network in clear text. Leave it 'auto' (TLS beyond loopback), or, on a closed test "
+                f"network, set auth.insecure_no_secret = true"
+            )
+        return None
+    from farloco.protocol.transport import run_credentials
+
+    return run_credentials(secret, run_id, name)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import msgpack
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
 from farloco.protocol.tcpstream import DataServer, Sink, open_stream
+from farloco.protocol.transport import TlsConfig, ssl_contexts
 
 __all__ = [
     "SERVICE",
@@ -121,17 +122,6 @@ def decode_frame_header(data: bytes | memoryview) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class TlsConfig:
-    """Mutual TLS material (PEM bytes). Each side presents `certificate_chain`/`private_key` and trusts
-    `root_certificates`; `server_name` overrides the name a client checks in the server certificate."""
-
-    root_certificates: bytes
-    certificate_chain: bytes
-    private_key: bytes
-    server_name: str | None = None
-
-
-@dataclass(frozen=True)
 class CallContext:
     """Who called what: the method name, the authenticated sender peer_id and the round from its token."""
 
@@ -199,8 +189,9 @@ class RpcServer:
         self.port = port
         self.max_message_bytes = max_message_bytes
         self.tls = tls
-        # The plaintext TCP data plane for stream methods (see tcpstream.py); never beside TLS.
-        self.data_port = data_port if tls is None else None
+        # The TCP data plane for stream methods (see tcpstream.py): TLS 1.3 with the same certificates as gRPC
+        # when `tls` is given, else plaintext.
+        self.data_port = data_port
         self.rejections: Counter[str] = Counter()
         self._unary: dict[str, UnaryHandler] = {}
         self._stream: dict[str, StreamHandler] = {}
@@ -252,6 +243,7 @@ class RpcServer:
                 self._open_data_stream,
                 self._reject,
                 socket_buffer_bytes=self.socket_buffer_bytes,
+                ssl_context=None if self.tls is None else ssl_contexts(self.tls)[0],
             )
             try:
                 self.data_port = await data.start()
@@ -431,6 +423,7 @@ class RpcClient:
         self.socket_buffer_bytes = socket_buffer_bytes
         self.max_message_bytes = max_message_bytes
         self.tls = tls
+        self._ssl = None if tls is None else ssl_contexts(tls)[1]  # the data plane's client side
         self._channels: dict[str, grpc.aio.Channel] = {}
         # gRPC address -> the peer's data-plane port, or None where it has none (then streams ride gRPC).
         self._data_ports: dict[str, int | None] = {}
@@ -504,15 +497,15 @@ class RpcClient:
     ) -> AsyncIterator[Frame]:
         """Bidirectional stream: send `frames`, yield the answers; raises RpcError on any failure.
 
-        `bulk=True` sends it over the peer's TCP data plane when both sides have one (no TLS configured here,
-        a data port there), else over gRPC: same frames, authentication, limits and errors either way. On the
+        `bulk=True` sends it over the peer's TCP data plane when it has one (with TLS when this client has TLS
+        material), else over gRPC: same frames, authentication, limits and errors either way. On the
         data plane, `sink(header, payload_bytes)` may name where an answer's payload is received (a writable
         memoryview of exactly that size, or None for a new buffer): the answer's payload is then that memory.
         Closing the returned iterator early cancels the call.
         """
         _check_method(method)
         limit = self.max_message_bytes
-        port = await self._data_port(address, round_id, timeout) if bulk and self.tls is None else None
+        port = await self._data_port(address, round_id, timeout) if bulk else None
         if port is not None:
             host = address.rsplit(":", 1)[0].strip("[]")
             try:
@@ -527,6 +520,8 @@ class RpcClient:
                     decode=lambda data: self._decode_owned(data, address, method),
                     sink=sink,
                     socket_buffer_bytes=self.socket_buffer_bytes,
+                    ssl_context=self._ssl,
+                    server_name=None if self.tls is None else self.tls.server_name or host,
                 ):
                     yield answer
             except RpcError as exc:

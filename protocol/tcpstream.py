@@ -10,8 +10,9 @@ finds this listener (`DataAddress`, a unary gRPC method answered with the port).
 It serves the handlers registered on an `RpcServer` with `add_stream` (the exchange's `ExchangePush`), with the
 same `Authenticator` tokens (sender, method, round, time, one-time nonce), the same frames (`rpc.encode_frame`),
 the same size caps before allocation, the same rejection counting and stable reasons; callers see the same
-`RpcError`. It is plaintext like an insecure gRPC port: with mTLS configured the node does not open it and every
-stream rides gRPC (see `RpcServer(data_port=...)`).
+`RpcError`. With TLS material (protocol/transport.py) every connection is TLS 1.3 with a certificate both ways,
+driven by the same event loop (`_TlsConn`); a record altered on the wire fails its tag and the stream ends with
+the stable reason TAMPERED, counted like any refusal. Without it (loopback) the bytes are plaintext.
 
 Connection layout (all integers little-endian):
     client -> server   b"FLC1" | u32 n | msgpack {"m": method, "md": [[key, value], ...], "t": timeout_s}
@@ -29,11 +30,12 @@ import ctypes
 import ctypes.util
 import logging
 import socket
+import ssl
 import struct
 import sys
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import msgpack
@@ -208,6 +210,113 @@ class _Conn:
             self.sock.close()
 
 
+# The stable reasons of the data plane's TLS failures (counted in RpcServer.rejections like any refusal).
+TAMPERED = "TAMPERED"  # a record failed its tag: altered, cut or replayed on the wire
+TLS_HANDSHAKE = (
+    "TLS_HANDSHAKE"  # no common TLS: no certificate of the run's CA, plaintext, a wrong server name
+)
+HANDSHAKE_SECONDS = 10.0
+RECEIVE_PIECE_BYTES = 256 << 10  # ciphertext read from the socket per call
+
+
+class _TlsConn(_Conn):
+    """A `_Conn` whose bytes are TLS 1.3 records: an `ssl.SSLObject` between two memory BIOs, its socket driven
+    by the event loop like the plaintext one.
+
+    Memory BIOs rather than an `SSLSocket`: the socket is read in large pieces (an SSLSocket reads every
+    record's header and body with a syscall each, two per 16 KiB) and the loop's own `sock_*` calls do the
+    waiting. OpenSSL decrypts each record straight into the caller's memory and encrypts from it (the GIL
+    released); the one copy more than plaintext is the ciphertext's, into the incoming BIO and out of the
+    outgoing one. Reads and writes of one connection run on the loop's thread one at a time, as OpenSSL
+    requires of one connection; what the TLS object wants sent goes out under a lock, in order."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: str,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_name: str | None = None,
+    ) -> None:
+        super().__init__(sock, peer)
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(
+            self._incoming, self._outgoing, server_side=server_side, server_hostname=server_name
+        )
+        self._scratch = memoryview(bytearray(RECEIVE_PIECE_BYTES))
+        self._sending = asyncio.Lock()
+
+    async def _flush(self) -> None:
+        """Send what the TLS object wrote to the outgoing BIO, in order."""
+        async with self._sending:
+            while self._outgoing.pending:
+                await self.loop.sock_sendall(self.sock, self._outgoing.read())
+
+    async def _receive(self) -> None:
+        """One piece of ciphertext from the socket into the incoming BIO (its end, at the peer's close)."""
+        n = await self.loop.sock_recv_into(self.sock, self._scratch)
+        if n:
+            self._incoming.write(self._scratch[:n])
+        else:
+            self._incoming.write_eof()
+
+    async def handshake(self) -> None:
+        """The TLS handshake; raises ssl.SSLError (a certificate not of the run's CA, plaintext, ...)."""
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._receive()
+        await self._flush()
+
+    async def read_into(self, view: memoryview) -> None:
+        got, size = 0, len(view)
+        while got < size:
+            try:
+                # With a buffer, read() returns how many bytes it wrote there (typeshed says bytes).
+                n = cast(int, self.tls.read(size - got, view[got:]))
+            except ssl.SSLWantReadError:
+                await self._receive()
+                continue
+            except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                n = 0
+            except ssl.SSLError as exc:  # a record that fails its tag, or any TLS alert of the peer
+                raise FrameError(TAMPERED, f"from {self.peer}: {exc.reason or exc}") from None
+            if self._outgoing.pending:  # e.g. an alert or a key update the read produced
+                await self._flush()
+            if n == 0:
+                raise ConnectionResetError(f"{self.peer} closed the connection ({got} of {size} bytes read)")
+            got += n
+
+    async def write(self, *parts: bytes | memoryview) -> None:
+        for part in parts:
+            if len(part):
+                self.tls.write(part)  # into the outgoing BIO: all of it, encrypted from the caller's memory
+                await self._flush()
+
+
+async def _secure(
+    sock: socket.socket,
+    peer: str,
+    context: ssl.SSLContext,
+    *,
+    server_side: bool,
+    server_name: str | None = None,
+) -> _TlsConn:
+    """`sock` (connected) wrapped in TLS and its handshake done; raises ssl.SSLError, OSError or TimeoutError."""
+    conn = _TlsConn(sock, peer, context, server_side=server_side, server_name=server_name)
+    try:
+        async with asyncio.timeout(HANDSHAKE_SECONDS):
+            await conn.handshake()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def _frame_parts(frame: Any, limit: int, method: str) -> tuple[bytes, bytes | memoryview]:
     """(length prefix + frame header, payload) of a frame: the payload is sent from its own memory."""
     from farloco.protocol.rpc import encode_frame_header
@@ -221,6 +330,10 @@ def _frame_parts(frame: Any, limit: int, method: str) -> tuple[bytes, bytes | me
             f"{method} frame of {size} bytes exceeds max_message_bytes={limit}",
         )
     return _U32.pack(size) + head, frame.payload
+
+
+def _frame_error_code(exc: FrameError) -> grpc.StatusCode:
+    return grpc.StatusCode.DATA_LOSS if exc.reason == TAMPERED else grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def _write_error(conn: _Conn, rejection: Reject) -> None:
@@ -289,9 +402,11 @@ class DataServer:
         open_stream: Callable[[str, list[tuple[str, str]]], Awaitable[tuple[Any, Any]]],
         on_reject: Callable[[str, Reject, str], object],
         socket_buffer_bytes: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
         self.port = port
+        self.ssl_context = ssl_context  # TLS on every connection (protocol/transport.py), else plaintext
         self.max_message_bytes = max_message_bytes
         self._open_stream = open_stream
         self._on_reject = on_reject
@@ -345,11 +460,21 @@ class DataServer:
                 log.warning("data plane accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._serve(_Conn(sock, f"{address[0]}:{address[1]}")))
+            task = asyncio.create_task(self._serve(sock, f"{address[0]}:{address[1]}"))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
-    async def _serve(self, conn: _Conn) -> None:
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
+        if self.ssl_context is None:
+            conn = _Conn(sock, peer)
+        else:
+            try:
+                conn = await _secure(sock, peer, self.ssl_context, server_side=True)
+            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+                sock.close()
+                detail = f"from {peer}: {getattr(exc, 'reason', None) or exc or 'no handshake'}"
+                self._on_reject("?", Reject(grpc.StatusCode.UNAUTHENTICATED, TLS_HANDSHAKE, detail), peer)
+                return
         method, sender = "?", "?"
         try:
             try:
@@ -364,6 +489,10 @@ class DataServer:
                 await self._run(conn, method, call, handler)
         except Reject as exc:
             await self._refuse(conn, method, exc, sender)
+        except FrameError as exc:  # a TLS record that failed its tag before the handler read frames
+            await self._refuse(
+                conn, method, Reject(grpc.StatusCode.DATA_LOSS, exc.reason, exc.detail), sender
+            )
         except TimeoutError:
             deadline = Reject(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE", "the stream's deadline passed")
             await self._refuse(conn, method, deadline, sender)
@@ -434,7 +563,7 @@ class DataServer:
                 try:
                     item = await _read_frame_or_marker(conn, limit, decode)
                 except FrameError as exc:
-                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, exc.reason, exc.detail) from None
+                    raise Reject(_frame_error_code(exc), exc.reason, exc.detail) from None
                 except (OSError, ConnectionError):
                     return  # the peer went away: the handler sees an early end (TRUNCATED)
                 if item == END:
@@ -462,8 +591,11 @@ async def open_stream(
     decode: Callable[[memoryview], Any],
     sink: Sink | None = None,
     socket_buffer_bytes: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
+    server_name: str | None = None,
 ) -> AsyncIterator[Any]:
     """Client side of one data-plane stream: send `frames`, yield the answers; raises RpcError on any failure.
+    With `ssl_context` the connection is TLS (the server's certificate checked against `server_name`).
 
     The connection is closed when the iterator finishes or is closed early (which is how a caller cancels).
     """
@@ -486,7 +618,21 @@ async def open_stream(
             raise RpcError(
                 grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot connect: {exc}"
             ) from None
-        conn = _Conn(sock, f"{host}:{port}")
+        if ssl_context is None:
+            conn = _Conn(sock, f"{host}:{port}")
+        else:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    conn = await _secure(
+                        sock, f"{host}:{port}", ssl_context, server_side=False, server_name=server_name
+                    )
+            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+                raise RpcError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    TLS_HANDSHAKE,
+                    f"{where}: no TLS session: {getattr(exc, 'reason', None) or exc or 'timed out'} (does the "
+                    "peer hold the run's secret or certificates, with the same network.encryption?)",
+                ) from None
         preamble = msgpack.packb(
             {"m": method, "md": [list(item) for item in metadata], "t": max(0.001, timeout)},
             use_bin_type=True,
@@ -524,7 +670,7 @@ async def open_stream(
                 ) from None
             except FrameError as exc:
                 raise RpcError(
-                    grpc.StatusCode.INTERNAL, exc.reason, f"answer of {where}: {exc.detail}"
+                    _frame_error_code(exc), exc.reason, f"answer of {where}: {exc.detail}"
                 ) from None
             except (OSError, ConnectionError) as exc:
                 if writer.done() and not writer.cancelled() and writer.exception() is not None:

@@ -197,7 +197,7 @@ class Agent:
 
     async def _serve(self, dht: Any) -> None:
         # Imported here: protocol pulls in grpc, which must not start threads before the DHT forks.
-        from farloco.node.config import load_tls
+        from farloco.node.config import transport_tls
         from farloco.protocol.auth import Authenticator
         from farloco.protocol.exchange import PUSH_METHOD, Exchange
         from farloco.protocol.matchmaking import DHTMatchmaker
@@ -212,9 +212,11 @@ class Agent:
             dht = injector.wrap_dht(dht)  # a real DHT that refuses or stops answering some calls
         state.peer_id = dht.peer_id.to_base58()
         state.multiaddrs = await asyncio.to_thread(visible_maddrs, dht)
-        auth = Authenticator(f"{run.name}:{state.run_hash}", state.run_secret, state.peer_id)
-        tls = load_tls(net)  # mutual TLS when [network] names a cert, key and CA (checked at config load)
-        data_port = net.data_port if net.data_plane == "tcp" else None  # RpcServer ignores it under TLS
+        run_id = f"{run.name}:{state.run_hash}"
+        auth = Authenticator(run_id, state.run_secret, state.peer_id)
+        # TLS 1.3 on gRPC and the data plane beyond loopback: the operator's certificates, else the run secret's.
+        tls = transport_tls(self.config, state.run_secret, run_id, state.peer_id)
+        data_port = net.data_port if net.data_plane == "tcp" else None
         buffers = net.socket_buffer_bytes
         server = RpcServer(
             auth, host=net.host, port=net.grpc_port, tls=tls, data_port=data_port, socket_buffer_bytes=buffers

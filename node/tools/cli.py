@@ -308,6 +308,35 @@ def secret(out: Path | None) -> None:
     click.echo(f'wrote a run secret to {out}; set auth.secret_file = "{out}" on every node', err=True)
 
 
+@main.command()
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory for ca.pem, ca.key and NODE.pem / NODE.key per node (refused if ca.pem is there already).",
+)
+@click.option("--days", type=click.FloatRange(min=1), default=3650.0, show_default=True, help="Validity.")
+@click.argument("nodes", nargs=-1, required=True)
+def certs(out: Path, days: float, nodes: tuple[str, ...]) -> None:
+    """Make an operator's own certificates for mutual TLS: a CA and, for each NODE named, a certificate and
+    key it signs. Not needed where every node holds the run secret (TLS then uses a CA derived from it); for
+    a PKI of your own: give each node network.tls_cert = NODE.pem, tls_key = NODE.key, tls_ca = ca.pem and
+    tls_server_name = "farloco-peer". Keep ca.key offline; the .key files are written mode 0600."""
+    from farloco.node.fsutil import write_atomic
+    from farloco.protocol.transport import SERVER_NAME, make_pki
+
+    bad = [n for n in nodes if not n or "/" in n or n.startswith(".") or n == "ca"]
+    if bad:
+        raise click.UsageError(f"node names are file names (not 'ca', no '/', no leading '.'): got {bad}")
+    if (out / "ca.pem").exists():
+        raise click.UsageError(f"{out / 'ca.pem'} exists: a run keeps its CA (use another --out)")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in make_pki(list(nodes), days=days).items():
+        write_atomic(out / name, data, mode=0o600 if name.endswith(".key") else 0o644)
+        click.echo(str(out / name))
+    click.echo(f'set tls_server_name = "{SERVER_NAME}" on every node with these certificates', err=True)
+
+
 # ---- steering a running node ------------------------------------------------------------------------------------
 def _client(run_dir: Path) -> Any:
     from farloco.node.daemon.control import ControlClient, ControlError

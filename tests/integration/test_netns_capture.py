@@ -1,0 +1,94 @@
+"""What an eavesdropper on the wire sees: two nodes and a bootstrap in their own network namespaces on one
+bridge, `farloco join` as a user runs it (run secret, default config), and tcpdump on the bridge. With the
+default `network.encryption` ("auto": TLS beyond loopback) the capture holds none of the run's plaintext
+markers; the same run with encryption off holds them, which shows the capture would see them. Needs root,
+iproute2 and tcpdump: skips with the reason elsewhere, and removes every namespace it made."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from farloco.node.config import load_config, run_hash
+from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.netns import NamespaceWAN, unavailable
+from farloco.protocol.tcpstream import MAGIC
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.dht]
+
+ROUNDS = 3
+
+
+def _capture(tmp_path: Path, tag: str, overrides: list[str]) -> tuple[bytes, bytes, list[bytes]]:
+    """Run a 2-node swarm for ROUNDS rounds under tcpdump: (captured bytes, run hash, peer ids)."""
+    work = tmp_path / tag
+    work.mkdir()
+    config = work / "swarm.toml"
+    config.write_text(demo_config(ROUNDS, ["run.inner_steps=4", "node.eval_batches=0", *overrides]))
+    pcap = work / "bridge.pcap"
+    processes: list[subprocess.Popen[bytes]] = []
+    with NamespaceWAN(2, "1gbit", prefix=None) as wan:
+        hub = f"{wan.prefix}br"
+        dump = subprocess.Popen(
+            ["ip", "netns", "exec", hub, "tcpdump", "-i", "br0", "-U", "-s", "0", "-w", str(pcap), "tcp"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert dump.stderr is not None
+            line = dump.stderr.readline().decode(errors="replace")  # "listening on br0, ..." once it captures
+            assert "listening on" in line, line
+            bootstrap, maddr = start_bootstrap(work, host=wan.address(1), prefix=wan.prefix_command(1))
+            processes.append(bootstrap)
+            peers = [
+                start_peer(f"n{i}", work, config, maddr, 1, host=wan.address(i), prefix=wan.prefix_command(i))
+                for i in (1, 2)
+            ]
+            processes += [p.process for p in peers]
+            deadline = time.monotonic() + 150
+            while any(p.process.poll() is None for p in peers):
+                assert time.monotonic() < deadline, f"2 nodes did not finish {ROUNDS} rounds in 150 s"
+                time.sleep(0.5)
+            for peer in peers:
+                assert peer.process.returncode == 0, peer.log_path.read_text(errors="replace")[-3000:]
+        finally:
+            stop_process(*processes)
+            dump.send_signal(signal.SIGINT)
+            dump.wait(timeout=30)
+    started = [e for p in peers for e in read_events(p.run_dir) if e["event"] == "started"]
+    hashes = {e["outer_hash"] for p in peers for e in read_events(p.run_dir) if e["event"] == "round"}
+    assert (
+        len({e["round_id"] for p in peers for e in read_events(p.run_dir) if e["event"] == "round"}) == ROUNDS
+    )
+    assert len(hashes) == ROUNDS, hashes  # one hash per round: the two trained together
+    assert len(started) == 2 and started[0]["run_hash"] == run_hash(load_config(config))
+    return pcap.read_bytes(), started[0]["run_hash"].encode(), [e["peer_id"].encode() for e in started]
+
+
+def test_a_capture_on_the_bridge_holds_no_plaintext_marker_of_the_run(tmp_path: Path) -> None:
+    reason = unavailable() or (None if shutil.which("tcpdump") else "tcpdump is not installed")
+    if reason is not None:
+        pytest.skip(reason)
+    captured, hash_hex, ids = _capture(tmp_path, "tls", [])
+    # 1M parameters x 3 rounds (int8: ~1 MiB a round each way) and the trainers' state crossed the bridge...
+    assert len(captured) > 3 << 20, len(captured)
+    markers = {
+        "data-plane magic": MAGIC,
+        "run hash": hash_hex,
+        "method": b"ExchangePush",
+        "token": b"farloco-run",  # every call's auth metadata (the TLS server name farloco-peer is in clear)
+    }
+    markers |= {f"peer id {i.decode()[:8]}": i for i in ids}
+    # ...and none of the run's own bytes did in clear.
+    seen = [name for name, marker in markers.items() if marker in captured]
+    assert not seen, f"in clear on the wire: {seen}"
+
+    # The control: the same run with encryption off shows those markers, so their absence above is TLS's doing.
+    plain, hash_hex, _ = _capture(
+        tmp_path, "plain", ["network.encryption=off", "auth.insecure_no_secret=true"]
+    )
+    assert MAGIC in plain and hash_hex in plain and b"ExchangePush" in plain and b"farloco-run" in plain
