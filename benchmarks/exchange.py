@@ -3,6 +3,8 @@ DecentralizedAverager, each peer in its own process on 127.0.0.1.
 
     python benchmarks/exchange.py                       # every impl, 2 and 4 peers, 4 / 64 / 256 MiB fp32
     python benchmarks/exchange.py --impl farloco --peers 2 --mib 64 --codec int8 --markdown
+    python benchmarks/exchange.py --impl farloco --impl farloco-tls --impl gloo --peers 2 --mib 256 \
+        --codec fp32 --codec int8 --markdown            # what encryption costs (TLS 1.3 beyond loopback)
     python benchmarks/exchange.py --impl farloco --impl gloo --peers 2 --mib 1024 --codec int8 \
         --codec-threads 0 --codec-threads 1 --codec-threads 8 --markdown   # the codec's threads (a many-core host)
     python benchmarks/exchange.py --wan 1gbit:100 --impl farloco --impl gloo --streams 1 --streams 4 \
@@ -146,6 +148,7 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
     from farloco.protocol.exchange import Exchange
     from farloco.protocol.rpc import RpcClient, RpcServer
     from farloco.protocol.tcpstream import tune_malloc
+    from farloco.protocol.transport import run_credentials
     from farloco.protocol.types import Group, GroupMember
 
     # What the daemon's agent does at start (node/daemon/agent.py Agent.run).
@@ -157,8 +160,12 @@ def worker_farloco(rank: int, peers: int, numel: int, codec_name: str, reps: int
         auth = Authenticator("bench", b"bench-secret", peer_id)
         # The daemon's default: streams on the TCP data plane; BENCH_DATA_PLANE=grpc keeps them on gRPC.
         data_port = 0 if os.environ.get("BENCH_DATA_PLANE", "tcp") == "tcp" else None
-        server = RpcServer(auth, host=os.environ.get("BENCH_HOST", "127.0.0.1"), data_port=data_port)
-        client = RpcClient(auth)
+        # farloco-tls: TLS 1.3 on gRPC and the data plane, as beyond loopback (the run secret's certificates).
+        tls = (
+            run_credentials(b"bench-secret", "bench", peer_id) if os.environ.get("BENCH_TLS") == "1" else None
+        )
+        server = RpcServer(auth, host=os.environ.get("BENCH_HOST", "127.0.0.1"), data_port=data_port, tls=tls)
+        client = RpcClient(auth, tls=tls)
         exchange = Exchange(
             server,
             client,
@@ -345,6 +352,7 @@ def run_config(
         **(MALLOC_ENV if malloc_tuning else {}),
         "BENCH_CHUNK_BYTES": str(chunk_bytes),
         "BENCH_DATA_PLANE": "grpc" if impl == "farloco-grpc" else "tcp",
+        "BENCH_TLS": "1" if impl == "farloco-tls" else "0",
         "BENCH_STREAMS": str(streams),
         "BENCH_AGGREGATOR": aggregator,
         "BENCH_CODEC_THREADS": str(codec_threads),
@@ -471,9 +479,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--impl",
-        choices=["farloco", "farloco-grpc", "hivemind", "gloo"],
+        choices=["farloco", "farloco-tls", "farloco-grpc", "hivemind", "gloo"],
         action="append",
-        help="default: farloco, gloo, hivemind (farloco-grpc: the exchange's streams kept on gRPC)",
+        help="default: farloco, gloo, hivemind (farloco-grpc: the exchange's streams kept on gRPC; farloco-tls: "
+        "TLS 1.3 on gRPC and the data plane, as every node beyond loopback)",
     )
     parser.add_argument("--peers", type=int, action="append", help="default: 2 and 4")
     parser.add_argument("--mib", type=int, action="append", help="fp32 payload size; default: 4, 64, 256")

@@ -250,7 +250,8 @@ class NetworkConfig:
     host: str = "127.0.0.1"
     """Address every listening part binds to (gRPC, DHT). Use 0.0.0.0 or a LAN address for real swarms."""
     announce_host: str = ""
-    """Address other peers should dial (defaults to `host`); set it behind NAT or in containers."""
+    """Address or DNS name other peers should dial (default: `host`, or, where `host` is 0.0.0.0 / ::, an address
+    of this node's that is not loopback); set it behind port forwarding or in containers."""
     grpc_port: int = 0
     """gRPC port (0: any free port)."""
     dht_port: int = 0

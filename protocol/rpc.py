@@ -24,6 +24,7 @@ from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
 from farloco.protocol.tcpstream import DataServer, Sink, open_stream
 from farloco.protocol.transport import TlsConfig, ssl_contexts
+from farloco.util.addresses import join_host_port, split_host_port
 
 __all__ = [
     "SERVICE",
@@ -221,7 +222,7 @@ class RpcServer:
             raise RuntimeError(f"RpcServer already started on {self.address}")
         server = grpc.aio.server(options=_channel_options(self.max_message_bytes))
         server.add_generic_rpc_handlers((_Dispatcher(self),))
-        target = f"{self.host}:{self.port}"
+        target = join_host_port(self.host, self.port)
         if self.tls is None:
             port = server.add_insecure_port(target)
         else:
@@ -253,7 +254,7 @@ class RpcServer:
             self._data = data
         await server.start()
         self._server = server
-        self.address = f"{self.host}:{port}"
+        self.address = join_host_port(self.host, port)
         return self.address
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -507,7 +508,7 @@ class RpcClient:
         limit = self.max_message_bytes
         port = await self._data_port(address, round_id, timeout) if bulk else None
         if port is not None:
-            host = address.rsplit(":", 1)[0].strip("[]")
+            host = split_host_port(address)[0]
             try:
                 async for answer in open_stream(
                     host,

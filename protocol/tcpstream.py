@@ -42,6 +42,7 @@ import msgpack
 import torch
 
 from farloco.protocol.errors import FrameError, Reject, RpcError
+from farloco.util.addresses import ip_version
 from farloco.util.tasks import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
@@ -602,8 +603,15 @@ async def open_stream(
     where = f"{method} at {host}:{port}"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    target: Any = (host, port)
+    if ip_version(host) is None:  # a name (network.announce_host): its first address, of either family
+        try:
+            target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0][4]
+        except OSError as exc:
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot resolve: {exc}"
+            ) from None
+    sock = socket.socket(socket.AF_INET6 if ":" in target[0] else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
     size_socket_buffers(
         sock, socket_buffer_bytes
@@ -613,7 +621,7 @@ async def open_stream(
     try:
         try:
             async with asyncio.timeout_at(deadline):
-                await loop.sock_connect(sock, (host, port))
+                await loop.sock_connect(sock, target)
         except (OSError, TimeoutError) as exc:
             raise RpcError(
                 grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot connect: {exc}"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from farloco.node.config import Config, run_section
+from farloco.node.config import Config, ConfigError, run_section
 from farloco.node.daemon.checkpoints import Checkpoints
 from farloco.node.daemon.control import ControlServer
 from farloco.node.daemon.core import (
@@ -56,6 +56,14 @@ from farloco.node.daemon.swarm import Swarm
 from farloco.optim import ranges
 from farloco.protocol.tcpstream import tune_malloc
 from farloco.util import parallel
+from farloco.util.addresses import (
+    announced_host,
+    bind_multiaddr,
+    is_unspecified,
+    join_host_port,
+    split_host_port,
+    tcp_multiaddr,
+)
 from farloco.util.tasks import cancel_and_wait, wait_for
 from farloco.util.tasks import run as run_bounded
 
@@ -129,7 +137,7 @@ class Agent:
         try:
             # asyncio.run would wait without bound for a task that ignores cancellation; leaving is bounded.
             run_bounded(self._main(), cleanup_timeout=3.0)
-        except (AgentError, DHTStartError) as exc:
+        except (AgentError, DHTStartError, ConfigError) as exc:
             state.error = str(exc)
             state.status = Status.FAILED
             log.error("%s", exc)
@@ -179,8 +187,8 @@ class Agent:
         from farloco.protocol.membership import make_record_validators
 
         dht = make_dht(
-            host_maddrs=[f"/ip4/{net.host}/tcp/{net.dht_port}"],
-            announce_maddrs=[f"/ip4/{net.announce_host}/tcp/{net.dht_port}"] if net.announce_host else None,
+            host_maddrs=[bind_multiaddr(net.host, net.dht_port)],
+            announce_maddrs=[tcp_multiaddr(net.announce_host, net.dht_port)] if net.announce_host else None,
             initial_peers=[*net.initial_peers, *known],
             record_validators=make_record_validators(self.config.run.name),
             identity_path=str(state.run_dir / "identity.key"),
@@ -254,8 +262,11 @@ class Agent:
             )
         state_server.register(server)
         bound = await server.start()
-        port = bound.rsplit(":", 1)[1]
-        state.grpc_address = f"{net.announce_host or net.host}:{port}"
+        try:  # what the others dial: announce_host, the bound host, or (bound to every interface) one of ours
+            host = announced_host(net.host, net.announce_host, state.multiaddrs)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
+        state.grpc_address = join_host_port(host, split_host_port(bound)[1])
         membership = DHTMembership(
             dht,
             run.name,
@@ -330,7 +341,7 @@ class Agent:
             endpoint=node.island_endpoint,
             run_id=f"{run.name}-{self.state.run_hash[:16]}",
             # gloo binds to this address: the node's own, unless it listens on every interface.
-            host=net.host if net.host not in ("0.0.0.0", "::") else net.announce_host,
+            host=net.host if not is_unspecified(net.host) else net.announce_host,
             max_nodes=node.island_size or run.island_slices,
             slices=run.island_slices,
             wait=timeouts.leader_timeout,

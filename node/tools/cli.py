@@ -249,6 +249,7 @@ def bootstrap(
 
     from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht, visible_maddrs
     from farloco.node.logs import setup_logging
+    from farloco.util.addresses import bind_multiaddr
 
     setup_logging(None)  # text on a terminal, JSON lines otherwise (journald, docker logs, Slurm output)
     # Handlers first: a SIGTERM that lands while the DHT starts must still shut it down cleanly.
@@ -259,7 +260,7 @@ def bootstrap(
     if identity is not None:
         kwargs["identity_path"] = str(identity)
     dht = make_dht(
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=list(initial_peers), start=True, **kwargs
+        host_maddrs=[bind_multiaddr(host, port)], initial_peers=list(initial_peers), start=True, **kwargs
     )
     try:
         maddrs = visible_maddrs(dht, stop=stop)

@@ -3,7 +3,8 @@
 Each host i gets its own namespace (`{prefix}{i}`) with one veth uplink into a hub namespace of its own
 (`{prefix}br`), and both directions of every uplink are shaped with `tc tbf` to `rate`. Two hub kinds:
 
-- a bridge (the default): host i is 10.{net}.0.i/24, every host on one L2 segment;
+- a bridge (the default): host i is 10.{net}.0.i/24 (with `ipv6`: fd00:{net:x}::{i:x}/64 and no IPv4 address),
+  every host on one L2 segment;
 - a router with the userspace netem relay (`relay=True`, implied by a delay, jitter or loss): host i is
   10.{net}.i.2/24 behind 10.{net}.i.1, and the hub routes every packet arriving from an uplink through a TUN
   device served by `farloco.node.tools.netem` (delay, jitter, loss, stalls without FIN, partitions: no netem
@@ -165,6 +166,7 @@ class NamespaceWAN:
         relay: bool | None = None,
         mtu: int = 9000,
         cpus: float | None = None,
+        ipv6: bool = False,
     ) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
@@ -177,6 +179,9 @@ class NamespaceWAN:
         self.hosts, self.rate, self.net = hosts, rate, net
         self.made: list[str] = []
         self.relay = relay if relay is not None else bool(delay_ms or jitter_ms or loss)
+        if ipv6 and self.relay:
+            raise ValueError("ipv6=True needs the bridge hub (no delay, jitter, loss or relay)")
+        self.ipv6 = ipv6
         self.mtu = mtu
         if cpus is not None and not cpus > 0:
             raise ValueError(f"cpus must be a positive number of cores per host, got {cpus}")
@@ -190,6 +195,8 @@ class NamespaceWAN:
         return f"{self.prefix}{i}"
 
     def address(self, i: int) -> str:
+        if self.ipv6:
+            return f"fd00:{self.net:x}::{i:x}"
         return f"10.{self.net}.{i}.2" if self.relay else f"10.{self.net}.0.{i}"
 
     def prefix_command(self, i: int) -> Sequence[str]:
@@ -259,6 +266,9 @@ class NamespaceWAN:
                 if self.relay:
                     _ip("-n", hub, "addr", "add", f"10.{self.net}.{i}.1/24", "dev", outer)
                     _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+                elif self.ipv6:  # no duplicate address detection: the address works at once
+                    _ip("-n", hub, "link", "set", outer, "master", "br0")
+                    _ip("-n", host, "-6", "addr", "add", f"{self.address(i)}/64", "dev", inner, "nodad")
                 else:
                     _ip("-n", hub, "link", "set", outer, "master", "br0")
                     _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", inner)
