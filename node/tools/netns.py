@@ -65,6 +65,11 @@ def unavailable() -> str | None:
     return None
 
 
+def nat_unavailable() -> str | None:
+    """Why hosts behind NAT cannot be made here (None: they can): namespaces, plus nftables."""
+    return unavailable() or (None if shutil.which("nft") else "nftables (nft) is not installed")
+
+
 def relay_unavailable() -> str | None:
     """Why a WAN with the netem relay cannot be made here (None: it can): namespaces, plus a TUN device."""
     reason = unavailable()
@@ -167,6 +172,7 @@ class NamespaceWAN:
         mtu: int = 9000,
         cpus: float | None = None,
         ipv6: bool = False,
+        nat: Sequence[int] = (),
     ) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
@@ -182,6 +188,11 @@ class NamespaceWAN:
         if ipv6 and self.relay:
             raise ValueError("ipv6=True needs the bridge hub (no delay, jitter, loss or relay)")
         self.ipv6 = ipv6
+        self.nat = frozenset(nat)
+        if self.nat and (self.relay or ipv6):
+            raise ValueError("nat needs the IPv4 bridge hub (no delay, jitter, loss, relay or ipv6)")
+        if not self.nat <= set(range(1, hosts + 1)):
+            raise ValueError(f"nat: expected host numbers in 1..{hosts}, got {sorted(self.nat)}")
         self.mtu = mtu
         if cpus is not None and not cpus > 0:
             raise ValueError(f"cpus must be a positive number of cores per host, got {cpus}")
@@ -195,6 +206,13 @@ class NamespaceWAN:
         return f"{self.prefix}{i}"
 
     def address(self, i: int) -> str:
+        """The address host i binds: behind NAT its private one (nobody else can dial it)."""
+        if i in self.nat:
+            return f"192.168.{i}.2"
+        return self.public_address(i)
+
+    def public_address(self, i: int) -> str:
+        """Host i's address on the hub: behind NAT, its router's (what the others see its connections come from)."""
         if self.ipv6:
             return f"fd00:{self.net:x}::{i:x}"
         return f"10.{self.net}.{i}.2" if self.relay else f"10.{self.net}.0.{i}"
@@ -211,7 +229,8 @@ class NamespaceWAN:
 
     def _shape(self, i: int, rate: str, verb: str) -> None:
         """tc tbf on both directions of host i's uplink (its veth end and the hub's)."""
-        ends = ((self.namespace(i), f"{self.prefix}v{i}"), (f"{self.prefix}br", f"{self.prefix}p{i}"))
+        uplink = f"{self.prefix}n{i}" if i in self.nat else self.namespace(i)  # behind NAT: the router's
+        ends = ((uplink, f"{self.prefix}v{i}"), (f"{self.prefix}br", f"{self.prefix}p{i}"))
         for ns, dev in ends:
             result = subprocess.run(
                 ["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
@@ -269,14 +288,20 @@ class NamespaceWAN:
                 elif self.ipv6:  # no duplicate address detection: the address works at once
                     _ip("-n", hub, "link", "set", outer, "master", "br0")
                     _ip("-n", host, "-6", "addr", "add", f"{self.address(i)}/64", "dev", inner, "nodad")
+                elif i in self.nat:
+                    _ip("-n", hub, "link", "set", outer, "master", "br0")
+                    self._nat_router(i)
                 else:
                     _ip("-n", hub, "link", "set", outer, "master", "br0")
                     _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", inner)
                 _ip("-n", hub, "link", "set", outer, "up")
-                _ip("-n", host, "link", "set", inner, "up")
+                if i not in self.nat:  # behind NAT the uplink is the router's (up already)
+                    _ip("-n", host, "link", "set", inner, "up")
                 _ip("-n", host, "link", "set", "lo", "up")
                 if self.relay:
                     _ip("-n", host, "route", "add", "default", "via", f"10.{self.net}.{i}.1")
+                if i in self.nat:
+                    _ip("-n", host, "route", "add", "default", "via", f"192.168.{i}.1")
                 self._shape(i, self.rate, "add")
             if self.relay:
                 self._start_relay(hub)
@@ -297,6 +322,50 @@ class NamespaceWAN:
             self.down()
             raise
         return self
+
+    def _nat_router(self, i: int) -> None:
+        """Host i behind a router namespace of its own that masquerades: the uplink ({prefix}v{i}, made in host
+        i's namespace) moves into the router with host i's public address, host i gets 192.168.i.2 behind it. The
+        router forwards and masquerades what host i opens and drops every connection from outside: host i can
+        dial out, nobody can dial in (a home router, a VPC's NAT gateway, an HPC cluster's compute node)."""
+        host, router = self.namespace(i), f"{self.prefix}n{i}"
+        uplink, inside, outside = f"{self.prefix}v{i}", f"{self.prefix}x{i}", f"{self.prefix}y{i}"
+        _ip("netns", "add", router)
+        self.made.append(router)
+        _ip("-n", host, "link", "set", uplink, "netns", router)
+        _ip("-n", router, "addr", "add", f"{self.public_address(i)}/24", "dev", uplink)
+        _ip("-n", router, "link", "add", inside, "type", "veth", "peer", "name", outside)
+        _ip("-n", router, "link", "set", outside, "netns", host)
+        _ip("-n", router, "addr", "add", f"192.168.{i}.1/24", "dev", inside)
+        _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", outside)
+        for ns, dev in ((router, uplink), (router, inside), (router, "lo"), (host, outside)):
+            _ip("-n", ns, "link", "set", dev, "up")
+        rules = f"""
+table ip farloco_nat {{
+    chain forward {{
+        type filter hook forward priority 0; policy drop;
+        iifname "{inside}" oifname "{uplink}" accept
+        iifname "{uplink}" oifname "{inside}" ct state established,related accept
+    }}
+    chain postrouting {{
+        type nat hook postrouting priority 100;
+        oifname "{uplink}" masquerade
+    }}
+}}
+"""
+        for command, stdin in (
+            (["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], None),
+            (["nft", "-f", "-"], rules),
+        ):
+            result = subprocess.run(
+                ["ip", "netns", "exec", router, *command],
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"NAT router of host {i}: {' '.join(command)}: {result.stderr.strip()}")
 
     def _start_relay(self, hub: str) -> None:
         """Forwarding in the hub, every uplink's packets routed into the relay's TUN device, the relay started."""

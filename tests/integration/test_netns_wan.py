@@ -260,3 +260,33 @@ def test_cpu_caps_make_each_host_a_machine_of_that_many_cores(root_ok: None) -> 
     assert not any(g.exists() for g in groups)  # removed with the namespaces
     with pytest.raises(ValueError, match="cores per host"):
         NamespaceWAN(2, cpus=-1)
+
+
+def test_a_host_behind_nat_dials_out_and_nobody_dials_in() -> None:
+    """NamespaceWAN(nat=...): host 3 sits behind a masquerading router of its own. Its connections to host 1
+    arrive from the router's public address; host 1 can reach neither its private address nor, through the
+    router, its listener."""
+    from farloco.node.tools.netns import nat_unavailable
+
+    reason = nat_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    before = root_namespace()
+    with NamespaceWAN(3, "100mbit", nat=[3]) as wan:
+        assert wan.address(3) == "192.168.3.2" and wan.public_address(3) == f"10.{wan.net}.0.3"
+        servers = [server(wan, 1, "tcp-server"), server(wan, 3, "tcp-server")]
+        try:
+            assert echo(wan, 3, 1)["rtt_ms"] < 50  # out through the NAT: fine
+            assert echo(wan, 2, 1)["rtt_ms"] < 50
+            for target in (wan.address(3), wan.public_address(3)):
+                refused = client(wan, 1, "tcp-client", target, "1", timeout=30)
+                assert refused.returncode != 0 and (
+                    "unreachable" in refused.stderr
+                    or "refused" in refused.stderr
+                    or "timed out" in refused.stderr
+                ), refused.stderr[-500:]
+        finally:
+            for process in servers:
+                process.kill()
+                process.wait()
+    assert root_namespace() == before
