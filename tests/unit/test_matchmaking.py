@@ -471,8 +471,13 @@ def test_a_dht_that_never_answers_ends_matchmaking_with_an_error(
     async def main() -> None:
         maker = DHTMatchmaker(peer.dht, "mm", peer.membership, poll_interval=0.1)
         await peer.membership.publish(peer.record(7))
+        stored: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        stored.set_result(True)
         with monkeypatch.context() as patch:
             patch.setattr(peer.dht, "get", lambda *args, **kwargs: concurrent.futures.Future())
+            # Only the reads hang: a real store under a 0.3 s bound could itself time out on a loaded machine
+            # (then the error is the store's, which the second half checks).
+            patch.setattr(peer.dht, "store", lambda *args, **kwargs: stored)
             started = time.perf_counter()
             with pytest.raises(MatchmakingError, match="did not answer a read"):
                 await asyncio.wait_for(
