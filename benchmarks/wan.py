@@ -73,6 +73,8 @@ def base_overrides(args: argparse.Namespace, variant: str = "ddp") -> list[str]:
         # The config's defaults, not the loopback demo's twice-as-eager heartbeat (its DHT traffic and CPU).
         "timeouts.heartbeat_interval=1.0",
         "timeouts.member_ttl=8.0",
+        # TLS 1.3 beyond loopback is the default; --encryption off measures what it costs.
+        *(["network.encryption=off", "auth.insecure_no_secret=true"] if args.encryption == "off" else []),
         *(
             [
                 f"timeouts.match_timeout={args.match_timeout}",
@@ -495,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=min(1.0, ((os.cpu_count() or 1) - 0.2) / HOSTS),
         help="cores each host may use (a CPU cgroup per host); 0: no cap",
+    )
+    parser.add_argument(
+        "--encryption",
+        choices=["auto", "off"],
+        default="auto",
+        help="the nodes' network.encryption: auto (TLS 1.3 between the namespaces, the default) or off",
     )
     parser.add_argument("--out", type=Path, default=Path("wan-results"))
     args = parser.parse_args(argv)

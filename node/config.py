@@ -282,6 +282,14 @@ class NetworkConfig:
     """Address of the local control/metrics HTTP endpoint (keep it on loopback)."""
     control_port: int = 0
     """Port of the control/metrics endpoint (0: any free port; it is written to the run directory)."""
+    reachability: str = "public"
+    """Whether other nodes can open connections to this node: "public" (default; its DHT, gRPC and data ports
+    are reachable at `announce_host` or `host`) or "private": behind NAT or a firewall that lets nothing in (a
+    home router, a cloud VPC's NAT gateway, an HPC compute node). A private node opens every connection itself and
+    is a full member: it trains and contributes to every round, sending its share to the members that own the
+    parts and taking the means back on the connections it opened; it owns no part, never leads a round's
+    matchmaking, never serves state, and its DHT node runs in client mode. Needs a dense codec and at least one
+    public member in the swarm."""
     encryption: str = "auto"
     """Encryption of every connection between nodes (gRPC calls, exchange streams, state sync): TLS 1.3 with a
     certificate both ways. "auto" (default): on when `host` is not a loopback address, off on 127.0.0.1 / ::1
@@ -314,6 +322,10 @@ class NetworkConfig:
             )
         if self.data_plane not in ("tcp", "grpc"):
             raise ConfigError(f"network.data_plane: expected 'tcp' or 'grpc', got {self.data_plane!r}")
+        if self.reachability not in ("public", "private"):
+            raise ConfigError(
+                f"network.reachability: expected 'public' or 'private', got {self.reachability!r}"
+            )
         if self.encryption not in ENCRYPTION_MODES:
             raise ConfigError(
                 f"network.encryption: expected one of {', '.join(ENCRYPTION_MODES)}, got {self.encryption!r}"

@@ -24,6 +24,7 @@ from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
 from farloco.protocol.tcpstream import DataServer, Sink, open_stream
 from farloco.protocol.transport import TlsConfig, ssl_contexts
+from farloco.protocol.types import NO_INBOUND
 from farloco.util.addresses import join_host_port, split_host_port
 
 __all__ = [
@@ -49,6 +50,7 @@ SERVICE = "farloco.v1"
 # Built-in unary method: where this server's TCP data plane listens ({"port": int} or {"port": None}).
 DATA_ADDRESS_METHOD = "DataAddress"
 REASON_KEY = "farloco-reason"
+NOT_DIALLABLE = "NOT_DIALLABLE"  # the reason of every call to a peer that accepts no inbound connection
 # Headers are small dicts (ids, shapes, indices); anything bigger is an attack or a bug.
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 _LEN = struct.Struct("<I")
@@ -430,6 +432,12 @@ class RpcClient:
         self._data_ports: dict[str, int | None] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
+        if address == NO_INBOUND:
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                NOT_DIALLABLE,
+                "this peer accepts no inbound connection (behind NAT): it calls us, we never call it",
+            )
         channel = self._channels.get(address)
         if channel is None:
             options: list[tuple[str, Any]] = list(_channel_options(self.max_message_bytes))
@@ -463,7 +471,7 @@ class RpcClient:
         try:
             await self.unary(address, DATA_ADDRESS_METHOD, Frame({}), round_id=round_id, timeout=timeout)
         except RpcError as exc:
-            return bool(exc.reason != exc.code.name)
+            return bool(exc.reason not in (exc.code.name, NOT_DIALLABLE))
         except (OSError, TimeoutError):
             return False
         return True
@@ -506,6 +514,7 @@ class RpcClient:
         """
         _check_method(method)
         limit = self.max_message_bytes
+        self._channel(address)  # a peer that cannot be dialled fails here, before any frame is taken
         port = await self._data_port(address, round_id, timeout) if bulk else None
         if port is not None:
             host = split_host_port(address)[0]

@@ -22,6 +22,13 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# The address of a node that accepts no inbound connection (behind NAT, `network.reachability = "private"`): it
+# dials every other node itself and is never dialled. Calls to it fail at once (RpcClient), the exchange gives it
+# no part to own and takes its vote from its own call (protocol/exchange), it never leads a round's matchmaking
+# and never serves state.
+NO_INBOUND = "no-inbound"
+
+
 @dataclass(frozen=True, order=True)
 class GroupMember:
     """One peer of a round's group: its hivemind peer id, the gRPC address it serves on, the hash of the
@@ -34,6 +41,11 @@ class GroupMember:
     address: str
     outer_hash: str = ""
     updates: int = 0
+
+    @property
+    def dialable(self) -> bool:
+        """Whether other nodes can open connections to this member (not behind NAT)."""
+        return self.address != NO_INBOUND
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,8 @@ class Agent:
         dht = make_dht(
             host_maddrs=[bind_multiaddr(net.host, net.dht_port)],
             announce_maddrs=[tcp_multiaddr(net.announce_host, net.dht_port)] if net.announce_host else None,
+            # Behind NAT nobody can dial our DHT node: it asks, it is never asked (hivemind's client mode).
+            client_mode=net.reachability == "private",
             initial_peers=[*net.initial_peers, *known],
             record_validators=make_record_validators(self.config.run.name),
             identity_path=str(state.run_dir / "identity.key"),
@@ -212,9 +214,18 @@ class Agent:
         from farloco.protocol.membership import DHTMembership
         from farloco.protocol.rpc import RpcClient, RpcServer
         from farloco.protocol.statesync import StateServer
+        from farloco.protocol.types import NO_INBOUND
 
         state, outer = self.state, self.outer
         net, run = self.config.network, self.config.run
+        if net.reachability == "private":
+            from farloco.optim import get_codec
+
+            if not get_codec(run.codec, **run.codec_options).dense:
+                raise AgentError(
+                    f"network.reachability = 'private' needs a dense codec (its share goes to the members that "
+                    f"own the parts): run.codec = {run.codec!r} sends every payload to every member"
+                )
         injector = state.injector
         if injector is not None:
             dht = injector.wrap_dht(dht)  # a real DHT that refuses or stops answering some calls
@@ -262,11 +273,14 @@ class Agent:
             )
         state_server.register(server)
         bound = await server.start()
-        try:  # what the others dial: announce_host, the bound host, or (bound to every interface) one of ours
-            host = announced_host(net.host, net.announce_host, state.multiaddrs)
-        except ValueError as exc:
-            raise AgentError(str(exc)) from None
-        state.grpc_address = join_host_port(host, split_host_port(bound)[1])
+        if net.reachability == "private":
+            state.grpc_address = NO_INBOUND  # nobody dials us: we call them (protocol/types.py)
+        else:  # what the others dial: announce_host, the bound host, or (bound to every interface) one of ours
+            try:
+                host = announced_host(net.host, net.announce_host, state.multiaddrs)
+            except ValueError as exc:
+                raise AgentError(str(exc)) from None
+            state.grpc_address = join_host_port(host, split_host_port(bound)[1])
         membership = DHTMembership(
             dht,
             run.name,

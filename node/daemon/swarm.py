@@ -277,9 +277,16 @@ class Swarm:
         self, donors: list[str], why: str, vouched: dict[int, set[str]] | None = None
     ) -> None:
         """Fetch the swarm's state from `donors`, checked against `vouched` (round -> the theta hash the swarm
-        vouches for: a donor serving anything else is refused before a byte is fetched)."""
-        from farloco.protocol.statesync import fetch_state
+        vouches for: a donor serving anything else is refused before a byte is fetched). Members behind NAT
+        serve nothing (nobody can dial them): they are left out."""
+        from farloco.protocol.statesync import StateSyncError, fetch_state
+        from farloco.protocol.types import NO_INBOUND
 
+        if donors and all(d == NO_INBOUND for d in donors):
+            raise StateSyncError(
+                f"the {len(donors)} members holding that state are behind NAT: none can serve it"
+            )
+        donors = [d for d in donors if d != NO_INBOUND]
         self.state.status = Status.SYNCING
         started = time.monotonic()
         self.state.sync_progress = SyncProgress(f"state sync ({why})")

@@ -94,6 +94,10 @@ class Attempt:
     # (member index, lane) -> what goes back on that stream; made when the stream arrives
     outboxes: dict[tuple[int, int], asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[Vote] | None = None  # our vote, once cast
+    # Votes members sent us with their own vote calls, by peer id: how we learn the vote of a member behind NAT
+    # (we cannot call it), and what we relay to the other members behind NAT. `voted` is set on each arrival.
+    votes_in: dict[str, Vote] = field(default_factory=dict)
+    voted: asyncio.Event = field(default_factory=asyncio.Event)
     consumers: set[asyncio.Task[None]] = field(default_factory=set)  # tasks reading the members' streams
     reducers: set[asyncio.Task[None]] = field(default_factory=set)  # an owner's chunks being reduced
     jobs: Jobs = field(default_factory=Jobs)  # codec jobs of the attempt not yet ended (codecpool.py)
@@ -155,6 +159,8 @@ class Attempt:
     def all_streams_seen(self) -> bool:
         """Every other member's every lane arrived (a sender's lane count is known from its first stream)."""
         chunks = len(self.plan.chunks(self.me)) if self.dense else 1
+        if not self.members[self.me].dialable:
+            return True  # nobody can push to a member behind NAT
         return all(
             j in self.lanes_of
             and sum(1 for sender, _ in self.streams_from if sender == j)
@@ -230,7 +236,7 @@ class Attempts:
         self.peer_id = peer_id
         self._attempts: dict[str, Attempt] = {}
         self._newest_round = -1  # the newest round this node works on (`advance`)
-        self._decided: OrderedDict[str, Vote] = OrderedDict()
+        self._decided: OrderedDict[str, tuple[Vote, dict[str, Vote]]] = OrderedDict()
 
     def values(self) -> list[Attempt]:
         return list(self._attempts.values())
@@ -270,12 +276,12 @@ class Attempts:
                 other.moved_on = round_id
                 other.started.set()
 
-    def decided(self, key: str) -> Vote | None:
-        """Our vote in finished attempt `key`, if still remembered."""
+    def decided(self, key: str) -> tuple[Vote, dict[str, Vote]] | None:
+        """Our vote in finished attempt `key` and the votes members sent us in it, if still remembered."""
         return self._decided.get(key)
 
-    def remember(self, key: str, vote: Vote) -> None:
-        self._decided[key] = vote
+    def remember(self, key: str, vote: Vote, votes_in: dict[str, Vote] | None = None) -> None:
+        self._decided[key] = (vote, votes_in if votes_in is not None else {})  # later arrivals too
         while len(self._decided) > DECIDED_MEMORY:
             self._decided.popitem(last=False)
 
@@ -292,7 +298,7 @@ class Attempts:
         if attempt.status is not None and not attempt.status.done():
             vote = attempt.vote()
             attempt.status.set_result(vote)
-            self.remember(attempt.key, vote)
+            self.remember(attempt.key, vote, attempt.votes_in)
         if self._attempts.get(attempt.key) is attempt:
             del self._attempts[attempt.key]
 

@@ -170,6 +170,16 @@ class Exchange:
         fp32_sent = 0.0
         attempt_no = 0
         while True:
+            stranded = [m.peer_id for m in members if not m.dialable]
+            if len(members) > 1 and stranded and (not codec.dense or len(stranded) == len(members)):
+                # Behind NAT (types.NO_INBOUND): a sparse payload goes to every member, and an owner is dialled.
+                why = (
+                    "a sparse codec sends to every member" if not codec.dense else "no member can be dialled"
+                )
+                raise ExchangeAborted(
+                    "NO_INBOUND",
+                    f"round {group.round_id}: {stranded} accept no inbound connection, and {why}",
+                )
             attempt = self.attempts.open(attempt_key(group, attempt_no, [m.peer_id for m in members]))
             self._start(
                 attempt,
@@ -265,7 +275,14 @@ class Exchange:
         attempt.weight = weight
         attempt.lo, attempt.hi = (0, flat.numel()) if bounds is None else bounds
         attempt.flat = flat
-        attempt.plan = Plan(flat.numel(), len(members), self.chunk_elems, self.slices if attempt.dense else 0)
+        dialable = tuple(m.dialable for m in members)
+        attempt.plan = Plan(
+            flat.numel(),
+            len(members),
+            self.chunk_elems,
+            self.slices if attempt.dense else 0,
+            owners=None if all(dialable) or len(members) == 1 else dialable,
+        )
         attempt.result = torch.empty(flat.numel(), dtype=torch.float32) if out is None else out.view(-1)
         # Lossless: what goes on the wire is our tensor itself. Not a copy (a 64 MiB clone per round cost ~10%
         # of an exchange): `transmitted` then shares the caller's input memory, which AverageResult says.
@@ -283,7 +300,7 @@ class Exchange:
             attempt.parts_missing = 1 + sum(
                 lanes_for(self.lanes, len(attempt.plan.chunks(j)))
                 for j in range(len(members))
-                if j != attempt.me
+                if j != attempt.me and members[j].dialable
             )
         else:
             # Ours counts too: it may be encoded off the loop, and the others' payloads may come first.
@@ -320,7 +337,7 @@ class Exchange:
         pushes = {
             (j, lane): asyncio.create_task(self._pusher.push(attempt, j, lane, deadline))
             for j in range(len(attempt.members))
-            if j != attempt.me
+            if j != attempt.me and attempt.members[j].dialable  # behind NAT: it pushes to us, never we to it
             for lane in range(lanes_for(self.lanes, len(attempt.plan.chunks(j))) if attempt.dense else 1)
         }
         try:

@@ -2,7 +2,8 @@
 
 Parts and chunks. The flat tensor is cut into one contiguous part per member (in member order) and each part
 into chunks of `chunk_bytes // 4` elements. Member j owns part j: every other member sends it its chunks of part
-j, and j sends back the mean of each chunk.
+j, and j sends back the mean of each chunk. A member nobody can dial (behind NAT) owns an empty part: it sends
+its chunks to the owners like everyone and takes the means back on the streams it opened (`Plan.owners`).
 
 Lanes. A link with a large bandwidth-delay product (1 Gbit/s x 100 ms: 12.5 MB in flight) is more than one
 TCP stream's window can fill. With `streams_per_peer` = L > 1 a member opens up to L streams to each owner
@@ -58,12 +59,22 @@ class Plan:
     num_parts: int
     chunk_elems: int
     slices: int = 0  # also cut at the boundaries of this many equal slices (see Spans); 0: no such cuts
+    # Which members own a part (None: all). A member that cannot be dialled (behind NAT) owns an empty part:
+    # nobody could push to it; it pushes its chunks to the owners and takes the means back on its own streams.
+    owners: tuple[bool, ...] | None = None
     _chunks: dict[int, list[tuple[int, int]]] = field(default_factory=dict, compare=False, repr=False)
 
     def part(self, index: int) -> tuple[int, int]:
-        base, extra = divmod(self.numel, self.num_parts)
-        start = index * base + min(index, extra)
-        return start, start + base + (1 if index < extra else 0)
+        rank, count = index, self.num_parts
+        if (
+            self.owners is not None
+        ):  # the parts are the owners'; a non-owner's is empty, where the next begins
+            rank, count = sum(self.owners[:index]), sum(self.owners)
+        base, extra = divmod(self.numel, count)
+        start = rank * base + min(rank, extra)
+        if self.owners is not None and not self.owners[index]:
+            return start, start
+        return start, start + base + (1 if rank < extra else 0)
 
     def chunks(self, index: int) -> list[tuple[int, int]]:
         """Chunk ranges of part `index` (computed once: the reducer asks for them per chunk)."""

@@ -17,7 +17,11 @@ given up as gone (gone.py) is not asked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from typing import Any
+
+import grpc
 
 from farloco.protocol.exchange.api import ExchangeAborted
 from farloco.protocol.exchange.attempt import Attempt, Attempts
@@ -40,36 +44,70 @@ class Voter:
         self.watch = watch
 
     async def vote_phase(self, attempt: Attempt, deadline: float) -> dict[str, Vote]:
-        """Tell every other member our outcome and learn theirs; returns peer_id -> vote for those that answered."""
+        """Tell every other member our outcome and learn theirs; returns peer_id -> vote for those that answered.
+
+        A member behind NAT (not `dialable`) is never called: its vote is the one it sent us with its own call.
+        Behind NAT ourselves, we learn another such member's vote from what the dialable members relay of the
+        calls they got (`pv` in their answers), asking them again until it is there."""
         loop = asyncio.get_running_loop()
         mine = attempt.vote()
         assert attempt.status is not None
         attempt.status.set_result(mine)
-        self.attempts.remember(attempt.key, mine)
+        self.attempts.remember(attempt.key, mine, attempt.votes_in)
+        relayed: dict[str, Vote] = {}
+        mismatched: list[str] = []
+
+        async def call(member: GroupMember) -> Vote | None:
+            answer = await self.client.unary(
+                member.address,
+                VOTE_METHOD,
+                Frame(VoteRequest(AttemptRef(attempt.key, attempt.attempt_no), mine).encode()),
+                round_id=attempt.round_id,
+                timeout=max(0.001, deadline - loop.time()),
+            )
+            try:
+                vote = Vote.decode(answer.header)
+                relayed.update(relayed_votes(answer.header, attempt.member_ids))
+            except Reject:
+                log.warning("malformed vote from %s: %r", member.peer_id, answer.header.get("v"))
+                return None
+            return vote
+
+        async def arrived(member: GroupMember) -> Vote | None:
+            """The vote of a member behind NAT: sent to us with its call, or relayed by a dialable member."""
+            while True:
+                vote = attempt.votes_in.get(member.peer_id) or relayed.get(member.peer_id)
+                if vote is not None:
+                    return vote
+                if loop.time() >= deadline:
+                    return None
+                attempt.voted.clear()
+                if attempt.members[attempt.me].dialable:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(attempt.voted.wait(), timeout=RELAY_POLL_SECONDS)
+                else:  # ask a dialable member again for what it has been sent since
+                    await asyncio.sleep(RELAY_POLL_SECONDS)
+                    for other in attempt.members:
+                        if other.dialable and other.peer_id != self.attempts.peer_id:
+                            with contextlib.suppress(RpcError):
+                                await call(other)
+                                break
 
         async def ask(member: GroupMember) -> Vote | None:
             if member.peer_id in attempt.gone:
                 return None  # given up in the data phase: its vote would come at the deadline, if at all
-            call = asyncio.ensure_future(
-                self.client.unary(
-                    member.address,
-                    VOTE_METHOD,
-                    Frame(VoteRequest(AttemptRef(attempt.key, attempt.attempt_no), mine).encode()),
-                    round_id=attempt.round_id,
-                    timeout=max(0.001, deadline - loop.time()),
-                )
-            )
+            task = asyncio.ensure_future(call(member) if member.dialable else arrived(member))
             j = attempt.member_ids.index(member.peer_id)
             try:
-                while self.watch.watching and not call.done():
-                    await asyncio.wait({call}, timeout=GONE_CHECK_SECONDS)
-                    if not call.done() and self.watch.lost(attempt, [j]):
+                while self.watch.watching and not task.done():
+                    await asyncio.wait({task}, timeout=GONE_CHECK_SECONDS)
+                    if not task.done() and self.watch.lost(attempt, [j]):
                         attempt.gone.add(member.peer_id)
                         log.info(
                             "no vote from %s for %s: gone (no heartbeat)", member.peer_id, attempt.key[:12]
                         )
                         return None
-                answer = await call
+                return await task
             except RpcError as exc:
                 if exc.reason == "GROUP_MISMATCH":
                     # Alive but in another group: going on without it would split the round.
@@ -77,37 +115,60 @@ class Voter:
                 log.info("no vote from %s for %s: %s", member.peer_id, attempt.key[:12], exc)
                 return None
             finally:
-                if not call.done():
-                    await cancel_and_wait(call)
-            try:
-                return Vote.decode(answer.header)
-            except Reject:
-                log.warning("malformed vote from %s: %r", member.peer_id, answer.header.get("v"))
-                return None
-
-        mismatched: list[str] = []
+                if not task.done():
+                    await cancel_and_wait(task)
 
         others = [m for j, m in enumerate(attempt.members) if j != attempt.me]
-        answers = await asyncio.gather(*(ask(m) for m in others))
+        # The dialable members first: behind NAT, their answers carry the others' votes.
+        dialable = [m for m in others if m.dialable]
+        stranded = [m for m in others if not m.dialable]
+        answers = dict(zip(dialable, await asyncio.gather(*(ask(m) for m in dialable)), strict=True))
+        answers |= dict(zip(stranded, await asyncio.gather(*(ask(m) for m in stranded)), strict=True))
         if mismatched:
             raise ExchangeAborted(
                 "GROUP_MISMATCH",
                 f"round {attempt.round_id}: {mismatched} are in another group than {attempt.key[:12]} "
                 f"({attempt.member_ids})",
             )
-        votes = {m.peer_id: v for m, v in zip(others, answers, strict=True) if v is not None}
+        votes = {m.peer_id: v for m, v in answers.items() if v is not None}
         votes[self.attempts.peer_id] = mine
         return votes
 
     async def on_vote(self, ctx: CallContext, frame: Frame) -> Frame:
-        """A member asks for our vote in an attempt: the remembered one, or the one we cast once we do."""
+        """A member asks for our vote in an attempt (and tells us its own): the remembered one, or the one we cast
+        once we do, with the votes other members sent us (`pv`: what a member behind NAT cannot ask for)."""
         request = VoteRequest.decode(frame.header)
         decided = self.attempts.decided(request.ref.group)
         if decided is not None:
-            return Frame(decided.encode())
+            vote, votes_in = decided
+            if ctx.sender not in votes_in:
+                votes_in[ctx.sender] = request.vote
+            return Frame(vote.encode() | relay_header(votes_in, ctx.sender))
         attempt = await self.attempts.find(ctx, request.ref)
+        attempt.votes_in[ctx.sender] = request.vote
+        attempt.voted.set()
         assert attempt.status is not None
-        return Frame((await attempt.status).encode())
+        vote = await attempt.status
+        return Frame(vote.encode() | relay_header(attempt.votes_in, ctx.sender))
+
+
+RELAY_POLL_SECONDS = 0.05  # behind NAT: how often a vote we wait for is asked of a dialable member again
+
+
+def relay_header(votes_in: dict[str, Vote], asker: str) -> dict[str, Any]:
+    """The `pv` field of a vote answer: the votes members sent us, but the asker's own."""
+    relayed = {peer: vote.encode()["v"] for peer, vote in votes_in.items() if peer != asker}
+    return {"pv": relayed} if relayed else {}
+
+
+def relayed_votes(header: dict[str, Any], members: list[str]) -> dict[str, Vote]:
+    """The votes a vote answer relays (`pv`), of the attempt's members only; `Reject` (BAD_VOTE) if malformed."""
+    raw = header.get("pv", {})
+    if not isinstance(raw, dict) or len(raw) > len(members):
+        raise Reject(
+            grpc.StatusCode.INVALID_ARGUMENT, "BAD_VOTE", f"expected a map of votes, got {type(raw)}"
+        )
+    return {peer: Vote.decode({"v": vote}) for peer, vote in raw.items() if peer in members}
 
 
 def excluded(alive: list[GroupMember], votes: dict[str, Vote]) -> set[str]:

@@ -44,7 +44,7 @@ from farloco.protocol.matchmaking.rules import (
     spread_sample,
 )
 from farloco.protocol.membership import DHTMembership, members_key
-from farloco.protocol.types import Group, GroupMember
+from farloco.protocol.types import NO_INBOUND, Group, GroupMember
 from farloco.util.clock import Clock, DHTClock
 from farloco.util.tasks import cancel_and_wait, wait_for
 
@@ -246,10 +246,13 @@ class DHTMatchmaker:
         process stopped both nodes' tables emptied; pushing only to the table, neither reached the other and each
         led a group of one: the same round committed twice)."""
         leaving = {r.peer_id for r in live if r.state == "leaving"}
-        targets = {r.peer_id: r.address for r in live if r.peer_id not in leaving}
+        # A member behind NAT (NO_INBOUND) is never pushed to: it reads the round's records from the DHT.
+        targets = {r.peer_id: r.address for r in live if r.peer_id not in leaving and r.address != NO_INBOUND}
         if self._last_group[0] == round_id - 1:
             targets.update(
-                (p, a) for p, a in self._last_group[1].items() if p not in targets and p not in leaving
+                (p, a)
+                for p, a in self._last_group[1].items()
+                if p not in targets and p not in leaving and a != NO_INBOUND
             )
         targets.pop(me, None)
         return targets
@@ -324,7 +327,7 @@ class DHTMatchmaker:
         if last_round != round_id - 1 or self.client is None:
             return
         for peer_id, address in members.items():
-            if peer_id == me or peer_id in records:
+            if peer_id == me or peer_id in records or address == NO_INBOUND:
                 continue
             knocked_at, verdict = self._knocked.get(peer_id, (-math.inf, ""))
             if now - knocked_at >= KNOCK_EVERY:
@@ -598,7 +601,11 @@ class DHTMatchmaker:
                 ready = {**dht.ready, **direct, me.peer_id: mine}
                 if linked:
                     targets = self._link_targets(round_id, live, me.peer_id)
-                    targets.update((p, r.address) for p, r in ready.items() if p != me.peer_id)
+                    targets.update(
+                        (p, r.address)
+                        for p, r in ready.items()
+                        if p != me.peer_id and r.address != NO_INBOUND
+                    )
                     for peer_id, address in targets.items():
                         if peer_id not in pushed:
                             pushed.add(peer_id)
@@ -673,7 +680,7 @@ class DHTMatchmaker:
         self.counters["relayed"] += 1
         header = RecordPush(record).encode()
         for member in record.group.members:
-            if member.peer_id not in (me.peer_id, record.leader):
+            if member.peer_id not in (me.peer_id, record.leader) and member.dialable:
                 self._spawn(self._push(member.address, GROUP_METHOD, header, record.group.round_id))
 
     async def _publish(
@@ -690,7 +697,8 @@ class DHTMatchmaker:
             sorted(p[:8] for p in view.ahead),
             [(r.peer_id[:8], r.round_id, r.state, round(view.now - r.heartbeat, 2)) for r in live],
         )
-        others = [m for m in record.group.members if m.peer_id != record.leader]
+        # Members behind NAT take the group from the DHT copy (they poll it): it is stored in every case.
+        others = [m for m in record.group.members if m.peer_id != record.leader and m.dialable]
         if self.client is not None and others:
             header = RecordPush(record).encode()
             delivered = await asyncio.gather(

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from farloco.protocol.matchmaking.records import GroupRecord, ReadyRecord
-from farloco.protocol.types import Group, GroupMember
+from farloco.protocol.types import NO_INBOUND, Group, GroupMember
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) ->
         sorted(
             peer_id
             for peer_id, record in view.ready.items()
-            if record.ready_at <= cutoff and peer_id not in view.leaving
+            # A member behind NAT cannot lead: nobody could push it a ready record.
+            if record.ready_at <= cutoff and peer_id not in view.leaving and record.address != NO_INBOUND
         )
     )
     return RoundSchedule(opened, opened + wait, candidates, leader_timeout)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ from farloco.protocol.exchange import PUSH_METHOD, Exchange, ExchangeAborted
 from farloco.protocol.exchange import owner as owner_module
 from farloco.protocol.exchange import push as push_module
 from farloco.protocol.rpc import RpcClient, RpcServer
-from farloco.protocol.types import Group, GroupMember
+from farloco.protocol.types import NO_INBOUND, Group, GroupMember
 
 if TYPE_CHECKING:
     import pytest
@@ -227,9 +228,11 @@ async def start_nodes(
     lanes: Sequence[int] = (),
     codec_threads: int = 1,
     corrupting: Sequence[int] = (),
+    behind_nat: Sequence[int] = (),
 ) -> tuple[list[Node], Group]:
     """`count` members on servers of their own, grouped for round 11; those in `corrupting` push through a
-    CorruptingClient (see Node)."""
+    CorruptingClient (see Node); those in `behind_nat` are in the group by the address `NO_INBOUND` (nobody
+    calls them: they call the others)."""
     nodes = [
         Node(
             f"peer-{i}",
@@ -241,6 +244,7 @@ async def start_nodes(
         for i in range(count)
     ]
     members = [await node.start() for node in nodes]
+    members = [replace(m, address=NO_INBOUND) if i in behind_nat else m for i, m in enumerate(members)]
     return nodes, Group.make(11, members)
 
 

@@ -33,7 +33,12 @@ def test_addresses_of_each_family_round_trip(host: str, port: int, address: str,
 
 @pytest.mark.parametrize(
     ("address", "expected"),
-    [("10.0.0.7", "host:port"), ("::1:80", "takes brackets"), ("[::1:80", r"\[ipv6\]:port"), ("h:0", "host:port")],
+    [
+        ("10.0.0.7", "host:port"),
+        ("::1:80", "takes brackets"),
+        ("[::1:80", r"\[ipv6\]:port"),
+        ("h:0", "host:port"),
+    ],
 )
 def test_malformed_addresses_are_refused_naming_the_form(address: str, expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
