@@ -23,7 +23,7 @@ import msgpack
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
 from farloco.protocol.tcpstream import DataServer, Sink, open_stream
-from farloco.protocol.transport import TlsConfig, ssl_contexts
+from farloco.protocol.transport import TlsConfig, ssl_context
 from farloco.protocol.types import NO_INBOUND
 from farloco.util.addresses import join_host_port, split_host_port
 
@@ -246,7 +246,7 @@ class RpcServer:
                 self._open_data_stream,
                 self._reject,
                 socket_buffer_bytes=self.socket_buffer_bytes,
-                ssl_context=None if self.tls is None else ssl_contexts(self.tls)[0],
+                ssl_context=None if self.tls is None else ssl_context(self.tls, server=True),
             )
             try:
                 self.data_port = await data.start()
@@ -398,6 +398,16 @@ class _Dispatcher(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships n
         return None
 
 
+def _check_dialable(address: str) -> None:
+    """RpcError (NOT_DIALLABLE) for the address of a peer behind NAT: nobody calls it, it calls us."""
+    if address == NO_INBOUND:
+        raise RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            NOT_DIALLABLE,
+            "this peer accepts no inbound connection (behind NAT): it calls us, we never call it",
+        )
+
+
 def _to_rpc_error(exc: grpc.aio.AioRpcError, address: str, method: str) -> RpcError:
     code = exc.code()
     reason = code.name
@@ -426,18 +436,13 @@ class RpcClient:
         self.socket_buffer_bytes = socket_buffer_bytes
         self.max_message_bytes = max_message_bytes
         self.tls = tls
-        self._ssl = None if tls is None else ssl_contexts(tls)[1]  # the data plane's client side
+        self._ssl = None if tls is None else ssl_context(tls, server=False)  # the data plane's client side
         self._channels: dict[str, grpc.aio.Channel] = {}
         # gRPC address -> the peer's data-plane port, or None where it has none (then streams ride gRPC).
         self._data_ports: dict[str, int | None] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        if address == NO_INBOUND:
-            raise RpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                NOT_DIALLABLE,
-                "this peer accepts no inbound connection (behind NAT): it calls us, we never call it",
-            )
+        _check_dialable(address)
         channel = self._channels.get(address)
         if channel is None:
             options: list[tuple[str, Any]] = list(_channel_options(self.max_message_bytes))
@@ -514,7 +519,7 @@ class RpcClient:
         """
         _check_method(method)
         limit = self.max_message_bytes
-        self._channel(address)  # a peer that cannot be dialled fails here, before any frame is taken
+        _check_dialable(address)  # before any frame is taken
         port = await self._data_port(address, round_id, timeout) if bulk else None
         if port is not None:
             host = split_host_port(address)[0]

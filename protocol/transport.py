@@ -176,23 +176,20 @@ def make_pki(nodes: list[str], *, days: float = 3650.0) -> dict[str, bytes]:
     return files
 
 
-def ssl_contexts(tls: TlsConfig) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) contexts of the data plane for `tls`: TLS 1.3 only, a certificate required both ways,
+def ssl_context(tls: TlsConfig, *, server: bool) -> ssl.SSLContext:
+    """The data plane's server or client context for `tls`: TLS 1.3 only, a certificate required both ways,
     trusting only `tls.root_certificates`, no session tickets (a stream is one connection; no state outlives
     it). The client passes the name to check (`tls.server_name`, else the host it dials) per connection."""
-    contexts = []
-    for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
-        context = ssl.SSLContext(purpose)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(cadata=tls.root_certificates.decode())
-        _load_chain(context, tls)
-        if purpose == ssl.PROTOCOL_TLS_SERVER:
-            context.num_tickets = 0
-        else:
-            context.check_hostname = True  # against tls.server_name, else the host dialled (as gRPC does)
-        contexts.append(context)
-    return contexts[0], contexts[1]
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=tls.root_certificates.decode())
+    _load_chain(context, tls)
+    if server:
+        context.num_tickets = 0
+    else:
+        context.check_hostname = True  # against tls.server_name, else the host dialled (as gRPC does)
+    return context
 
 
 def _load_chain(context: ssl.SSLContext, tls: TlsConfig) -> None:

@@ -37,6 +37,17 @@ def wait_for(predicate, timeout: float, what: str, peers: list[PeerProcess]) -> 
         time.sleep(0.3)
 
 
+def wait_for_exit(peers: list[PeerProcess], timeout: float, what: str) -> None:
+    """Until every one of `peers` exited (a bound against a hang, not a timing), then each must have exited 0."""
+    deadline = time.monotonic() + timeout
+    while any(peer.process.poll() is None for peer in peers):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)
+    for peer in peers:
+        assert peer.process.returncode == 0, peer.log_path.read_text(errors="replace")[-3000:]
+
+
 class Swarm:
     """A bootstrap node plus peers, all stopped when the test ends."""
 

@@ -5,15 +5,14 @@ reason elsewhere, and removes every namespace it made."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
+from helpers.swarm import rounds_of, started_event, wait_for_exit
 
 from farloco.node.tools.demo import (
     PeerProcess,
     demo_config,
-    read_events,
     start_bootstrap,
     start_peer,
     stop_process,
@@ -25,24 +24,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.dht]
 ROUNDS = 3
 
 
-def _finish(peers: list[PeerProcess], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while any(p.process.poll() is None for p in peers):
-        assert time.monotonic() < deadline, (
-            f"{len(peers)} nodes did not finish {ROUNDS} rounds in {seconds:g} s"
-        )
-        time.sleep(0.5)
-    for peer in peers:
-        assert peer.process.returncode == 0, peer.log_path.read_text(errors="replace")[-3000:]
-
-
 def _one_swarm(peers: list[PeerProcess]) -> list[dict[str, object]]:
     """Every round 1..ROUNDS committed by every node with all of them in the group and one hash; the nodes'
     `started` events."""
     for round_id in range(1, ROUNDS + 1):
         events = [
             next(
-                (e for e in read_events(p.run_dir) if e["event"] == "round" and e["round_id"] == round_id),
+                (e for e in rounds_of(p) if e["round_id"] == round_id),
                 None,
             )
             for p in peers
@@ -50,7 +38,7 @@ def _one_swarm(peers: list[PeerProcess]) -> list[dict[str, object]]:
         assert all(events), f"round {round_id} missing on some node: {events}"
         assert len({e["outer_hash"] for e in events if e}) == 1, f"round {round_id}: two hashes"
         assert all(len(e["group"]) == len(peers) for e in events if e), events
-    return [next(e for e in read_events(p.run_dir) if e["event"] == "started") for p in peers]
+    return [started_event(p) for p in peers]
 
 
 def test_a_bootstrap_given_by_dns_name_is_joined(tmp_path: Path) -> None:
@@ -66,7 +54,7 @@ def test_a_bootstrap_given_by_dns_name_is_joined(tmp_path: Path) -> None:
             start_peer(name, tmp_path, config, f"{kind}/localhost{rest}", 1)
             for name, kind in (("a", "/dns4"), ("b", "/dns"))
         ]
-        _finish(peers, 120)
+        wait_for_exit(peers, 120, f"{ROUNDS} rounds")
     finally:
         stop_process(bootstrap, *(p.process for p in peers))
     _one_swarm(peers)
@@ -91,7 +79,7 @@ def test_a_swarm_on_ipv6_addresses_only_trains_as_one(tmp_path: Path) -> None:
                 for i in (1, 2)
             ]
             processes += [p.process for p in peers]
-            _finish(peers, 150)
+            wait_for_exit(peers, 150, f"{ROUNDS} rounds")
         finally:
             stop_process(*processes)
     started = _one_swarm(peers)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from helpers.swarm import rounds_of, started_event, wait_for_exit
 
 from farloco.node.config import load_config, run_hash
-from farloco.node.tools.demo import demo_config, read_events, start_bootstrap, start_peer, stop_process
+from farloco.node.tools.demo import demo_config, start_bootstrap, start_peer, stop_process
 from farloco.node.tools.netns import NamespaceWAN, unavailable
 from farloco.protocol.tcpstream import MAGIC
 
@@ -49,21 +49,14 @@ def _capture(tmp_path: Path, tag: str, overrides: list[str]) -> tuple[bytes, byt
                 for i in (1, 2)
             ]
             processes += [p.process for p in peers]
-            deadline = time.monotonic() + 150
-            while any(p.process.poll() is None for p in peers):
-                assert time.monotonic() < deadline, f"2 nodes did not finish {ROUNDS} rounds in 150 s"
-                time.sleep(0.5)
-            for peer in peers:
-                assert peer.process.returncode == 0, peer.log_path.read_text(errors="replace")[-3000:]
+            wait_for_exit(peers, 150, f"2 nodes to finish {ROUNDS} rounds")
         finally:
             stop_process(*processes)
             dump.send_signal(signal.SIGINT)
             dump.wait(timeout=30)
-    started = [e for p in peers for e in read_events(p.run_dir) if e["event"] == "started"]
-    hashes = {e["outer_hash"] for p in peers for e in read_events(p.run_dir) if e["event"] == "round"}
-    assert (
-        len({e["round_id"] for p in peers for e in read_events(p.run_dir) if e["event"] == "round"}) == ROUNDS
-    )
+    started = [started_event(p) for p in peers]
+    hashes = {e["outer_hash"] for p in peers for e in rounds_of(p)}
+    assert len({e["round_id"] for p in peers for e in rounds_of(p)}) == ROUNDS
     assert len(hashes) == ROUNDS, hashes  # one hash per round: the two trained together
     assert len(started) == 2 and started[0]["run_hash"] == run_hash(load_config(config))
     return pcap.read_bytes(), started[0]["run_hash"].encode(), [e["peer_id"].encode() for e in started]

@@ -5,16 +5,15 @@ iproute2 and nftables: skips with the reason elsewhere, and removes every namesp
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.swarm import rounds_of, started_event, wait_for, wait_for_exit
 
 from farloco.node.tools.demo import (
     PeerProcess,
     demo_config,
-    read_events,
     start_bootstrap,
     start_peer,
     stop_process,
@@ -58,31 +57,16 @@ def _run(
                 return peer
 
             peers = [start(i) for i in range(1, nodes + 1) if i not in late]
-            if late:
-                deadline = (
-                    time.monotonic() + 300
-                )  # against a hang: round 1 alone took 16 s on a loaded machine
-                while not any(
-                    e["event"] == "round" and e["round_id"] >= 2 for e in read_events(peers[0].run_dir)
-                ):
-                    assert time.monotonic() < deadline, "the first nodes did not commit round 2 in 300 s"
-                    time.sleep(0.2)
+            if late:  # against a hang (round 1 alone took 16 s on a loaded machine), not a timing
+                first = peers[0]
+                wait_for(lambda: any(e["round_id"] >= 2 for e in rounds_of(first)), 300, "round 2", peers)
                 peers += [start(i) for i in late]
             # A bound against a hang, not a timing: rounds take ~3 s here, up to ~15 s on a loaded 2-core machine.
-            deadline = time.monotonic() + 120 + 20 * rounds
-            while any(p.process.poll() is None for p in peers):
-                assert time.monotonic() < deadline, f"{nodes} nodes did not finish {rounds} rounds in time"
-                time.sleep(0.5)
-            for peer in peers:  # every node, behind NAT or not, finished and left cleanly
-                assert peer.process.returncode == 0, peer.log_path.read_text(errors="replace")[-3000:]
+            wait_for_exit(peers, 120 + 20 * rounds, f"{nodes} nodes to finish {rounds} rounds")
         finally:
             stop_process(*processes)
-    ids.update(
-        {p.name: next(e["peer_id"] for e in read_events(p.run_dir) if e["event"] == "started") for p in peers}
-    )
-    return {
-        p.name: {e["round_id"]: e for e in read_events(p.run_dir) if e["event"] == "round"} for p in peers
-    }
+    ids.update({p.name: started_event(p)["peer_id"] for p in peers})
+    return {p.name: {e["round_id"]: e for e in rounds_of(p)} for p in peers}
 
 
 def _check(

@@ -19,7 +19,7 @@ from farloco.node.config import ConfigError, build_config, transport_tls
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.rpc import CallContext, Frame, RpcClient, RpcError, RpcServer, decode_frame_owned
 from farloco.protocol.tcpstream import MAGIC, TAMPERED, TLS_HANDSHAKE, open_stream
-from farloco.protocol.transport import SERVER_NAME, TlsConfig, make_pki, run_credentials, ssl_contexts
+from farloco.protocol.transport import SERVER_NAME, TlsConfig, make_pki, run_credentials, ssl_context
 
 RUN = "run-tls"
 SECRET = b"a run secret of 32 bytes, really"
@@ -110,7 +110,7 @@ async def relayed_stream(server: RpcServer, relay: Relay, tls: TlsConfig | None,
                 timeout=30,
                 max_message_bytes=8 << 20,
                 decode=decode_frame_owned,
-                ssl_context=None if tls is None else ssl_contexts(tls)[1],
+                ssl_context=None if tls is None else ssl_context(tls, server=False),
                 server_name=None if tls is None else tls.server_name,
             )
         ]
