@@ -19,7 +19,7 @@ from helpers.exchange import (
     tolerance,
 )
 
-from farloco.protocol.exchange import ExchangeAborted
+from farloco.protocol.exchange import AverageResult, ExchangeAborted
 from farloco.protocol.rpc import NOT_DIALLABLE, Frame, RpcClient, RpcError
 from farloco.protocol.types import NO_INBOUND
 
@@ -72,14 +72,21 @@ def test_a_member_behind_nat_that_sends_bad_data_is_dropped_by_the_owners_votes(
                 *(n.exchange.average(group, inputs[i], codec, timeout=30) for i, n in enumerate(nodes)),
                 return_exceptions=True,
             )
-            assert isinstance(results[2], ExchangeAborted) and results[2].reason == "EXCLUDED", results[2]
-            survivors = [r for i, r in enumerate(results) if i != 2]
-            assert all(not isinstance(r, BaseException) for r in survivors), survivors
-            kept = tuple(nodes[i].peer_id for i in (0, 1, 3))
-            assert all(r.contributors == kept for r in survivors)  # type: ignore[union-attr]
-            assert all(torch.equal(r.averaged, survivors[0].averaged) for r in survivors)  # type: ignore[union-attr]
-            exact = torch.stack([inputs[i] for i in (0, 1, 3)]).mean(0)
-            assert float((survivors[0].averaged - exact).abs().max()) < 1e-5  # type: ignore[union-attr]
+            assert isinstance(results[2], ExchangeAborted), results[2]
+            honest = [r for i, r in enumerate(results) if i != 2]
+            # The insider stops pushing once told its data was refused, so its NaN may never reach the second
+            # owner: then one accusation stands, and everyone aborts alike. Either way, never a split and never a
+            # mean with its data.
+            if all(isinstance(r, AverageResult) for r in honest):
+                assert results[2].reason == "EXCLUDED", results[2]
+                kept = tuple(nodes[i].peer_id for i in (0, 1, 3))
+                assert all(r.contributors == kept for r in honest)  # type: ignore[union-attr]
+                assert all(torch.equal(r.averaged, honest[0].averaged) for r in honest)  # type: ignore[union-attr]
+                exact = torch.stack([inputs[i] for i in (0, 1, 3)]).mean(0)
+                assert float((honest[0].averaged - exact).abs().max()) < 1e-5  # type: ignore[union-attr]
+            else:
+                assert {getattr(r, "reason", None) for r in honest} == {"NO_PROGRESS"}, results
+            assert sum(n.server.rejections["BAD_PAYLOAD"] for n in nodes[:2]) >= 1
         finally:
             for node in nodes:
                 await node.stop()
