@@ -4,8 +4,8 @@
 # benchmark.
 #
 #   [BUDGET=SECONDS] benchmarks/gpu_checks.sh [STAGE ...]
-#       stages: env handoff throughput-1b tests throughput-small agent-round exchange-threads (default: all, in
-#       that order)
+#       stages: env throughput-1b throughput-1b-h30 throughput-350m throughput-125m gpu-swarm exchange-threads
+#       (the default, in that order: about 10 minutes on an H100 host), and handoff tests agent-round
 #
 # On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored),
 # which benchmarks/gpu_deps.sh fills here: .gpu/site (hivemind with its p2pd, pydantic, protobuf, ... copied
@@ -66,6 +66,14 @@ stage_env() {
         free -g | head -2
         df -h /dev/shm /tmp | tail -2
         $PY -c "import hivemind, grpc, msgpack, farloco.node.daemon.core, farloco.optim.dense as d; print('hivemind', hivemind.__version__, 'grpc', grpc.__version__, 'C kernels', d.KERNELS is not None)"
+        # Whether this host can make the gpu-swarm stage's WAN (namespaces, tc tbf, the netem relay's TUN device).
+        timeout 60 $PY -c "
+from farloco.node.tools import netns
+reason = netns.relay_unavailable()
+if reason is None:
+    with netns.NamespaceWAN(2, '1gbit', delay_ms=25.0):
+        pass
+print('network namespaces:', reason or 'a 2-host WAN at 1gbit x 50 ms RTT went up and down')"
     } >>"$LOG" 2>&1
 }
 
@@ -75,14 +83,14 @@ stage_handoff() {
         --repeats 3 --json "$OUT/handoff.json" >>"$LOG" 2>&1 || say "handoff failed: $?"
 }
 
-throughput() {  # NAME TIMEOUT ROUNDS PRESET...
-    local name=$1 limit=$2 rounds=$3
-    shift 3
-    say "throughput $name: $*"
+throughput() {  # NAME TIMEOUT ROUNDS H BARE_STEPS PRESET... (BARE_STEPS 0: the daemon alone)
+    local name=$1 limit=$2 rounds=$3 inner=$4 bare=$5
+    shift 5
+    say "throughput $name: $* (H = $inner, $rounds rounds, bare steps $bare)"
     rm -rf "/tmp/nt-$name"
     if ! timeout -s INT -k 10 "$(limit "$limit")" $PY benchmarks/node_throughput.py --presets "$@" --batch-size 8 --seq-len 2048 \
-        --precision bf16 --compile --rounds "$rounds" --inner-steps 10 --bare-steps 10 --json "$OUT/throughput-$name.json" \
-        --work "/tmp/nt-$name" >>"$LOG" 2>&1; then
+        --precision bf16 --compile --rounds "$rounds" --inner-steps "$inner" --bare-steps "$bare" \
+        --json "$OUT/throughput-$name.json" --work "/tmp/nt-$name" >>"$LOG" 2>&1; then
         say "throughput $name failed"
         tails "/tmp/nt-$name"
     fi
@@ -116,6 +124,13 @@ stage_agent_round() {  # the agent's round at 1B on this host's cores: one threa
     done
 }
 
+stage_gpu_swarm() {  # two nodes on the one GPU, 125m, over a 1 Gbit/s x 50 ms namespace link and on loopback
+    say "gpu swarm: 2 nodes x 1 rank on one GPU, 125m, 10 rounds, loopback and 1gbit x 50 ms"
+    rm -rf /tmp/gs
+    timeout -s INT -k 10 $(limit 300) $PY benchmarks/gpu_swarm.py --preset 125m --rounds 10 --rate 1gbit --rtt-ms 50 \
+        --json "$OUT/gpu-swarm.json" --work /tmp/gs >>"$LOG" 2>&1 || { say "gpu swarm failed: $?"; tails /tmp/gs; }
+}
+
 stage_exchange_threads() {  # the exchange's codec work on 0, 1 and 8 threads per peer, 2 peers on this host
     say "exchange: 2 peers x 1 GiB (a 268M-value tensor), int8 and fp32, codec threads 0 / 1 / 8, against gloo"
     timeout -s INT -k 10 $(limit 240) $PY benchmarks/exchange.py --impl farloco --impl gloo --peers 2 --mib 1024 \
@@ -125,13 +140,16 @@ stage_exchange_threads() {  # the exchange's codec work on 0, 1 and 8 threads pe
 
 setup
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env handoff throughput-1b tests throughput-small agent-round exchange-threads)
+[ ${#stages[@]} -eq 0 ] && stages=(env throughput-1b throughput-1b-h30 throughput-350m throughput-125m gpu-swarm exchange-threads)
 for stage in "${stages[@]}"; do
     case $stage in
         env) stage_env ;;
         handoff) stage_handoff ;;
-        throughput-1b) throughput 1b 260 6 1b ;;
-        throughput-small) throughput small 300 3 125m 350m ;;
+        throughput-1b) throughput 1b 260 6 10 10 1b ;;
+        throughput-1b-h30) throughput 1b-h30 200 5 30 0 1b ;;
+        throughput-350m) throughput 350m 150 5 10 10 350m ;;
+        throughput-125m) throughput 125m 120 5 10 10 125m ;;
+        gpu-swarm) stage_gpu_swarm ;;
         tests) stage_tests ;;
         agent-round) stage_agent_round ;;
         exchange-threads) stage_exchange_threads ;;

@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--outer-update", default="delayed", choices=("sync", "delayed", "eager"))
-    parser.add_argument("--bare-steps", type=int, default=10)
+    parser.add_argument(
+        "--bare-steps", type=int, default=10, help="0: no bare loop (the daemon alone; its columns read nan)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=0.0)
     parser.add_argument("--max-seconds", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             params = num_parameters(build_model(model, seed=0))
             flops = flops_per_token(model, args.seq_len)
             tokens = args.batch_size * args.seq_len
-            bare = tokens / run_bare(preset, args, Path(tmp))
+            bare = tokens / run_bare(preset, args, Path(tmp)) if args.bare_steps else float("nan")
             print(f"{preset}: bare {bare:.0f} tokens/s", file=sys.stderr)
             daemon = run_daemon(preset, args, Path(tmp))
             inner = tokens / daemon["step_seconds"]
