@@ -232,6 +232,10 @@ class OuterStrategy(abc.ABC):
     def _buffers(self) -> dict[str, torch.Tensor]:
         """The live state tensors by name (without num_rounds)."""
 
+    def live_buffers(self) -> dict[str, torch.Tensor]:
+        """The live state tensors by name, not copies (to place their memory, never to change them)."""
+        return self._buffers()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Committed state as flat name -> tensor copies (safetensors-compatible; scalars as 0-d tensors)."""
         state = {key: tensor.clone() for key, tensor in self._buffers().items()}

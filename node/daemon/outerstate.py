@@ -28,6 +28,7 @@ from farloco.node.training.model import num_parameters
 from farloco.node.training.models import build_spec
 from farloco.node.training.parallel import check_node_layout
 from farloco.optim.strategies import StrategyError
+from farloco.util.memory import exclude_from_fork
 
 if TYPE_CHECKING:
     from farloco.node.faults.injector import FaultInjector
@@ -60,6 +61,9 @@ class OuterState:
         # run.aggregator: None keeps the exchange's own weighted mean
         self.aggregator = Aggregator(config.run.aggregator) if config.run.aggregator != "mean" else None
         self.round: OuterRound = OuterRound(theta, self.strategy, self.codec)
+        # The DHT node is forked after this: theta and the strategy's state stay out of it (util/memory.py), or
+        # their first writes (the first commit, the first contribution) pay a copy-on-write fault per page.
+        exclude_from_fork(theta, *self.strategy.live_buffers().values())
         if injector is not None:  # corrupt-theta@R: theta nudged inside the commits the plan names
             self.round = injector.wrap_outer(self.round, lambda: self.round_id)
         self.round_id = 0
