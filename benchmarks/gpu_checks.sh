@@ -5,7 +5,10 @@
 #
 #   [BUDGET=SECONDS] benchmarks/gpu_checks.sh [STAGE ...]
 #       stages: env throughput-1b throughput-1b-h30 throughput-350m throughput-125m gpu-swarm exchange-threads
-#       (the default, in that order: about 10 minutes on an H100 host), and handoff tests agent-round
+#       (the default, in that order), and handoff tests agent-round. On an H100 host (2026-11-27) env to
+#       throughput-350m took 8 minutes (each 1B stage about 3, compile included), throughput-125m about 1.5,
+#       gpu-swarm up to 5, exchange-threads 2.5: the default set needs two calls of under 10 minutes, e.g.
+#       BUDGET=560 ... env throughput-1b throughput-1b-h30 throughput-350m, then the rest.
 #
 # On a machine with no package registry, the Python packages its image lacks travel in .gpu/ (git-ignored),
 # which benchmarks/gpu_deps.sh fills here: .gpu/site (hivemind with its p2pd, pydantic, protobuf, ... copied
@@ -41,6 +44,15 @@ setup() {
         for part in node protocol optim; do ln -sfn "$PWD/$part" "/tmp/farloco/farloco/$part"; done
     fi
     export PYTHONPATH=/tmp/farloco:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    if [ -d .gpu/iproute ] && ! command -v ip >/dev/null; then  # the namespace WAN's tools (gpu_deps.sh)
+        mkdir -p /tmp/iproute/bin
+        for tool in ip tc sysctl; do
+            printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/.gpu/iproute/lib exec %s/.gpu/iproute/%s "$@"\n' "$PWD" "$PWD" "$tool" \
+                >"/tmp/iproute/bin/$tool"
+            chmod +x "/tmp/iproute/bin/$tool"
+        done
+        export PATH=/tmp/iproute/bin:$PATH
+    fi
 }
 
 cleanup() {  # whatever a stage stopped by its timeout left running (nodes, DHT daemons, ranks)

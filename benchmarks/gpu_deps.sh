@@ -40,4 +40,15 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .gpu/whl "${compiled[@]}"
+# iproute2's ip and tc (and sysctl), which the gpu-swarm stage's namespace WAN needs and the GPU image lacks: this
+# machine's binaries with the libraries they link beyond glibc (they need glibc 2.34 at most); gpu_checks.sh puts
+# them on the PATH through wrappers that point the loader at those libraries alone.
+if command -v ip >/dev/null && command -v tc >/dev/null && command -v sysctl >/dev/null; then
+    mkdir -p .gpu/iproute/lib
+    for tool in ip tc sysctl; do
+        cp "$(command -v "$tool")" ".gpu/iproute/$tool"
+    done
+    ldd .gpu/iproute/ip .gpu/iproute/tc .gpu/iproute/sysctl | awk '$3 ~ /^\// {print $3}' | sort -u |
+        grep -Ev '/(libc|libm|libz|ld-linux[^/]*)\.so' | xargs -r cp -L -t .gpu/iproute/lib
+fi
 du -sh .gpu
