@@ -37,7 +37,7 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -272,6 +272,14 @@ def make_record_validators(
     process-wide key; tests running several DHTs in one process pass one key per peer.
     """
     return [RSASignatureValidator(private_key), MembersValidator(run_name)]
+
+
+def bootstrap_record_validators(run_names: Sequence[str] = ()) -> list[RecordValidatorBase]:
+    """Validators for a DHT node that is no member (`farloco bootstrap`), which is a replica of the records whose
+    keys lie near its own id like any other node: it refuses what a member's DHT node refuses. The signature check
+    needs no run (an entry under a sub-key holding a public key must be signed by that key's owner); the members
+    key's schema needs the run's name, one `MembersValidator` per run that uses this bootstrap."""
+    return [RSASignatureValidator(), *(MembersValidator(name) for name in run_names)]
 
 
 # --------------------------------------------------------------------------------------------- sans-IO core

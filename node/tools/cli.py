@@ -240,15 +240,32 @@ def join(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Private key file: keeps the same peer id (and multiaddr) across restarts.",
 )
+@click.option(
+    "--run",
+    "runs",
+    multiple=True,
+    metavar="NAME",
+    help="A run (run.name) that joins through this node: its member records are checked here as a member checks "
+    "them. Signatures are checked for every run.",
+)
 def bootstrap(
-    host: str, port: int, initial_peers: tuple[str, ...], maddr_file: Path | None, identity: Path | None
+    host: str,
+    port: int,
+    initial_peers: tuple[str, ...],
+    maddr_file: Path | None,
+    identity: Path | None,
+    runs: tuple[str, ...],
 ) -> None:
-    """Run a standalone DHT node that peers join through; prints its multiaddrs and runs until stopped."""
+    """Run a standalone DHT node that peers join through; prints its multiaddrs and runs until stopped.
+
+    It stores records like any DHT node (those whose keys lie near its id): it refuses unsigned or forged
+    entries of any run, and entries of the wrong schema under the members key of each --run."""
     import signal
     import threading
 
     from farloco.node.daemon.dhtnode import DHTStartError, make_dht, stop_dht, visible_maddrs
     from farloco.node.logs import setup_logging
+    from farloco.protocol.membership import bootstrap_record_validators
     from farloco.util.addresses import bind_multiaddr
 
     setup_logging(None)  # text on a terminal, JSON lines otherwise (journald, docker logs, Slurm output)
@@ -260,7 +277,11 @@ def bootstrap(
     if identity is not None:
         kwargs["identity_path"] = str(identity)
     dht = make_dht(
-        host_maddrs=[bind_multiaddr(host, port)], initial_peers=list(initial_peers), start=True, **kwargs
+        host_maddrs=[bind_multiaddr(host, port)],
+        initial_peers=list(initial_peers),
+        record_validators=bootstrap_record_validators(runs),
+        start=True,
+        **kwargs,
     )
     try:
         maddrs = visible_maddrs(dht, stop=stop)

@@ -44,6 +44,8 @@ from farloco.node.fsutil import write_atomic
 
 DEMO_TIMEOUT_SECONDS = 900.0
 DEFAULT_ROUNDS = 6
+DEMO_RUN_NAME = "farloco-demo"
+"""run.name of every config made here (`demo_config`): the bootstrap started here checks its member records."""
 # [run] values a strategy's demo uses unless the overrides set them. Only the demo applies these: a config file
 # means what it says (run.codec defaults to fp32 everywhere, and [run] is hashed as written).
 STRATEGY_DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -87,7 +89,7 @@ def demo_rounds(overrides: Sequence[str]) -> int:
 def demo_config(rounds: int, overrides: list[str]) -> str:
     """The demo peers' TOML: the tiny preset, local timeouts, the strategy's demo defaults, then `overrides`."""
     base = {section: dict(values) for section, values in PRESETS["tiny"].items()}
-    base["run"]["name"] = "farloco-demo"
+    base["run"]["name"] = DEMO_RUN_NAME
     given = {(section, key) for section, key, _ in map(parse_override, overrides)}
     for key, value in STRATEGY_DEMO_DEFAULTS.get(demo_strategy(overrides), {}).items():
         if ("run", key) not in given:
@@ -108,9 +110,15 @@ def demo_config(rounds: int, overrides: list[str]) -> str:
 
 
 def start_bootstrap(
-    work_dir: Path, *, host: str = "127.0.0.1", prefix: Sequence[str] = (), timeout: float = 60.0
+    work_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    timeout: float = 60.0,
+    runs: Sequence[str] = (DEMO_RUN_NAME,),
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `farloco bootstrap` on `host`; returns the process and its first multiaddr. One that has not
+    """Start `farloco bootstrap` on `host`, checking the member records of `runs` (its --run; the demo's run by
+    default, which every config made here uses); returns the process and its first multiaddr. One that has not
     written its multiaddrs within `timeout` seconds, or exited, is stopped (its whole session) and raises with
     its log's tail.
 
@@ -128,6 +136,7 @@ def start_bootstrap(
             host,
             "--maddr-file",
             str(maddr_file),
+            *(arg for name in runs for arg in ("--run", name)),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -28,7 +28,9 @@ from farloco.protocol.membership import (
     MembersValidator,
     RunMismatchError,
     SlotsExhaustedError,
+    bootstrap_record_validators,
     config_differences,
+    make_record_validators,
     members_key,
     parse_entry,
 )
@@ -192,6 +194,54 @@ def test_dht_refuses_wrong_schema_and_forged_records(dht_swarm: Any) -> None:  #
         assert b.membership.departed() == {record.peer_id}
 
     asyncio.run(main())
+
+
+@pytest.mark.dht
+def test_a_bootstrap_replica_refuses_unsigned_forged_and_wrong_schema_member_entries() -> None:
+    """`farloco bootstrap`'s DHT node stores the records near its id like any replica. With its validators
+    (`bootstrap_record_validators`, the run given) it refuses what a member refuses: an entry under a member's
+    sub-key without that member's signature, and a signed one of the wrong schema; a member's signed record is
+    stored. (A DHT node without validators stores the first two: the store calls below return True.)"""
+    from farloco.node.daemon.dhtnode import make_dht, stop_dht
+
+    key, run = members_key("schema"), "schema"
+    boot = make_dht(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=bootstrap_record_validators([run]),
+    )
+    peers = boot.get_visible_maddrs()
+    member_key = RSAPrivateKey()
+    # Client mode: they store nothing themselves, so the bootstrap is the only replica of every record.
+    member = make_dht(
+        start=True,
+        client_mode=True,
+        initial_peers=peers,
+        record_validators=make_record_validators(run, private_key=member_key),
+    )
+    forger = make_dht(start=True, client_mode=True, initial_peers=peers)  # no validators: signs nothing
+    # Signs with the member's key but checks no schema (a member's own DHT node would refuse to send it).
+    signer = make_dht(
+        start=True,
+        client_mode=True,
+        initial_peers=peers,
+        record_validators=[RSASignatureValidator(member_key)],
+    )
+    try:
+        owner = RSASignatureValidator(member_key).local_public_key
+        good = rec("member", heartbeat=get_dht_time()).to_wire()
+        expiration = get_dht_time() + 30
+        unsigned = forger.store(key, good, expiration, subkey=owner)
+        # later than the unsigned one: a replica keeps a sub-key's entry only for a later expiration
+        wrong_schema = signer.store(key, dict(good, state="dreaming"), expiration + 0.5, subkey=owner)
+        assert unsigned is False and wrong_schema is False
+        assert boot.get(key, latest=True) is None
+        assert member.store(key, good, expiration + 1, subkey=owner)
+        kept = boot.get(key, latest=True)
+        assert kept is not None and kept.value[owner].expiration_time == expiration + 1
+    finally:
+        for dht in (signer, forger, member, boot):
+            stop_dht(dht)
 
 
 def _entry(validator: MembersValidator, value: object, subkey: object, key: str) -> bool:
