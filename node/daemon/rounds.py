@@ -403,6 +403,17 @@ class RoundRunner:
                 "late", round_id=self.outer.round_id, reason=exc.reason, group_formed=exc.group_formed
             )
             return None, replace(facts, matchmaking="late", group_formed=exc.group_formed)
+        if len(group.members) == 1 and await self.swarm.isolated_now():
+            # Our peers vanished while we matched (the check before matching saw them): a group of us alone
+            # would commit a round alone while isolated, a fork if they went on without us. Not committed: as a
+            # failed matchmaking, we take the state of whoever reaches the next round, and the next round's
+            # isolation policy applies if nobody does.
+            self.state.events.write(
+                "solo_group_refused",
+                round_id=self.outer.round_id,
+                vanished=list(self.state.isolation.vanished),
+            )
+            return None, replace(facts, matchmaking="failed")
         return group, replace(facts, matchmaking="grouped", group_size=len(group.members))
 
     async def _heal(self, group: Any, facts: RoundFacts) -> RoundFacts:

@@ -313,6 +313,11 @@ class Swarm:
         )
         log.info("synced state of round %d from %s (%s)", self.outer.round_id, donors, why)
 
+    async def isolated_now(self) -> bool:
+        """Read the members again: are we isolated (peers vanished without leaving, protocol/isolation.py)?"""
+        await self.refresh_peers()
+        return self.state.isolation.verdict == "isolated"
+
     async def ride_out_isolation(self) -> bool | None:
         """The isolation policy (protocol/isolation.py), before a round's matchmaking. None: go on with the
         round (connected again at this round, alone because the others left, or alone past
