@@ -326,6 +326,10 @@ class RoundRunner:
         phase_started = time.monotonic()
         await self._enter_phase("match")
         group, facts = await self._match(facts)
+        group, facts, over = await self._solo_while_isolated(group, facts)
+        if over is not None:
+            self.swarm.left_out(shares.ISOLATED)
+            return over
         self._phases = {"prepare": prepared.seconds, "match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
             return await self._close(decision, island_out=True)
@@ -403,18 +407,28 @@ class RoundRunner:
                 "late", round_id=self.outer.round_id, reason=exc.reason, group_formed=exc.group_formed
             )
             return None, replace(facts, matchmaking="late", group_formed=exc.group_formed)
-        if len(group.members) == 1 and await self.swarm.isolated_now():
-            # Our peers vanished while we matched (the check before matching saw them): a group of us alone
-            # would commit a round alone while isolated, a fork if they went on without us. Not committed: as a
-            # failed matchmaking, we take the state of whoever reaches the next round, and the next round's
-            # isolation policy applies if nobody does.
-            self.state.events.write(
-                "solo_group_refused",
-                round_id=self.outer.round_id,
-                vanished=list(self.state.isolation.vanished),
-            )
-            return None, replace(facts, matchmaking="failed")
         return group, replace(facts, matchmaking="grouped", group_size=len(group.members))
+
+    async def _solo_while_isolated(
+        self, group: Any, facts: RoundFacts
+    ) -> tuple[Any, RoundFacts, bool | None]:
+        """A group of us alone, formed while our peers vanished (the check before matching still saw them):
+        committing it would be a round alone while isolated, a fork if they went on without us. The isolation
+        policy applies here as before a round (`Swarm.ride_out_isolation`): (group, facts, None) to go on, the
+        group kept only where the policy lets us go on alone; a bool when the round is over (`_round`'s value)."""
+        if group is None or len(group.members) != 1 or not await self.swarm.isolated_now():
+            return group, facts, None
+        self.state.events.write(
+            "solo_group_refused", round_id=self.outer.round_id, vanished=list(self.state.isolation.vanished)
+        )
+        isolated = await self.swarm.ride_out_isolation()
+        if isolated is not None:
+            return group, facts, isolated
+        if self.state.isolation.verdict == "connected":
+            # They are back at our round, matching without our solo group: take the state of whoever reaches
+            # the next round (a failed matchmaking), not a round of our own.
+            return None, replace(facts, matchmaking="failed", group_size=0), None
+        return group, facts, None  # alone past timeouts.isolation_timeout, which run.min_peers = 1 allows
 
     async def _heal(self, group: Any, facts: RoundFacts) -> RoundFacts:
         """Compare theta hashes with the group and take the winning side's state on a fork (`_check_hashes`)."""

@@ -1,7 +1,9 @@
 """A round whose matchmaking ends in a group of the node alone while its peers vanished (their records expired
-without a departure, as the isolation watch says) is not committed alone: it closes as a failed matchmaking, so
-the node takes the state of whoever reaches the next round instead of forking the swarm. A node that is alone
-by right (its peers left properly, or it never had any) still rounds alone."""
+without a departure, as the isolation watch says) is not committed as it stands: the isolation policy applies
+there as before a round. If the swarm moved on the node takes its state; if the peers come back at its round
+the round closes as a failed matchmaking (it takes the state of whoever reaches the next round); only where the
+policy lets it go on alone (run.min_peers = 1, past timeouts.isolation_timeout) does its group of one stand. A
+node alone by right (its peers left properly) or with a live peer rounds as before."""
 
 from __future__ import annotations
 
@@ -20,18 +22,27 @@ from farloco.protocol.types import Group, GroupMember
 
 
 class _Swarm:
-    """The swarm's member read, as `Swarm.isolated_now` does it: the live others and the departed into the
-    node's isolation watch."""
+    """The swarm's member reads into the node's isolation watch (as `Swarm.isolated_now` makes them), and the
+    isolation policy's outcome given (`Swarm.ride_out_isolation`: a peer back, the swarm's state taken, or alone)."""
 
-    def __init__(self, state: NodeState, live: list[str], departed: list[str]) -> None:
-        self.state, self.live, self.departed = state, live, departed
+    def __init__(self, state: NodeState, live: list[str], departed: list[str], policy: str) -> None:
+        self.state, self.live, self.departed, self.policy = state, live, departed, policy
+        self.rode_out = 0
 
     async def isolated_now(self) -> bool:
         self.state.isolation.observe(100.0, self.live, self.departed)
         return self.state.isolation.verdict == "isolated"
 
+    async def ride_out_isolation(self) -> bool | None:
+        self.rode_out += 1
+        if self.policy == "back":
+            self.state.isolation.observe(101.0, ["p1"], [])
+        elif self.policy == "alone":
+            self.state.isolation.forget()
+        return True if self.policy == "moved-on" else None
 
-def _runner(tmp_path: Path, live: list[str], departed: list[str]) -> tuple[RoundRunner, NodeState]:
+
+def _solo(tmp_path: Path, live: list[str], departed: list[str], policy: str = "") -> tuple[Any, ...]:
     state = NodeState(build_config({}), tmp_path, dict)
     state.peer_id, state.grpc_address = "me", "127.0.0.1:1"
     state.isolation.observe(90.0, ["p1", "p2"], [])  # we knew two peers, live
@@ -41,33 +52,40 @@ def _runner(tmp_path: Path, live: list[str], departed: list[str]) -> tuple[Round
 
     outer = SimpleNamespace(round_id=7, outer_hash="h", strategy=SimpleNamespace(num_rounds=7))
     net = SimpleNamespace(matchmaker=SimpleNamespace(form_group=form_group), island=None)
-    runner = RoundRunner(state, outer, None, None, _Swarm(state, live, departed), net)  # type: ignore[arg-type]
-    return runner, state
+    swarm = _Swarm(state, live, departed, policy)
+    runner = RoundRunner(state, outer, None, None, swarm, net)  # type: ignore[arg-type]
 
+    async def run() -> tuple[Any, RoundFacts, bool | None]:
+        group, facts = await runner._match(RoundFacts(7, 1))
+        return await runner._solo_while_isolated(group, facts)
 
-def _events(state: NodeState) -> list[str]:
+    group, facts, over = asyncio.run(run())
     state.events.close()
-    return (state.run_dir / "logs" / "agent.jsonl").read_text()
+    events = (state.run_dir / "logs" / "agent.jsonl").read_text()
+    return group, facts, over, swarm.rode_out, events
 
 
-@pytest.mark.parametrize(
-    ("live", "departed", "refused"),
-    [
-        ([], [], True),  # both vanished without leaving: isolated
-        ([], ["p1", "p2"], False),  # both left properly: alone by right
-        (["p1"], [], False),  # one is live (it grouped elsewhere, or is behind): not isolated
-    ],
-    ids=["vanished", "departed", "one-live"],
-)
-def test_a_group_of_us_alone_is_refused_only_while_isolated(
-    tmp_path: Path, live: list[str], departed: list[str], refused: bool
+@pytest.mark.parametrize("live, departed", [([], ["p1", "p2"]), (["p1"], [])], ids=["departed", "one-live"])
+def test_a_group_of_us_alone_stands_when_we_are_not_isolated(
+    tmp_path: Path, live: list[str], departed: list[str]
 ) -> None:
-    runner, state = _runner(tmp_path, live, departed)
-    group, facts = asyncio.run(runner._match(RoundFacts(7, 1)))
-    if refused:
-        assert group is None and facts.matchmaking == "failed"
-        assert '"solo_group_refused"' in _events(state) and '"p1"' in _events(state)
-    else:
-        assert group is not None and [m.peer_id for m in group.members] == ["me"]
-        assert facts.matchmaking == "grouped" and facts.group_size == 1
-        assert "solo_group_refused" not in _events(state)
+    group, facts, over, rode_out, events = _solo(tmp_path, live, departed)
+    assert over is None and rode_out == 0 and "solo_group_refused" not in events
+    assert [m.peer_id for m in group.members] == ["me"] and facts.matchmaking == "grouped"
+
+
+def test_isolated_and_the_swarm_moved_on_the_round_is_over(tmp_path: Path) -> None:
+    _group, _facts, over, rode_out, events = _solo(tmp_path, [], [], "moved-on")
+    assert over is True and rode_out == 1
+    assert '"solo_group_refused"' in events and '"p1", "p2"' in events
+
+
+def test_isolated_then_the_peers_come_back_at_our_round_no_round_of_our_own(tmp_path: Path) -> None:
+    group, facts, over, rode_out, _events = _solo(tmp_path, [], [], "back")
+    assert over is None and rode_out == 1 and group is None and facts.matchmaking == "failed"
+
+
+def test_isolated_past_the_timeout_with_min_peers_1_goes_on_alone(tmp_path: Path) -> None:
+    group, facts, over, rode_out, _events = _solo(tmp_path, [], [], "alone")
+    assert over is None and rode_out == 1 and facts.matchmaking == "grouped"
+    assert [m.peer_id for m in group.members] == ["me"]
