@@ -684,6 +684,14 @@ def _build_section(name: str, cls: type[T], values: dict[str, Any]) -> T:
         raise ConfigError(f"[{name}]: {exc}") from exc
 
 
+def _literal(raw: str) -> Any:
+    """A value given as text (--set, the environment): a TOML literal, else the text itself as a string."""
+    try:
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw.strip()
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Parse `section.key=value`; the value is read as a TOML literal, falling back to a plain string."""
     if "=" not in text:
@@ -692,15 +700,46 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     parts = path.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. run.inner_steps=50")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return parts[0], parts[1], value
+    return parts[0], parts[1], _literal(raw)
 
 
-def build_config(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Validate a parsed TOML document, apply `section.key=value` overrides, and build the frozen tree."""
+ENV_PREFIX = "FARLOCO__"
+"""`FARLOCO__SECTION__KEY=value` sets section.key (names in any case; the value read as --set reads it)."""
+
+
+def environment_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str, Any]]:
+    """(variable, section, key, value) for each FARLOCO__SECTION__KEY variable of `environ`, by name. A
+    variable of that prefix naming no section.key of the config is a ConfigError naming it."""
+    found = []
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(
+                f"environment variable {name}: expected {ENV_PREFIX}SECTION__KEY, e.g. {ENV_PREFIX}RUN__INNER_STEPS"
+            )
+        section, key = parts
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"environment variable {name}: unknown section {section!r}, expected one of {sorted(SECTIONS)}"
+            )
+        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        if key not in known:
+            raise ConfigError(
+                f"environment variable {name}: unknown key {section}.{key}: expected one of {sorted(known)}"
+            )
+        found.append((name, section, key, _literal(environ[name])))
+    return found
+
+
+def build_config(
+    data: dict[str, Any],
+    overrides: list[str] | tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Validate a parsed TOML document, apply the FARLOCO__SECTION__KEY variables of `environ` (when given),
+    then the `section.key=value` overrides, and build the frozen tree: file < environment < --set."""
     merged: dict[str, dict[str, Any]] = {}
     for section, values in data.items():
         if section not in SECTIONS:
@@ -708,6 +747,8 @@ def build_config(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = 
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}]: expected a table, got {values!r}")
         merged[section] = dict(values)
+    for _name, section, key, value in environment_overrides(environ or {}):
+        merged.setdefault(section, {})[key] = value
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
@@ -718,8 +759,13 @@ def build_config(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = 
     return Config(**{name: _build_section(name, cls, merged.get(name, {})) for name, cls in SECTIONS.items()})
 
 
-def load_config(path: Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a TOML file (or the defaults when `path` is None) and apply overrides."""
+def load_config(
+    path: Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Load a TOML file (or the defaults when `path` is None) and apply the environment's FARLOCO__SECTION__KEY
+    variables (when `environ` is given: the CLI passes os.environ) and the overrides, in that order."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -728,7 +774,7 @@ def load_config(path: Path | None, overrides: list[str] | tuple[str, ...] = ()) 
             raise ConfigError(f"config file {path} does not exist") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    return build_config(data, overrides)
+    return build_config(data, overrides, environ)
 
 
 def run_section(config: Config | RunConfig) -> dict[str, SCALAR]:
@@ -881,3 +927,51 @@ def _field_docs() -> dict[tuple[str, str], str]:
             ):
                 docs[(node.name, current.target.id)] = following.value.value
     return docs
+
+
+def _schema_type(annotation: Any) -> dict[str, Any]:
+    origin = typing.get_origin(annotation)
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    if annotation in simple:
+        return {"type": simple[annotation]}
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return {"type": "array", "items": _schema_type(item)}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": {"type": ["number", "string", "boolean"]}}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema_type(arg) for arg in typing.get_args(annotation)]}
+    if annotation is type(None):
+        return {"type": "null"}
+    raise ConfigError(f"no JSON Schema type for {annotation!r}")
+
+
+def config_schema() -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) of the config file: every section and key with its type, default and
+    meaning. What it cannot say (ranges, one key against another) the loader checks."""
+    docs = _field_docs()
+    defaults = Config()
+    properties: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        keys: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            entry = _schema_type(hints[f.name])
+            entry["default"] = getattr(getattr(defaults, name), f.name)
+            doc = docs.get((cls.__name__, f.name))
+            if doc:
+                entry["description"] = " ".join(doc.split())
+            keys[f.name] = entry
+        properties[name] = {
+            "type": "object",
+            "description": " ".join((cls.__doc__ or "").split()),
+            "properties": keys,
+            "additionalProperties": False,
+        }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "farloco node config",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }

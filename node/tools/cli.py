@@ -198,7 +198,9 @@ def join(
         if island_endpoint is not None:
             islands.append(f"node.island_endpoint={json.dumps(island_endpoint)}")
         config = load_config(
-            config_path, [*overrides, *_host_overrides(host, port, dht_port, data_port), *islands]
+            config_path,
+            [*overrides, *_host_overrides(host, port, dht_port, data_port), *islands],
+            environ=os.environ,
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -513,7 +515,18 @@ def peers(run_dir: Path, as_json: bool) -> None:
 # ---- config / data ----------------------------------------------------------------------------------------------
 @main.group()
 def config() -> None:
-    """Config files: print a documented example, validate one."""
+    """Config files: print a documented example or the JSON Schema, validate one, read a value.
+
+    Every key can also be set in the environment as FARLOCO__SECTION__KEY=value (e.g. FARLOCO__RUN__INNER_STEPS=50,
+    the value read as --set reads it): file < environment < --set."""
+
+
+@config.command("schema")
+def config_schema_command() -> None:
+    """Print the config's JSON Schema (every section and key, its type, default and meaning)."""
+    from farloco.node.config import config_schema
+
+    click.echo(json.dumps(config_schema(), indent=2))
 
 
 @config.command("example")
@@ -535,7 +548,7 @@ def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     from farloco.node.training.parallel import check_node_layout
 
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, environ=os.environ)
         check_node_layout(cfg)
         build_outer(cfg, num_parameters(meta_spec(cfg.run.model).module))
     except (ConfigError, ValueError) as exc:
@@ -550,7 +563,7 @@ def config_check(path: Path, overrides: tuple[str, ...]) -> None:
 def config_get(path: Path, key: str, overrides: tuple[str, ...]) -> None:
     """Print one resolved value of a config (defaults filled in), for scripts: e.g. timeouts.leave_timeout."""
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, environ=os.environ)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     section_name, _, name = key.partition(".")
