@@ -178,8 +178,13 @@ class NodeConfig:
     """torch.compile each transformer block (the first steps compile; step-time metrics leave them out)."""
     loggers: list[str] = field(default_factory=list)
     """Experiment trackers that also get the per-round figures of logs/agent.jsonl: "tensorboard" (under
-    <run-dir>/logs/tensorboard; pip install 'farloco[tensorboard]') and/or "wandb" (project = run.name; its own
-    environment applies, e.g. WANDB_MODE=offline; pip install 'farloco[wandb]')."""
+    <run-dir>/logs/tensorboard; pip install 'farloco[tensorboard]') and/or "wandb" (one wandb run per node, in
+    group = run.name, named node.name, with an id stable across the node's restarts, so a restarted node
+    resumes its own run; project = run.name unless WANDB_PROJECT says otherwise; its own environment applies,
+    e.g. WANDB_MODE=offline; pip install 'farloco[wandb]')."""
+    name: str = ""
+    """This node's name in the experiment trackers (default: the first 16 characters of its peer id, which its
+    identity.key keeps across restarts)."""
     data_slot: int = -1
     """The data slot (run.data_slots) this node asks for when it has no checkpoint of the run to resume; kept
     while no other live member holds it, as a resumed node keeps its checkpoint's. -1: the lowest free one.

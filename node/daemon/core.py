@@ -227,9 +227,7 @@ class NodeState:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(config))
-        loggers = (
-            ExperimentLoggers(config, self.run_dir, name=self.run_dir.name) if config.node.loggers else None
-        )
+        loggers = ExperimentLoggers(config, self.run_dir) if config.node.loggers else None
         self.events = EventLog(self.run_dir / "logs" / "agent.jsonl", loggers)
         self.run_hash = run_hash(config)
         # Resolved before anything listens: a node reachable beyond loopback without a secret refuses to start.

@@ -14,7 +14,7 @@ import pytest
 
 from farloco.node.config import ConfigError, build_config
 from farloco.node.daemon.core import EventLog
-from farloco.node.daemon.loggers import ExperimentLoggers, round_values
+from farloco.node.daemon.loggers import ExperimentLoggers, round_values, wandb_run_id
 
 ROUND = {
     "round_id": 3,
@@ -54,7 +54,7 @@ def test_tensorboard_gets_every_round_event_the_event_log_writes(tmp_path: Path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = build_config({"node": {"loggers": ["tensorboard"]}})
-    events = EventLog(tmp_path / "logs" / "agent.jsonl", ExperimentLoggers(config, tmp_path, name="a"))
+    events = EventLog(tmp_path / "logs" / "agent.jsonl", ExperimentLoggers(config, tmp_path))
     for round_id, loss in ((1, 4.0), (2, 3.5), (3, 3.25)):
         events.write("round", **{**ROUND, "round_id": round_id, "train_loss": loss})
     events.write("joined", peers=2)  # not a round: not logged
@@ -77,27 +77,47 @@ WANDB_SCRIPT = textwrap.dedent(
     from farloco.node.config import build_config
     from farloco.node.daemon.loggers import ExperimentLoggers
     config = build_config({"node": {"loggers": ["wandb"]}, "run": {"name": "wandb-test"}})
-    loggers = ExperimentLoggers(config, Path(sys.argv[1]), name="node-a")
-    for round_id in (1, 2, 3):
+    loggers = ExperimentLoggers(config, Path(sys.argv[1]))
+    loggers.event("round", {"round_id": 0, "train_loss": 9.0})  # before the peer id is known: not a run yet
+    loggers.event("started", {"peer_id": sys.argv[2]})
+    first = int(sys.argv[3])
+    for round_id in range(first, first + 3):
         loggers.event("round", {"round_id": round_id, "train_loss": 5.0 - round_id, "contributors": ["a"]})
     loggers.close()
     """
 )
 
 
-def test_wandb_offline_records_every_round(tmp_path: Path) -> None:
-    """In a process of its own: wandb's service process lives as long as the process that started it."""
+def _wandb_node(run_dir: Path, peer_id: str, first_round: int) -> None:
+    """One node's process: wandb's service process lives as long as the process that started it."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+    env.pop("WANDB_PROJECT", None)
     done = subprocess.run(
-        [sys.executable, "-c", WANDB_SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", WANDB_SCRIPT, str(run_dir), peer_id, str(first_round)],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = list((tmp_path / "logs" / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, runs
-    data = runs[0].read_bytes()
-    # The run file holds one history record per round (plus the summary), each naming its keys.
-    assert data.count(b"round/train_loss") >= 3 and data.count(b"round/contributors") >= 3
+
+
+def test_wandb_offline_one_run_per_node_in_the_swarms_group_resumed_after_a_restart(tmp_path: Path) -> None:
+    """Two nodes of one run, the first restarted: each node is one wandb run with a stable id (resumed after
+    the restart), named by its peer id, in group = run.name; every round is recorded."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _wandb_node(a, "QmNodeAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", 1)
+    _wandb_node(a, "QmNodeAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", 4)  # the restart, same identity
+    _wandb_node(b, "QmNodeBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB", 1)
+    id_a = wandb_run_id("wandb-test", "QmNodeAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA")
+    id_b = wandb_run_id("wandb-test", "QmNodeBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB")
+    assert id_a != id_b
+    runs_a = sorted((a / "logs" / "wandb" / "wandb").glob("offline-run-*"))
+    runs_b = sorted((b / "logs" / "wandb" / "wandb").glob("offline-run-*"))
+    # wandb's offline folders are named by the run id: the restart wrote to the same run, the other node its own
+    assert len(runs_a) == 2 and all(r.name.endswith(f"-{id_a}") for r in runs_a), runs_a
+    assert len(runs_b) == 1 and runs_b[0].name.endswith(f"-{id_b}"), runs_b
+    data = b"".join(f.read_bytes() for r in runs_a for f in r.glob("run-*.wandb"))
+    # one history record per round (plus the summary), each naming its keys; the round before `started` is not
+    assert data.count(b"round/train_loss") >= 6 and data.count(b"round/contributors") >= 6
+    assert b"wandb-test" in data and b"QmNodeAAAAAAAAAA" in data  # the group (run.name) and the node's name
