@@ -71,6 +71,17 @@ class RunConfig:
     """Decoupled weight decay of the inner optimizer."""
     warmup_steps: int = 20
     """Linear warm-up of the inner learning rate, in inner steps."""
+    lr_schedule: str = "constant"
+    """The inner rate after the warm-up (node/training/schedule.py): 'constant' (inner_lr), 'cosine' or 'linear'
+    (from inner_lr down to inner_lr x min_lr_ratio at the total), 'wsd' (warmup-stable-decay: inner_lr until the
+    last wsd_decay_fraction of the total, then linear down). Its position is the swarm's inner step (round id x
+    inner_steps + the step in the round), so joiners and resumed nodes apply the rate the swarm is at."""
+    min_lr_ratio: float = 0.0
+    """The decaying schedules end at inner_lr x this (0..1)."""
+    total_inner_steps: int = 0
+    """The schedule's length in inner steps (0: max_rounds x inner_steps; a decaying schedule needs one)."""
+    wsd_decay_fraction: float = 0.1
+    """lr_schedule = 'wsd': the last fraction of the total over which the rate decays (0 < f <= 1)."""
     grad_clip: float = 1.0
     """Clip the inner gradient norm to this value (0 disables)."""
     batch_size: int = 8
@@ -117,6 +128,27 @@ class RunConfig:
         _non_negative(
             self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
         )
+        from farloco.node.training.schedule import LR_SCHEDULES, total_inner_steps
+
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"run.lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if isinstance(self.min_lr_ratio, bool) or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"run.min_lr_ratio: expected 0..1, got {self.min_lr_ratio!r}")
+        if isinstance(self.wsd_decay_fraction, bool) or not 0.0 < self.wsd_decay_fraction <= 1.0:
+            raise ConfigError(f"run.wsd_decay_fraction: expected 0 < f <= 1, got {self.wsd_decay_fraction!r}")
+        _non_negative(self, "total_inner_steps")
+        if self.lr_schedule != "constant":
+            total = total_inner_steps(self)
+            if total == 0:
+                raise ConfigError(
+                    f"run.lr_schedule = {self.lr_schedule!r} decays over a total: set run.total_inner_steps, "
+                    "or run.max_rounds (the total is then max_rounds x inner_steps)"
+                )
+            if total <= self.warmup_steps:
+                raise ConfigError(
+                    f"run.lr_schedule = {self.lr_schedule!r}: the total ({total} inner steps) must exceed "
+                    f"run.warmup_steps ({self.warmup_steps})"
+                )
         if self.inner_optimizer not in INNER_OPTIMIZERS:
             raise ConfigError(
                 f"run.inner_optimizer: expected one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}"

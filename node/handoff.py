@@ -96,6 +96,7 @@ R_SEQ_STEPS = (
     13  # inner steps the rank ran in the sequence it reported done (fewer than asked when cut short)
 )
 R_DONE_NS = 14  # time.time_ns() when the rank reported that sequence done (then it waits for the agent)
+R_INNER_LR = 15  # float64 bits: the inner learning rate of that sequence's last step (run.lr_schedule)
 
 
 def _f2i(value: float) -> int:
@@ -129,6 +130,7 @@ class RankReport:
     optimizer_step: int = 0
     optimizer_fingerprint: float = 0.0
     seq_steps: int = 0
+    inner_lr: float = 0.0
     done_ns: int = 0
 
 
@@ -269,6 +271,7 @@ class Handoff:
             optimizer_fingerprint=_i2f(block[R_OPT_FINGERPRINT]),
             seq_steps=block[R_SEQ_STEPS],
             done_ns=block[R_DONE_NS],
+            inner_lr=_i2f(block[R_INNER_LR]),
         )
 
     @property
@@ -353,8 +356,18 @@ class Handoff:
         self._set(rank, R_EVAL_LOSS, _f2i(loss))
         self._set(rank, R_EVAL_SEQ, seq)
 
-    def mark_done(self, rank: int, seq: int, *, train_loss: float, step_seconds: float, steps: int) -> None:
+    def mark_done(
+        self,
+        rank: int,
+        seq: int,
+        *,
+        train_loss: float,
+        step_seconds: float,
+        steps: int,
+        inner_lr: float = 0.0,
+    ) -> None:
         self._set(rank, R_TRAIN_LOSS, _f2i(train_loss))
+        self._set(rank, R_INNER_LR, _f2i(inner_lr))
         self._set(rank, R_STEP_MICROS, int(step_seconds * 1e6))
         self._set(rank, R_SEQ_STEPS, steps)
         self._set(rank, R_DONE_NS, time.time_ns())

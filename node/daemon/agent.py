@@ -477,6 +477,7 @@ class Agent:
                 "inner_step": inner_step,
                 "loss": state.train_loss,
                 "eval_loss": state.eval_loss,
+                "inner_lr": state.inner_lr,
                 "num_peers": len(state.peers_view),
                 "outer_hash": outer.outer_hash,
                 "bytes_sent": counters.bytes_sent,

@@ -245,6 +245,7 @@ class NodeState:
         # What the ranks' last sequence reported (Ranks.read_reports).
         self.train_loss = math.nan
         self.eval_loss = math.nan
+        self.inner_lr = math.nan  # the inner learning rate of the last sequence's last step (run.lr_schedule)
         self.inner_step_seconds = 0.0  # the last sequence's mean inner step time (the slowest rank's)
         # The swarm as we see it: the members' table (for `farloco peers`), who contributed to each round, whether
         # our peers vanished, the donors' states we refused by reason, the state sync under way.

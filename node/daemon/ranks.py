@@ -255,6 +255,7 @@ class Ranks:
         state = self.state
         reports = self.reports()
         state.train_loss = sum(r.train_loss for r in reports) / len(reports)
+        state.inner_lr = max(r.inner_lr for r in reports)  # the same on every rank (the swarm's step)
         self.seq_inner_step = max(r.inner_step for r in reports)
         # A sequence cut short (a partial contribution) carries its share of the round's steps.
         _, planned = self._seq_plans.get(seq, (0, 0))

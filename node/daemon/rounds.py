@@ -569,6 +569,7 @@ class RoundRunner:
             contributors=list(contributors),
             train_loss=self.state.train_loss,
             eval_loss=self.state.eval_loss,
+            inner_lr=self.state.inner_lr,
             outer_hash=self.outer.outer_hash,
             bytes_sent=averaged.sent,
             bytes_received=averaged.received,

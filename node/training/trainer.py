@@ -48,6 +48,7 @@ from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
 from farloco.node.training.models import ModelSpec, as_spec, build_spec
 from farloco.node.training.muon import build_inner_optimizer
 from farloco.node.training.parallel import ShardView, clip_grad_norm, node_mesh, parallelize
+from farloco.node.training.schedule import inner_learning_rate
 
 log = logging.getLogger("farloco.trainer")
 
@@ -83,13 +84,10 @@ def plain_gradient_step(config: Config) -> bool:
 
 
 def learning_rate(config: Config, step: int) -> float:
-    """Linear warm-up to the peak, then constant: DiLoCo rounds do not know when the run ends."""
+    """The inner rate of swarm step `step`: run.lr_schedule (node/training/schedule.py); demo's plain step 1."""
     if plain_gradient_step(config):
         return 1.0
-    warmup = config.run.warmup_steps
-    if warmup and step < warmup:
-        return config.run.inner_lr * (step + 1) / warmup
-    return config.run.inner_lr
+    return inner_learning_rate(config.run, step)
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -224,11 +222,13 @@ def loop(
         timed = 0.0
         timed_steps = 0
         ran = 0
+        lr = learning_rate(config, step_base)
         for i in range(inner_steps):
             step = step_base + i
             started = time.perf_counter()
+            lr = learning_rate(config, step)
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(config, step)
+                group["lr"] = lr
             inputs, targets = sampler.batch(step)
             losses.append(step_fn(spec, optimizer, inputs.to(device), targets.to(device), config))
             tokens += inputs.numel()
@@ -248,7 +248,12 @@ def loop(
         # Every rank's rows must be in place before any rank reports done: the agent reads the whole vector.
         dist.barrier()
         handoff.mark_done(
-            rank, seq, train_loss=train_loss, step_seconds=timed / max(timed_steps, 1), steps=ran
+            rank,
+            seq,
+            train_loss=train_loss,
+            step_seconds=timed / max(timed_steps, 1),
+            steps=ran,
+            inner_lr=lr,
         )
         done_seq = seq
 

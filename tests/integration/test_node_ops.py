@@ -20,8 +20,10 @@ import pytest
 from safetensors.torch import load_file
 
 from farloco.node.checkpoint import read_metadata
+from farloco.node.config import load_config
 from farloco.node.daemon.control import ControlClient, ControlError
 from farloco.node.tools.demo import read_events, stop_process
+from farloco.node.training.trainer import learning_rate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.dht, pytest.mark.timeout(300)]
 
@@ -76,7 +78,10 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
 ) -> None:
     run_dir = tmp_path / "node"
     extra = ("--set", "checkpoint.every_rounds=2", "--set", "checkpoint.keep=2", "--set",
-             f"node.num_ranks={num_ranks}", "--log-format", "json")  # fmt: skip
+             f"node.num_ranks={num_ranks}", "--log-format", "json",
+             # a cosine schedule over 48 inner steps (12 rounds), checked step by step across the restart
+             "--set", "run.lr_schedule=cosine", "--set", "run.total_inner_steps=48", "--set", "run.warmup_steps=2",
+             "--set", "run.min_lr_ratio=0.1")  # fmt: skip
     node = _start(run_dir, tmp_path / "first.log", *extra, stderr_path=tmp_path / "first.err")
     try:
         status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 3 and s["last_checkpoint"])
@@ -171,6 +176,13 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
     split = kinds.index("resumed")
     rounds = [e for e in events if e["event"] == "round"]
     assert all(e["inner_step"] == e["round_id"] * inner_steps for e in rounds), rounds
+    # The rate the ranks applied at each round's last step is the schedule's at the swarm's step, before and after
+    # the restart (the resumed node goes on from the checkpoint's round, not from the schedule's start).
+    run_config = load_config(run_dir / "config.toml")
+    assert run_config.run.lr_schedule == "cosine"
+    for e in rounds:
+        assert e["inner_lr"] == pytest.approx(learning_rate(run_config, e["inner_step"] - 1), rel=1e-9), e
+    assert len({round(e["inner_lr"], 12) for e in rounds if e["inner_step"] < 48}) >= 4  # it moved
     before = {e["round_id"] for e in events[:split] if e["event"] == "round"}
     after = {e["round_id"] for e in events[split:] if e["event"] == "round"}
     assert min(after) == newest + 1 and before & after == set(range(newest + 1, committed + 1))
