@@ -72,7 +72,7 @@ class RunConfig:
     warmup_steps: int = 20
     """Linear warm-up of the inner learning rate, in inner steps."""
     lr_schedule: str = "constant"
-    """The inner rate after the warm-up (node/training/schedule.py): 'constant' (inner_lr), 'cosine' or 'linear'
+    """The inner rate after the warm-up (node/schedule.py): 'constant' (inner_lr), 'cosine' or 'linear'
     (from inner_lr down to inner_lr x min_lr_ratio at the total), 'wsd' (warmup-stable-decay: inner_lr until the
     last wsd_decay_fraction of the total, then linear down). Its position is the swarm's inner step (round id x
     inner_steps + the step in the round), so joiners and resumed nodes apply the rate the swarm is at."""
@@ -128,7 +128,7 @@ class RunConfig:
         _non_negative(
             self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
         )
-        from farloco.node.training.schedule import LR_SCHEDULES, total_inner_steps
+        from farloco.node.schedule import LR_SCHEDULES, total_inner_steps
 
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"run.lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")

@@ -44,11 +44,11 @@ from farloco.node.handoff import (
     Handoff,
     layout_of,
 )
+from farloco.node.schedule import inner_learning_rate
 from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
 from farloco.node.training.models import ModelSpec, as_spec, build_spec
 from farloco.node.training.muon import build_inner_optimizer
 from farloco.node.training.parallel import ShardView, clip_grad_norm, node_mesh, parallelize
-from farloco.node.training.schedule import inner_learning_rate
 
 log = logging.getLogger("farloco.trainer")
 
@@ -84,7 +84,7 @@ def plain_gradient_step(config: Config) -> bool:
 
 
 def learning_rate(config: Config, step: int) -> float:
-    """The inner rate of swarm step `step`: run.lr_schedule (node/training/schedule.py); demo's plain step 1."""
+    """The inner rate of swarm step `step`: run.lr_schedule (node/schedule.py); demo's plain step 1."""
     if plain_gradient_step(config):
         return 1.0
     return inner_learning_rate(config.run, step)

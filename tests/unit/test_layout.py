@@ -3,7 +3,7 @@ of node.
 
 optim and protocol are siblings that never import each other, and neither imports node: node composes them.
 util is below all three and imports none of them.
-Inside node: the shared modules at its top (config, handoff, checkpoint, logs, fsutil) import no room; the
+Inside node: the shared modules at its top (config, schedule, handoff, checkpoint, logs, fsutil) import no room; the
 trainer side (node/training) never imports the daemon or the user tools; the daemon (node/daemon) never imports
 the user tools (node/tools), which may import everything.
 """

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from farloco.node.config import ConfigError, build_config
-from farloco.node.training.schedule import inner_learning_rate, total_inner_steps
+from farloco.node.schedule import inner_learning_rate, total_inner_steps
 from farloco.node.training.trainer import learning_rate
 
 PEAK, WARMUP, TOTAL, RATIO = 1e-3, 10, 110, 0.1

@@ -530,11 +530,18 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
     theta_hash = theta_sha(honest["theta"])
 
     async def body() -> None:
+        # Two donors agree on the NaN state: the larger agreeing set is asked first (`_choose`), so the honest
+        # donor is reached only after the NaN state was fetched and refused, whatever the manifests' ids.
         servers = [
             await donor((meta, state), name)
-            for name, state in (("layout", wrong_layout), ("nan", nan_momentum), ("honest", honest))
+            for name, state in (
+                ("layout", wrong_layout),
+                ("nan", nan_momentum),
+                ("nan-too", nan_momentum),
+                ("honest", honest),
+            )
         ]
-        (_, ss_layout, layout_addr), (_, _, nan_addr), (_, _, ok_addr) = servers
+        (_, ss_layout, layout_addr), (_, _, nan_addr), (_, _, nan_too_addr), (_, _, ok_addr) = servers
         client = RpcClient(Authenticator("run", SECRET, "joiner"))
         refused: list[tuple[str, str, str]] = []
         try:
@@ -560,14 +567,20 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
             # With an honest donor beside them (a manifest of its own): its state, installed as it came.
             got_meta, got = await fetch_state(
                 client,
-                [layout_addr, nan_addr, ok_addr],
+                [layout_addr, nan_addr, nan_too_addr, ok_addr],
                 timeout=30,
                 vouched={5: {theta_hash}},
                 on_refused=lambda *r: refused.append(r),
                 layout=agent.outer.state_layout(),
                 check=agent.outer.state_problem,
             )
-            assert {reason for _, reason, _ in refused} == {"WRONG_LAYOUT", "BAD_STATE_VALUES"}
+            assert sorted((d, reason) for d, reason, _ in refused) == sorted(
+                [
+                    (layout_addr, "WRONG_LAYOUT"),
+                    (nan_addr, "BAD_STATE_VALUES"),
+                    (nan_too_addr, "BAD_STATE_VALUES"),
+                ]
+            )
             assert_same(got, honest)
             await agent.outer.install(got_meta, got)
             assert agent.outer.round_id == 5 and agent.outer.outer_hash == theta_hash
