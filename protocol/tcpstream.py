@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import socket
 import ssl
 import struct
-import sys
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -43,6 +40,7 @@ import torch
 
 from farloco.protocol.errors import FrameError, Reject, RpcError
 from farloco.util.addresses import ip_version
+from farloco.util.memory import libc_function
 from farloco.util.tasks import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
@@ -65,15 +63,8 @@ def tune_malloc() -> bool:
     Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_/MALLOC_TOP_PAD_ in the environment. Returns
     False (and changes nothing) where glibc's mallopt is not available.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
     ok = bool(mallopt(m_mmap_threshold, 32 << 20))  # glibc's maximum on 64-bit

@@ -19,25 +19,34 @@ import ctypes
 import ctypes.util
 import mmap
 import sys
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MADV_DONTFORK = 10  # linux/mman-common.h
 MIN_BYTES = 64 << 20
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def libc_function(name: str) -> Any | None:
+    """The C library's function `name` through ctypes (errno kept), or None where there is none to call (not
+    Linux, no libc found, no such symbol)."""
     if not sys.platform.startswith("linux"):
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
+    library = ctypes.util.find_library("c")
+    if library is None:
         return None
     try:
-        madvise = ctypes.CDLL(name, use_errno=True).madvise
+        return getattr(ctypes.CDLL(library, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
+
+
+def _madvise() -> Any | None:
+    madvise = libc_function("madvise")
+    if madvise is not None:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
     return madvise
 
 
