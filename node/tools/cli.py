@@ -427,14 +427,18 @@ def _fmt(value: Any) -> str:
 @main.command()
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(run_dir: Path, as_json: bool) -> None:
-    """Show a node's state: round, loss, peers, bytes, hash."""
+@click.option(
+    "--swarm", is_flag=True, help="Also the swarm as this node sees it (the `farloco peers` table)."
+)
+def status(run_dir: Path, as_json: bool, swarm: bool) -> None:
+    """Show a node's state: round, loss, learning rate, peers, bytes, hash (with --swarm, every peer's too)."""
     from rich.console import Console
     from rich.table import Table
 
     data = _ask(run_dir, "status")
+    members = _ask(run_dir, "peers") if swarm else None
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps(data if members is None else {**data, "peers": members}, indent=2))
         return
     table = Table(title=f"farloco node {data['peer_id'][:16]}…", show_header=False)
     for key in (
@@ -443,6 +447,7 @@ def status(run_dir: Path, as_json: bool) -> None:
         "inner_step",
         "loss",
         "eval_loss",
+        "inner_lr",
         "num_peers",
         "group_share",
         "left_out",
@@ -479,6 +484,8 @@ def status(run_dir: Path, as_json: bool) -> None:
             value = f"{done:.1f} / {total:.1f} MiB ({value['description']})"
         table.add_row(key, _fmt(value))
     Console().print(table)
+    if members is not None:
+        _print_peers(members)
 
 
 @main.command()
@@ -486,13 +493,17 @@ def status(run_dir: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def peers(run_dir: Path, as_json: bool) -> None:
     """List the swarm as this node sees it."""
-    from rich.console import Console
-    from rich.table import Table
-
     members = _ask(run_dir, "peers")
     if as_json:
         click.echo(json.dumps(members, indent=2))
         return
+    _print_peers(members)
+
+
+def _print_peers(members: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=f"{len(members)} peers")
     for column in ("peer", "state", "round", "step", "slot", "loss", "hash", "share", "heartbeat", "address"):
         table.add_column(column, no_wrap=column in ("peer", "address"))

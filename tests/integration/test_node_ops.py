@@ -101,6 +101,10 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
         )
         peers = cli("peers", "--run-dir", str(run_dir))
         assert peers.returncode == 0 and "1 peers" in peers.stdout
+        both = cli("status", "--run-dir", str(run_dir), "--swarm")  # the node's table, then the swarm's
+        assert both.returncode == 0 and "inner_lr" in both.stdout and "1 peers" in both.stdout, both.stdout
+        listed_too = json.loads(cli("status", "--run-dir", str(run_dir), "--json", "--swarm").stdout)
+        assert [m["peer_id"] for m in listed_too["peers"]] == [status["peer_id"]]
         listed = json.loads(cli("peers", "--run-dir", str(run_dir), "--json").stdout)
         assert [m["peer_id"] for m in listed] == [status["peer_id"]] and listed[0]["self"]
         # Alone from the start: every round it closed, it contributed to (and nobody was left out).
