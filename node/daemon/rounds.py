@@ -414,8 +414,8 @@ class RoundRunner:
     ) -> tuple[Any, RoundFacts, bool | None]:
         """A group of us alone, formed while our peers vanished (the check before matching still saw them):
         committing it would be a round alone while isolated, a fork if they went on without us. The isolation
-        policy applies here as before a round (`Swarm.ride_out_isolation`): (group, facts, None) to go on, the
-        group kept only where the policy lets us go on alone; a bool when the round is over (`_round`'s value)."""
+        policy applies here as before a round (`Swarm.ride_out_isolation`): a bool when the round is over (the
+        swarm moved on and we took its state: `_round`'s value), else (group, facts, None) to go on."""
         if group is None or len(group.members) != 1 or not await self.swarm.isolated_now():
             return group, facts, None
         self.state.events.write(
@@ -423,12 +423,11 @@ class RoundRunner:
         )
         isolated = await self.swarm.ride_out_isolation()
         if isolated is not None:
-            return group, facts, isolated
-        if self.state.isolation.verdict == "connected":
-            # They are back at our round, matching without our solo group: take the state of whoever reaches
-            # the next round (a failed matchmaking), not a round of our own.
-            return None, replace(facts, matchmaking="failed", group_size=0), None
-        return group, facts, None  # alone past timeouts.isolation_timeout, which run.min_peers = 1 allows
+            return group, facts, isolated  # the swarm went on without us: we took its state
+        # Back at our round or behind it (a restarted peer): our group record is in the DHT, so they take the
+        # next round's state from us (late for this one); or alone past timeouts.isolation_timeout, which
+        # run.min_peers = 1 allows. Either way the group of one stands.
+        return group, facts, None
 
     async def _heal(self, group: Any, facts: RoundFacts) -> RoundFacts:
         """Compare theta hashes with the group and take the winning side's state on a fork (`_check_hashes`)."""

@@ -1,9 +1,9 @@
 """A round whose matchmaking ends in a group of the node alone while its peers vanished (their records expired
 without a departure, as the isolation watch says) is not committed as it stands: the isolation policy applies
-there as before a round. If the swarm moved on the node takes its state; if the peers come back at its round
-the round closes as a failed matchmaking (it takes the state of whoever reaches the next round); only where the
-policy lets it go on alone (run.min_peers = 1, past timeouts.isolation_timeout) does its group of one stand. A
-node alone by right (its peers left properly) or with a live peer rounds as before."""
+there as before a round: if the swarm moved on the node takes its state (no round of its own: the fork this
+prevents); if the peers come back at its round or behind it, or the policy lets it go on alone (run.min_peers =
+1, past timeouts.isolation_timeout), its group of one stands. A node alone by right (its peers left properly)
+or with a live peer rounds as before."""
 
 from __future__ import annotations
 
@@ -80,9 +80,13 @@ def test_isolated_and_the_swarm_moved_on_the_round_is_over(tmp_path: Path) -> No
     assert '"solo_group_refused"' in events and '"p1", "p2"' in events
 
 
-def test_isolated_then_the_peers_come_back_at_our_round_no_round_of_our_own(tmp_path: Path) -> None:
+def test_isolated_then_the_peers_come_back_at_our_round_the_group_of_one_stands(tmp_path: Path) -> None:
+    """A restarted peer back at our round (or behind): our group record is in the DHT, so it is late for this
+    round and takes the next one's state from us; refusing our group too would leave both waiting for a round
+    nobody trains."""
     group, facts, over, rode_out, _events = _solo(tmp_path, [], [], "back")
-    assert over is None and rode_out == 1 and group is None and facts.matchmaking == "failed"
+    assert over is None and rode_out == 1 and facts.matchmaking == "grouped"
+    assert [m.peer_id for m in group.members] == ["me"]
 
 
 def test_isolated_past_the_timeout_with_min_peers_1_goes_on_alone(tmp_path: Path) -> None:
