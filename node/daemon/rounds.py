@@ -419,7 +419,7 @@ class RoundRunner:
         if group is None or len(group.members) != 1 or not await self.swarm.isolated_now():
             return group, facts, None
         self.state.events.write(
-            "solo_group_refused", round_id=self.outer.round_id, vanished=list(self.state.isolation.vanished)
+            "solo_group_isolated", round_id=self.outer.round_id, vanished=list(self.state.isolation.vanished)
         )
         isolated = await self.swarm.ride_out_isolation()
         if isolated is not None:

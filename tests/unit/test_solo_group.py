@@ -70,14 +70,14 @@ def test_a_group_of_us_alone_stands_when_we_are_not_isolated(
     tmp_path: Path, live: list[str], departed: list[str]
 ) -> None:
     group, facts, over, rode_out, events = _solo(tmp_path, live, departed)
-    assert over is None and rode_out == 0 and "solo_group_refused" not in events
+    assert over is None and rode_out == 0 and "solo_group_isolated" not in events
     assert [m.peer_id for m in group.members] == ["me"] and facts.matchmaking == "grouped"
 
 
 def test_isolated_and_the_swarm_moved_on_the_round_is_over(tmp_path: Path) -> None:
     _group, _facts, over, rode_out, events = _solo(tmp_path, [], [], "moved-on")
     assert over is True and rode_out == 1
-    assert '"solo_group_refused"' in events and '"p1", "p2"' in events
+    assert '"solo_group_isolated"' in events and '"p1", "p2"' in events
 
 
 def test_isolated_then_the_peers_come_back_at_our_round_the_group_of_one_stands(tmp_path: Path) -> None:
