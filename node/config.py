@@ -44,7 +44,13 @@ class RunConfig:
     """The model: a size preset of the built-in Llama-style decoder (tiny, small, 125m, 350m, 1b), the path of a
     Hugging Face causal-LM config.json (any transformers architecture; needs the hf extra), or an entry point
     package.module:factory returning an nn.Module or a farloco ModelSpec (node/training/models.py). Any form
-    is initialised from run.seed identically on every node; the run hash covers its architecture."""
+    is initialised from run.seed identically on every node (or loaded from run.init_from); the run hash covers
+    its architecture, not the path."""
+    init_from: str = ""
+    """Start from pretrained weights: a local model folder, Hugging Face (config.json with model.safetensors, or
+    model.safetensors.index.json and its shards) or a `farloco export`; theta at round 0 is exactly its weights
+    (in float32). run.model, when not set, is this folder's config.json; a preset takes a farloco export of that
+    preset. The run hash covers the weights' digest, not the path (node/weights.py). '' starts from run.seed."""
     dataset: str = "builtin"
     """'builtin' (the bundled corpus, no download) or the path of a directory made by `farloco data prepare`."""
     strategy: str = "diloco"
@@ -577,7 +583,7 @@ class CheckpointConfig:
     """Checkpoints of the outer state."""
 
     every_rounds: int = 5
-    """Write a checkpoint every this many committed rounds (0 disables)."""
+    """Write a checkpoint every this many committed rounds, and at run.max_rounds (0 disables both)."""
     keep: int = 3
     """Keep this many most recent checkpoints."""
 
@@ -793,6 +799,9 @@ def build_config(
                 f"--set {text!r}: unknown section {section!r}, expected one of {sorted(SECTIONS)}"
             )
         merged.setdefault(section, {})[key] = value
+    run = merged.get("run", {})
+    if run.get("init_from") and "model" not in run:  # the architecture is the weights' own config.json
+        run["model"] = run["init_from"]
     return Config(**{name: _build_section(name, cls, merged.get(name, {})) for name, cls in SECTIONS.items()})
 
 
@@ -826,10 +835,20 @@ def run_section(config: Config | RunConfig) -> dict[str, SCALAR]:
             flat[key] = value
     # A model that is not a preset: its architecture (a digest of its config.json, or of its module's
     # structure and source), so nodes that name the same file or factory but build different models differ.
-    if model_kind(run.model) != "builtin":
+    kind = model_kind(run.model)
+    if kind != "builtin":
         from farloco.node.architecture import architecture  # imports torch only for an entry point
 
         flat["model_architecture"] = architecture(run.model)
+    # Paths differ from machine to machine: what they hold is what must agree (the architecture digest above,
+    # the weights' digest here). No init_from: the key is left out, and a run's hash is what it was without it.
+    if kind == "hf":
+        flat["model"] = "hf-config"
+    del flat["init_from"]
+    if run.init_from:
+        from farloco.node.weights import weights_digest
+
+        flat["init_from"] = weights_digest(run.init_from)
     return flat
 
 
@@ -922,11 +941,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def example_config(preset: str = "tiny") -> str:
-    """A documented TOML config: every field with its docstring as a comment, values from the preset."""
+def example_config(preset: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """A documented TOML config: every field with its docstring as a comment, values from the preset, then
+    `overrides` (section.key=value, as --set takes them)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
-    config = build_config(PRESETS[preset])
+    config = build_config(PRESETS[preset], overrides)
     docs = _field_docs()
     lines = [f"# farloco config, preset {preset!r}. Override any key with --set section.key=value.", ""]
     for section, values in config.to_dict().items():

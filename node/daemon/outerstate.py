@@ -47,7 +47,7 @@ class OuterState:
         check_node_layout(
             config
         )  # tp against the model's heads and widths: a config error, before anything starts
-        model = build_spec(config.run.model, seed=config.run.seed).module
+        model = build_spec(config.run.model, seed=config.run.seed, init_from=config.run.init_from).module
         self.layout = layout_of(model)
         self.num_params = num_parameters(model)
         theta = flatten(model, self.layout)

@@ -553,7 +553,8 @@ class RoundRunner:
             self.net.exchange.advance(self.outer.round_id)
         self._phases["commit"] = time.monotonic() - phase_started
         every = self.config.checkpoint.every_rounds
-        if every and self.outer.round_id % every == 0:
+        last = bool(run.max_rounds) and self.outer.round_id == run.max_rounds  # the run's result: always kept
+        if every and (self.outer.round_id % every == 0 or last):
             await self.checkpoints.save()
         ddp = ddp_bytes_per_round(self.outer.num_params, run.inner_steps, len(contributors))
         self.state.counters.ddp_bytes += ddp

@@ -542,9 +542,23 @@ def config_schema_command() -> None:
 
 @config.command("example")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
-def config_example(preset: str) -> None:
-    """Print a documented config (every key with its meaning)."""
-    click.echo(example_config(preset))
+@click.option(
+    "--init-from",
+    "init_from",
+    metavar="DIR",
+    default="",
+    help="Start from this model folder's weights, its config.json the architecture (run.init_from, run.model).",
+)
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+def config_example(preset: str, init_from: str, overrides: tuple[str, ...]) -> None:
+    """Print a documented config (every key with its meaning): the preset's values, then --init-from and --set."""
+    given = (
+        [f"run.model={json.dumps(init_from)}", f"run.init_from={json.dumps(init_from)}"] if init_from else []
+    )
+    try:
+        click.echo(example_config(preset, [*given, *overrides]))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @config.command("check")

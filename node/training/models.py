@@ -41,6 +41,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,7 +140,10 @@ def _hf_module(config: dict[str, Any]) -> nn.Module:
         raise ModelError(
             "run.model names a Hugging Face config: that needs transformers (pip install 'farloco[hf]')"
         ) from exc
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    # The weights farloco trains are float32 whatever dtype the file was saved in (theta is float32; the ranks
+    # cast for bf16 compute themselves): a config's dtype must not build a bf16 module.
+    dropped = ("model_type", "transformers_version", "dtype", "torch_dtype")
+    fields = {k: v for k, v in config.items() if k not in dropped}
     try:
         hf_config = AutoConfig.for_model(config["model_type"], **fields)
         module: nn.Module = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
@@ -179,10 +183,15 @@ def _spec_of(run_model: str) -> ModelSpec:
     return spec
 
 
-def build_spec(run_model: str, seed: int) -> ModelSpec:
-    """The model `run.model` names, on CPU in float32, its parameters a function of (architecture, seed) only."""
+def build_spec(run_model: str, seed: int, init_from: str = "") -> ModelSpec:
+    """The model `run.model` names, on CPU in float32, its parameters a function of (architecture, seed) only,
+    or, with `init_from` (run.init_from), exactly the weights of that folder (`load_init_from`)."""
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ModelError(f"expected a non-negative int seed, got {seed!r}")
+    if init_from:
+        spec = _spec_of(run_model)  # no seeded init: every parameter is about to be overwritten
+        load_init_from(spec, init_from)
+        return spec
     if model_kind(run_model) == "builtin":
         return ModelSpec(build_model(model_config(run_model), seed), kind="builtin")
     spec = _spec_of(run_model)
@@ -192,6 +201,100 @@ def build_spec(run_model: str, seed: int) -> ModelSpec:
         std = float(spec.hf_config.get("initializer_range", 0.02)) if spec.kind == "hf" else 0.02
         seeded_init(spec.module, seed, std)
     return spec
+
+
+def load_init_from(spec: ModelSpec, folder: str) -> None:
+    """Overwrite every parameter of `spec` with the tensor of the same name in `folder` (node/weights.py finds
+    and checks the files), as float32. A preset reads a farloco export of the same preset (Llama names, and its
+    config.json must be that preset's); any other model reads its own parameter names. A missing or misshapen
+    tensor, a tensor the model does not have, or a NaN/Inf value is a ModelError naming them, before anything
+    is overwritten."""
+    from safetensors import safe_open
+
+    from farloco.node.training.model import export_hf_config, hf_state_dict_names
+    from farloco.node.weights import folder_config, weights_index
+
+    index = weights_index(Path(folder))
+    module = spec.module
+    if spec.kind == "builtin":
+        assert isinstance(module, Transformer)
+        _check_preset_config(folder, export_hf_config(module.config))
+        names = hf_state_dict_names(module)
+    else:
+        names = {name: name for name, _ in module.named_parameters()}
+        theirs = folder_config(Path(folder))
+        ours = spec.hf_config.get("model_type")
+        if theirs is not None and ours is not None and theirs.get("model_type") != ours:
+            raise ModelError(
+                f"run.init_from: {folder} holds a {theirs.get('model_type')!r} model, run.model is a {ours!r} one"
+            )
+    params = dict(module.named_parameters())
+    missing = [names[name] for name in params if names[name] not in index]
+    misshapen = [
+        f"{names[name]} {list(index[names[name]].shape)} (expected {list(param.shape)})"
+        for name, param in params.items()
+        if names[name] in index and tuple(index[names[name]].shape) != tuple(param.shape)
+    ]
+    # Tied duplicates (lm_head.weight beside tied embeddings) and buffers saved with the weights are the
+    # model's own names: only a name the model has nowhere is foreign.
+    known = set(names.values()) | set(module.state_dict())
+    if spec.kind == "builtin":
+        known |= {"lm_head.weight"}
+    foreign = sorted(set(index) - known)
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} missing: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+        )
+    if misshapen:
+        problems.append(f"{len(misshapen)} of another shape: {', '.join(misshapen[:4])}")
+    if foreign:
+        problems.append(
+            f"{len(foreign)} the model does not have: {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''}"
+        )
+    if problems:
+        raise ModelError(
+            f"run.init_from: {folder} does not hold this run.model's {len(params)} parameters: "
+            + "; ".join(problems)
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        by_file.setdefault(index[names[name]].file, []).append(name)
+    loaded: dict[str, torch.Tensor] = {}
+    for path, members in by_file.items():
+        with safe_open(str(path), framework="pt") as file:
+            for name in members:
+                value = file.get_tensor(names[name]).to(torch.float32)
+                if not torch.isfinite(value).all():
+                    raise ModelError(f"run.init_from: {path.name}: {names[name]} holds NaN or Inf values")
+                loaded[name] = value
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.device.type == "meta":
+                raise ModelError("load_init_from: the model is on the meta device")
+            param.copy_(loaded.pop(name))
+
+
+def _check_preset_config(folder: str, expected: dict[str, Any]) -> None:
+    from farloco.node.weights import folder_config
+
+    found = folder_config(Path(folder))
+    if found is None:
+        raise ModelError(
+            f"run.init_from: {folder} has no config.json; a preset run.model takes a `farloco export` of that "
+            f"preset (or leave run.model unset to train the folder's own architecture)"
+        )
+    ignored = {"transformers_version", "torch_dtype", "dtype", "architectures", "use_cache"}
+    differ = [
+        f"{key} {found.get(key)!r} (the preset: {value!r})"
+        for key, value in sorted(expected.items())
+        if key not in ignored and found.get(key) != value
+    ]
+    if differ:
+        raise ModelError(
+            f"run.init_from: {folder}/config.json is not this preset's architecture: {'; '.join(differ[:6])}; "
+            f"leave run.model unset to train the folder's own architecture"
+        )
 
 
 def meta_spec(run_model: str) -> ModelSpec:
@@ -264,6 +367,7 @@ __all__ = [
     "as_spec",
     "build_spec",
     "check_tp",
+    "load_init_from",
     "logits_of",
     "meta_spec",
     "seeded_init",
