@@ -44,16 +44,8 @@ from typing import Any
 import torch
 
 from farloco.node.tools.demo import run_lone_node
-from farloco.node.training.model import ModelConfig, model_config
-
-GPU_PEAK_TFLOPS = {"H100": {"bf16": 989.4, "fp32": 494.7}, "H200": {"bf16": 989.4, "fp32": 494.7}}
-
-
-def flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    kv = model.n_kv_heads * model.head_dim
-    block = 2 * model.dim * model.dim + 2 * model.dim * kv + 3 * model.dim * model.ffn_dim
-    matmul_params = model.n_layers * block + model.dim * model.vocab_size
-    return 6.0 * matmul_params + 12.0 * model.n_layers * model.dim * seq_len
+from farloco.node.training.flops import GPU_PEAK_TFLOPS, flops_per_token
+from farloco.node.training.model import model_config
 
 
 def peak_flops(args: argparse.Namespace) -> tuple[float, str]:
@@ -90,6 +82,7 @@ def node_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "activation_checkpointing": args.activation_checkpointing,
             "micro_batches": args.micro_batches,
             "eval_batches": 0,
+            "log_every_steps": args.log_every_steps,
         },
     }
 
@@ -264,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         "--bare-steps", type=int, default=10, help="0: no bare loop (the daemon alone; its columns read nan)"
     )
     parser.add_argument("--peak-tflops", type=float, default=0.0)
+    parser.add_argument(
+        "--log-every-steps",
+        type=int,
+        default=0,
+        help="node.log_every_steps of the daemon (per-inner-step figures; compare its inner steps with 0)",
+    )
     parser.add_argument("--max-seconds", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(

@@ -220,6 +220,14 @@ class NodeConfig:
     group = run.name, named node.name, with an id stable across the node's restarts, so a restarted node
     resumes its own run; project = run.name unless WANDB_PROJECT says otherwise; its own environment applies,
     e.g. WANDB_MODE=offline; pip install 'farloco[wandb]')."""
+    log_every_steps: int = 0
+    """Per-inner-step figures: every this many inner steps (of the swarm's count), the ranks' mean training loss,
+    tokens/s and MFU over those steps reach logs/agent.jsonl (a 'steps' event) and the experiment loggers
+    (step/loss, step/tokens_per_second, step/mfu at x = the inner step). 0: per round only. Intervals shorter
+    than the agent's 0.2 s look at the ranks are sampled, not all logged."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one rank's device at node.precision, for MFU (0: the known GPUs' datasheet figure,
+    H100, H200, A100, B200; none on CPU or another GPU, and then no MFU)."""
     name: str = ""
     """This node's name in the experiment trackers (default: the first 16 characters of its peer id, which its
     identity.key keeps across restarts)."""
@@ -279,6 +287,7 @@ class NodeConfig:
             raise ConfigError(f"node.loggers: expected distinct names of {LOGGERS}, got {self.loggers!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"node.precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        _non_negative(self, "log_every_steps", "peak_tflops")
         if self.num_ranks % self.tp:
             raise ConfigError(
                 f"node.tp={self.tp}: expected a divisor of node.num_ranks={self.num_ranks} (the ranks form a "

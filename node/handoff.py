@@ -7,9 +7,9 @@ agent whenever a trainer rank crashes.
 
 Layout (little-endian):
 
-    [0, 4096)                       header: int64 slots (see the constants below), one block per rank
-    [4096, 4096 + 4N)               theta: the outer parameters the agent publishes, float32, canonical order
-    [4096 + 4N, 4096 + 8N)          local: the ranks' parameters after their inner steps, float32, canonical order
+    [0, 8192)                       header: int64 slots (see the constants below), one block per rank
+    [8192, 8192 + 4N)               theta: the outer parameters the agent publishes, float32, canonical order
+    [8192 + 4N, 8192 + 8N)          local: the ranks' parameters after their inner steps, float32, canonical order
 
 Canonical order: parameters sorted by fully-qualified name, each row-major. A rank that holds rows [a, b) of a
 parameter (FSDP2 shards on dim 0) reads and writes exactly that contiguous range, so the agent sees one flat
@@ -38,9 +38,9 @@ from farloco.node.fsutil import write_atomic
 
 log = logging.getLogger("farloco.handoff")
 
-HEADER_BYTES = 4096
+HEADER_BYTES = 8192
 MAGIC = 0x464C4F434F484F46  # "FLOCOHOF"
-VERSION = 1
+VERSION = 2
 
 # Global header slots (int64 indices).
 SLOT_MAGIC = 0
@@ -74,7 +74,7 @@ INNER_OK = 1  # saved, or loaded
 INNER_FRESH = 2  # load refused (missing, or does not match this model/optimizer): fresh optimizer state
 INNER_FAILED = 3  # save failed (e.g. disk full): the checkpoint is written without inner state
 
-RANK_BLOCK = 16  # int64 slots per rank
+RANK_BLOCK = 24  # int64 slots per rank
 RANK_BASE = 32
 MAX_RANKS = (HEADER_BYTES // 8 - RANK_BASE) // RANK_BLOCK
 
@@ -97,6 +97,12 @@ R_SEQ_STEPS = (
 )
 R_DONE_NS = 14  # time.time_ns() when the rank reported that sequence done (then it waits for the agent)
 R_INNER_LR = 15  # float64 bits: the inner learning rate of that sequence's last step (run.lr_schedule)
+# node.log_every_steps: the last whole interval of inner steps (`mark_interval`; R_LOG_STEP written last).
+R_LOG_STEP = 16  # the global inner step that ended it
+R_LOG_LOSS = 17  # float64 bits: this rank's mean training loss over its steps
+R_LOG_SECONDS = 18  # float64 bits: the time its steps took
+R_LOG_TOKENS = 19  # tokens this rank trained on in it
+R_PEAK_FLOPS = 20  # float64 bits: the rank's device peak FLOP/s (node.peak_tflops or known GPUs; 0: unknown)
 
 
 def _f2i(value: float) -> int:
@@ -132,6 +138,11 @@ class RankReport:
     seq_steps: int = 0
     inner_lr: float = 0.0
     done_ns: int = 0
+    log_step: int = 0
+    log_loss: float = 0.0
+    log_seconds: float = 0.0
+    log_tokens: int = 0
+    peak_flops: float = 0.0
 
 
 STALE_NAME = re.compile(r"farloco-handoff-(\d+)-[0-9a-f]{8}\.bin(\.inner)?")
@@ -272,6 +283,11 @@ class Handoff:
             seq_steps=block[R_SEQ_STEPS],
             done_ns=block[R_DONE_NS],
             inner_lr=_i2f(block[R_INNER_LR]),
+            log_step=block[R_LOG_STEP],
+            log_loss=_i2f(block[R_LOG_LOSS]),
+            log_seconds=_i2f(block[R_LOG_SECONDS]),
+            log_tokens=block[R_LOG_TOKENS],
+            peak_flops=_i2f(block[R_PEAK_FLOPS]),
         )
 
     @property
@@ -351,6 +367,16 @@ class Handoff:
         self._set(rank, R_TOKENS, tokens)
         self._set(rank, R_PID, pid)
         self._set(rank, R_HEARTBEAT_NS, now_ns)
+
+    def mark_interval(self, rank: int, *, step: int, loss: float, seconds: float, tokens: int) -> None:
+        """One whole interval of node.log_every_steps inner steps, ended at global step `step`."""
+        self._set(rank, R_LOG_LOSS, _f2i(loss))
+        self._set(rank, R_LOG_SECONDS, _f2i(seconds))
+        self._set(rank, R_LOG_TOKENS, tokens)
+        self._set(rank, R_LOG_STEP, step)  # written last: the agent reads the fields above after seeing it
+
+    def mark_peak_flops(self, rank: int, peak_flops: float) -> None:
+        self._set(rank, R_PEAK_FLOPS, _f2i(peak_flops))
 
     def mark_eval(self, rank: int, seq: int, loss: float) -> None:
         self._set(rank, R_EVAL_LOSS, _f2i(loss))

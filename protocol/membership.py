@@ -133,6 +133,9 @@ class MemberRecord:
     version: str
     # HMAC binding peer_id to the key that signs this record (set by DHTMembership.publish; "" without auth).
     proof: str = ""
+    # The member's training tokens/s in its last round's inner steps (the swarm view; 0 while unknown). Optional
+    # on the wire: a record without it (an older node's) reads as 0.
+    tokens_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         """A record built in code meets the decoder's checks too (`WireError`, a ValueError, if not)."""
@@ -142,11 +145,11 @@ class MemberRecord:
             raise WireError(
                 "member record.run_config", f"a map of at most {MAX_CONFIG_KEYS} keys", self.run_config
             )
-        _member_fields(Fields(self.to_wire(), "member record", _MEMBER_KEYS))
+        _member_fields(Fields(self.to_wire(), "member record", _MEMBER_KEYS, optional=_MEMBER_OPTIONAL))
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able dict stored on the DHT (the fields in their declared order)."""
-        wire = {name: getattr(self, name) for name in _MEMBER_KEYS}
+        wire = {name: getattr(self, name) for name in (*_MEMBER_KEYS, *_MEMBER_OPTIONAL)}
         wire["run_config"] = dict(self.run_config)
         wire["maddrs"] = list(self.maddrs)
         return wire
@@ -154,10 +157,13 @@ class MemberRecord:
     @classmethod
     def from_wire(cls, data: object) -> MemberRecord:
         """Decode a DHT value (exactly the record's fields); `WireError` (a ValueError) naming the bad field."""
-        return cls(**_member_fields(Fields(data, "member record", _MEMBER_KEYS)))
+        return cls(**_member_fields(Fields(data, "member record", _MEMBER_KEYS, optional=_MEMBER_OPTIONAL)))
 
 
-_MEMBER_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MemberRecord))
+_MEMBER_OPTIONAL = ("tokens_per_second",)
+_MEMBER_KEYS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(MemberRecord) if f.name not in _MEMBER_OPTIONAL
+)
 
 
 def _member_fields(fields: Fields) -> dict[str, Any]:
@@ -177,6 +183,9 @@ def _member_fields(fields: Fields) -> dict[str, Any]:
         "maddrs": tuple(fields.items("maddrs", check_str, max_len=MAX_MADDRS)),
         "version": fields.text("version"),
         "proof": fields.text("proof"),
+        "tokens_per_second": (
+            fields.real("tokens_per_second", finite=True, low=0.0) if fields.has("tokens_per_second") else 0.0
+        ),
     }
 
 

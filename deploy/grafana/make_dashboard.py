@@ -1,11 +1,15 @@
-"""Writes farloco-dashboard.json beside this file: the Grafana dashboard for the nodes' /metrics.
+"""Writes the two Grafana dashboards beside this file, from the nodes' /metrics:
 
-    python deploy/grafana/make_dashboard.py        # after changing a panel; commit both files
+- farloco-dashboard.json, the nodes: every series per node (`instance`), which the `instance` variable filters;
+- farloco-swarm-view.json, the swarm: the member table every node exports (farloco_swarm_*, one series per
+  `peer`), merged over the nodes scraped (`max by (peer)`: each node sees the same swarm, some a heartbeat
+  later), so one scraped node is enough and more only fill its gaps.
+
+    python deploy/grafana/make_dashboard.py        # after changing a panel; commit the script and the JSON
 
 Import the JSON in Grafana (Dashboards -> New -> Import) and pick the Prometheus data source that scrapes the
-nodes' control endpoints (`http://NODE:CONTROL_PORT/metrics`; OPERATORS.md). Every series is per node
-(`instance`); the `instance` variable filters them. tests/unit/test_grafana.py checks that every query names a
-metric the daemon exports and that the file is what this script writes.
+nodes' control endpoints (`http://NODE:CONTROL_PORT/metrics`; OPERATORS.md). tests/unit/test_grafana.py checks
+that every query names a metric the daemon exports and that the files are what this script writes.
 """
 
 from __future__ import annotations
@@ -124,14 +128,57 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
 ]
 
 
-def dashboard() -> dict[str, Any]:
+PEER = 'max by (peer) (farloco_swarm_peer_{name}{{instance=~"$instance"}})'
+SWARM_PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    (
+        "Live peers and last round's contributors",
+        "none",
+        [
+            ('max(farloco_swarm_peers{instance=~"$instance"})', "live peers"),
+            ('max(farloco_round_contributors{instance=~"$instance"})', "contributors"),
+        ],
+    ),
+    (
+        "Mean training loss of the swarm",
+        "none",
+        [(f"avg({PEER.format(name='loss')} > 0)", "mean of the peers' last losses")],
+    ),
+    ("Training loss per peer", "none", [(f"{PEER.format(name='loss')} > 0", "{{peer}}")]),
+    (
+        "Tokens/s of the swarm",
+        "none",
+        [(f"sum({PEER.format(name='tokens_per_second')})", "all peers")],
+    ),
+    ("Tokens/s per peer", "none", [(PEER.format(name="tokens_per_second"), "{{peer}}")]),
+    ("Outer round per peer", "none", [(PEER.format(name="round"), "{{peer}}")]),
+    (
+        "Round spread (furthest minus last peer)",
+        "none",
+        [
+            (
+                'max(farloco_swarm_max_round{instance=~"$instance"}) - '
+                'min(farloco_swarm_min_round{instance=~"$instance"})',
+                "rounds apart",
+            )
+        ],
+    ),
+    ("Heartbeat age per peer", "s", [(PEER.format(name="heartbeat_age_seconds"), "{{peer}}")]),
+]
+
+
+def dashboard(
+    panel_specs: list[tuple[str, str, list[tuple[str, str]]]] = PANELS,
+    title: str = "Farloco swarm",
+    uid: str = "farloco-swarm",
+    instance_label: str = "node",
+) -> dict[str, Any]:
     panels = []
-    for index, (title, unit, queries) in enumerate(PANELS):
+    for index, (title_, unit, queries) in enumerate(panel_specs):
         panels.append(
             {
                 "id": index + 1,
                 "type": "timeseries",
-                "title": title,
+                "title": title_,
                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
                 "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
                 "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
@@ -142,8 +189,8 @@ def dashboard() -> dict[str, Any]:
             }
         )
     return {
-        "title": "Farloco swarm",
-        "uid": "farloco-swarm",
+        "title": title,
+        "uid": uid,
         "schemaVersion": 39,
         "version": 1,
         "editable": True,
@@ -156,7 +203,7 @@ def dashboard() -> dict[str, Any]:
                 {
                     "name": "instance",
                     "type": "query",
-                    "label": "node",
+                    "label": instance_label,
                     "datasource": {"type": "prometheus", "uid": "${datasource}"},
                     "query": "label_values(farloco_round_id, instance)",
                     "includeAll": True,
@@ -170,9 +217,19 @@ def dashboard() -> dict[str, Any]:
     }
 
 
+def swarm_dashboard() -> dict[str, Any]:
+    return dashboard(SWARM_PANELS, "Farloco swarm view", "farloco-swarm-view", "nodes whose view is merged")
+
+
 def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
+def render_swarm() -> str:
+    return json.dumps(swarm_dashboard(), indent=2) + "\n"
+
+
 if __name__ == "__main__":
-    (Path(__file__).resolve().parent / "farloco-dashboard.json").write_text(render())
+    here = Path(__file__).resolve().parent
+    (here / "farloco-dashboard.json").write_text(render())
+    (here / "farloco-swarm-view.json").write_text(render_swarm())

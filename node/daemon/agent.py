@@ -374,7 +374,14 @@ class Agent:
         """What the node does until it leaves: join, start the ranks, run rounds."""
         await serving.swarm.join()  # starts the trainer ranks and the heartbeat once our data slot is known
         self.checkpoints.request_inner_load()
-        await serving.rounds.run()
+        steps = None
+        if self.config.node.log_every_steps:
+            steps = asyncio.create_task(self.ranks.watch_intervals(), name="farloco-steps")
+        try:
+            await serving.rounds.run()
+        finally:
+            if steps is not None:
+                await cancel_and_wait(steps)
 
     def _leave_grace(self) -> float:
         """Seconds, from the leave request, that the node's own work may take to wind down by itself."""
@@ -506,12 +513,7 @@ class Agent:
                 "trainer_restarts": self.ranks.failures.restarts,
                 "trainer_last_exit": self.ranks.failures.last_exit,
                 "inner_step_seconds": step_seconds if step_seconds > 0 else None,
-                # The ranks step in lockstep (FSDP collectives): the node's batch per slowest rank's step time.
-                "tokens_per_second": (
-                    self.config.run.batch_size * self.config.run.seq_len / step_seconds
-                    if step_seconds > 0
-                    else None
-                ),
+                "tokens_per_second": self.ranks.tokens_per_second(),
                 "isolated": state.isolation.verdict == "isolated",
                 "isolated_seconds": state.isolation.isolated_for(dht_now()),
                 "vanished_peers": list(state.isolation.vanished),
@@ -550,4 +552,8 @@ class Agent:
         for reason, count in state.refused_states.items():  # states refused from donors
             values["rejected"][reason] = values["rejected"].get(reason, 0) + count
         values["ignored"] = dict(serving.net.membership.core.ignored) if serving is not None else {}
+        values["swarm"] = self.peers_list()
+        values["last_contributors"] = (
+            state.counters.last_contributors if state.counters.rounds_committed else None
+        )
         return values

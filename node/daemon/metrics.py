@@ -71,6 +71,16 @@ BY_REASON = (
     ("rejected_messages", "rejected", "Messages refused, by reason."),
     ("ignored_dht_records", "ignored", "DHT records not believed, by reason."),
 )
+# The swarm as this node sees it (its member table, refreshed every heartbeat): one series per live member,
+# labelled peer = its peer id's first 16 characters (the name the experiment loggers give it).
+SWARM_PEER_GAUGES = (
+    ("round", "round_id", "The outer round the member works on."),
+    ("inner_step", "inner_step", "Inner steps the member's ranks have done."),
+    ("loss", "loss", "The member's mean training loss in its last round (0 while unknown)."),
+    ("tokens_per_second", "tokens_per_second", "The member's training tokens/s in its inner steps."),
+    ("heartbeat_age_seconds", "heartbeat_age", "Seconds since the member's record was refreshed."),
+    ("share", "share", "Fraction of this node's recent rounds the member contributed to."),
+)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0, 300.0, 600.0)
 
 
@@ -103,6 +113,14 @@ class _StatusCollector(Collector):
                 for reason, count in sorted(counts.items()):
                     family.add_metric([str(reason)], float(count))
                 yield family
+        yield from _swarm_families(values.get("swarm") or [])
+        contributors = _number(values.get("last_contributors"))
+        if contributors is not None:
+            yield GaugeMetricFamily(
+                "farloco_round_contributors",
+                "Contributors of the last round this node committed.",
+                value=contributors,
+            )
         exit_code = values.get("trainer_last_exit_code")
         if exit_code is not None:
             exit_family = GaugeMetricFamily(
@@ -112,6 +130,39 @@ class _StatusCollector(Collector):
             )
             exit_family.add_metric([str(values.get("trainer_last_exit") or "")], float(exit_code))
             yield exit_family
+
+
+def _swarm_families(members: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    """farloco_swarm_*: the member table as series per peer, and the swarm's totals as this node sees them."""
+    yield GaugeMetricFamily(
+        "farloco_swarm_peers", "Live members in this node's member table.", value=len(members)
+    )
+    if not members:
+        return
+    for name, key, help_text in SWARM_PEER_GAUGES:
+        family = GaugeMetricFamily(f"farloco_swarm_peer_{name}", help_text, labels=["peer"])
+        for member in members:
+            value = _number(member.get(key))
+            if value is not None:
+                family.add_metric([str(member["peer_id"])[:16]], value)
+        yield family
+    losses = [float(m["loss"]) for m in members if _number(m.get("loss"))]
+    if losses:
+        yield GaugeMetricFamily(
+            "farloco_swarm_mean_loss",
+            "Mean of the members' last training losses (those known).",
+            value=sum(losses) / len(losses),
+        )
+    yield GaugeMetricFamily(
+        "farloco_swarm_tokens_per_second",
+        "The members' training tokens/s, summed.",
+        value=sum(_number(m.get("tokens_per_second")) or 0.0 for m in members),
+    )
+    rounds = [int(m["round_id"]) for m in members]
+    yield GaugeMetricFamily(
+        "farloco_swarm_max_round", "The furthest member's outer round.", value=max(rounds)
+    )
+    yield GaugeMetricFamily("farloco_swarm_min_round", "The last member's outer round.", value=min(rounds))
 
 
 class NodeMetrics:

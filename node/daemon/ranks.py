@@ -49,6 +49,7 @@ class Ranks:
         self._seq_plans: dict[int, tuple[int, int]] = {}
         self.seq_weight = 1.0
         self.seq_inner_step = 0  # the ranks' inner steps at the end of the last sequence read
+        self._interval_step = 0  # the last interval of node.log_every_steps returned by `interval`
         self._idle_since: float | None = (
             None  # when the ranks last finished a sequence we have not followed up
         )
@@ -63,6 +64,55 @@ class Ranks:
         """Every rank's last report (none before the ranks started)."""
         handoff = self._handoff
         return [handoff.report(r) for r in range(handoff.world_size)] if handoff is not None else []
+
+    def tokens_per_second(self) -> float | None:
+        """The node's training tokens/s in its last sequence's inner steps (None before one was timed): the
+        ranks step in lockstep (FSDP collectives), so its batch per the slowest rank's mean step time."""
+        step_seconds = max((r.step_seconds for r in self.reports()), default=0.0)
+        run = self.config.run
+        return run.batch_size * run.seq_len / step_seconds if step_seconds > 0 else None
+
+    def interval(self, flops_per_token: float) -> dict[str, float | int] | None:
+        """The ranks' last whole interval of node.log_every_steps inner steps (`IntervalLog` in the trainer),
+        once every rank wrote the same one and it is newer than the last returned; None otherwise. The node's
+        figures: mean loss over the ranks, tokens/s (tokens of the dp ranks over the slowest rank's time) and,
+        where every rank knows its device's peak, MFU."""
+        reports = self.reports()
+        if not reports:
+            return None
+        steps = {r.log_step for r in reports}
+        if len(steps) != 1 or (step := steps.pop()) <= self._interval_step:
+            return None
+        again = {r.log_step for r in self.reports()}
+        if again != {step}:  # a rank wrote the next interval while we read: read it the next time
+            return None
+        self._interval_step = step
+        seconds = max(r.log_seconds for r in reports)
+        tokens = sum(r.log_tokens for r in reports) / self.config.node.tp  # tp ranks share their batches
+        figures: dict[str, float | int] = {
+            "inner_step": step,
+            "loss": sum(r.log_loss for r in reports) / len(reports),
+            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "seconds": seconds,
+        }
+        peak = sum(r.peak_flops for r in reports)
+        if seconds > 0 and flops_per_token > 0 and all(r.peak_flops > 0 for r in reports):
+            figures["mfu"] = figures["tokens_per_second"] * flops_per_token / peak
+        return figures
+
+    async def watch_intervals(self, poll: float = 0.2) -> None:
+        """node.log_every_steps: a 'steps' event (agent.jsonl and the experiment loggers) for each interval of
+        inner steps the ranks finish, looked for every `poll` seconds until cancelled."""
+        from farloco.node.training.flops import module_flops_per_token
+        from farloco.node.training.models import meta_spec
+
+        run = self.config.run
+        flops_per_token = module_flops_per_token(meta_spec(run.model).module, run.seq_len)
+        while True:
+            figures = self.interval(flops_per_token)
+            if figures is not None:
+                self.state.events.write("steps", round_id=self.outer.round_id, **figures)
+            await asyncio.sleep(poll)
 
     # -- start, supervise, stop -------------------------------------------------------------------------------
 

@@ -100,6 +100,7 @@ class Swarm:
             heartbeat=0.0,
             maddrs=tuple(self.state.multiaddrs),
             version=version(),
+            tokens_per_second=self.ranks.tokens_per_second() or 0.0,
         )
 
     async def publish(self, retry_seconds: float = 0.0) -> None:
@@ -125,6 +126,7 @@ class Swarm:
                 "inner_step": m.inner_step,
                 "slot": m.slot,
                 "loss": m.loss,
+                "tokens_per_second": m.tokens_per_second,
                 "outer_hash": m.outer_hash,
                 "heartbeat_age": max(0.0, dht_now() - m.heartbeat),
                 "share": self.state.shares.share(m.peer_id),

@@ -46,9 +46,10 @@ from farloco.node.handoff import (
 )
 from farloco.node.schedule import inner_learning_rate
 from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
+from farloco.node.training.flops import device_peak_flops
 from farloco.node.training.models import ModelSpec, as_spec, build_spec
 from farloco.node.training.muon import build_inner_optimizer
-from farloco.node.training.parallel import ShardView, clip_grad_norm, node_mesh, parallelize
+from farloco.node.training.parallel import ShardView, clip_grad_norm, compute_dtype, node_mesh, parallelize
 
 log = logging.getLogger("farloco.trainer")
 
@@ -148,6 +149,8 @@ def run_rank(args: argparse.Namespace) -> None:
         )
         # Each dp rank evaluates its own share of the held-out batches; the mean is all-reduced.
         held_out = held_out[mesh.dp_rank :: mesh.dp_size] or held_out[:1]
+        precision = "bf16" if compute_dtype(config, device) == torch.bfloat16 else "fp32"
+        handoff.mark_peak_flops(rank, device_peak_flops(device, precision, config.node.peak_tflops))
         staging = HostStaging(views, device, region=handoff.mapped)
         try:
             loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device)
@@ -194,6 +197,8 @@ def loop(
     # The first steps of a compiled model compile it: they stay out of the step time (and so of tokens/s).
     warmup_steps = COMPILE_WARMUP_STEPS if config.node.compile else 0
     step_fn = inner_step_function()
+    intervals = IntervalLog(handoff, rank, config.node.log_every_steps)
+    interval_from = 0  # the global step the interval being gathered continues from
     while True:
         while (
             handoff.publish_seq <= done_seq
@@ -225,6 +230,8 @@ def loop(
         lr = learning_rate(config, step_base)
         for i in range(inner_steps):
             step = step_base + i
+            if step != interval_from:  # the count jumped (a resync, a resumed node): no interval across it
+                intervals.losses, intervals.seconds, intervals.tokens = [], 0.0, 0
             started = time.perf_counter()
             lr = learning_rate(config, step)
             for group in optimizer.param_groups:
@@ -238,9 +245,12 @@ def loop(
                 return
             ran += 1
             steps_taken += 1
+            took = time.perf_counter() - started
             if steps_taken > warmup_steps:
-                timed += time.perf_counter() - started
+                timed += took
                 timed_steps += 1
+            intervals.step(step + 1, losses[-1], took, inputs.numel())
+            interval_from = step + 1
             if cut:
                 break  # a partial contribution: the agent's round is ready without the steps we have left
         train_loss = float(torch.stack(losses).mean()) if losses else math.nan
@@ -256,6 +266,32 @@ def loop(
             inner_lr=lr,
         )
         done_seq = seq
+
+
+class IntervalLog:
+    """node.log_every_steps: after every inner step whose global count is a multiple of `every`, this rank's
+    mean loss, step time and tokens over the interval's steps go to its hand-off block (`mark_interval`), for
+    the agent's 'steps' event. Costs no device sync of its own: it reads the losses after `step_signals`, which
+    has already waited for the step (its flags come back to the host), so they are computed values by then."""
+
+    def __init__(self, handoff: Handoff, rank: int, every: int) -> None:
+        self.handoff, self.rank, self.every = handoff, rank, every
+        self.losses: list[torch.Tensor] = []
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def step(self, done: int, loss: torch.Tensor, seconds: float, tokens: int) -> None:
+        """Inner step `done - 1` (global) took `seconds` over `tokens` tokens; `done` steps are behind us."""
+        if not self.every:
+            return
+        self.losses.append(loss)
+        self.seconds += seconds
+        self.tokens += tokens
+        if done % self.every:
+            return
+        mean = float(torch.stack(self.losses).mean())
+        self.handoff.mark_interval(self.rank, step=done, loss=mean, seconds=self.seconds, tokens=self.tokens)
+        self.losses, self.seconds, self.tokens = [], 0.0, 0
 
 
 def train_step(

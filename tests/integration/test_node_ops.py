@@ -5,8 +5,10 @@ on what the run left behind. Then node/logs.py on its own."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -81,7 +83,9 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
              f"node.num_ranks={num_ranks}", "--log-format", "json",
              # a cosine schedule over 48 inner steps (12 rounds), checked step by step across the restart
              "--set", "run.lr_schedule=cosine", "--set", "run.total_inner_steps=48", "--set", "run.warmup_steps=2",
-             "--set", "run.min_lr_ratio=0.1")  # fmt: skip
+             "--set", "run.min_lr_ratio=0.1",
+             # per-inner-step figures every 2 steps, MFU against a stated peak (no datasheet peak on CPU)
+             "--set", "node.log_every_steps=2", "--set", "node.peak_tflops=0.05")  # fmt: skip
     node = _start(run_dir, tmp_path / "first.log", *extra, stderr_path=tmp_path / "first.err")
     try:
         status = _wait_status(run_dir, node, lambda s: s["round_id"] >= 3 and s["last_checkpoint"])
@@ -114,8 +118,11 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
         with urllib.request.urlopen(status["metrics_url"], timeout=10) as response:
             metrics = response.read().decode()
         for name in ("round_id", "rounds_committed_total", "tokens_per_second", "inner_step_seconds",
-                     "trainer_restarts_total", "loss", "peers"):  # fmt: skip
+                     "trainer_restarts_total", "loss", "peers", "swarm_peers", "swarm_tokens_per_second",
+                     "round_contributors"):  # fmt: skip
             assert f"\nfarloco_{name} " in metrics, name
+        # The swarm as this node sees it: itself, one series per member labelled by its peer id's prefix.
+        assert f'\nfarloco_swarm_peer_round{{peer="{status["peer_id"][:16]}"}} ' in metrics, metrics
         base = status["metrics_url"].removesuffix("/metrics")
         with urllib.request.urlopen(base + "/healthz", timeout=10) as response:
             assert response.status == 200
@@ -187,6 +194,17 @@ def test_node_lifecycle_sigkill_resume_with_inner_state_drain_report_export(
     for e in rounds:
         assert e["inner_lr"] == pytest.approx(learning_rate(run_config, e["inner_step"] - 1), rel=1e-9), e
     assert len({round(e["inner_lr"], 12) for e in rounds if e["inner_step"] < 48}) >= 4  # it moved
+    # node.log_every_steps = 2: a steps event per 2 inner steps of the swarm's count, before and after the restart,
+    # each with the ranks' loss, tokens/s and MFU (the tokens/s against node.peak_tflops and the model's FLOPs).
+    steps = [e for e in events if e["event"] == "steps"]
+    assert steps and all(e["inner_step"] % 2 == 0 for e in steps), steps
+    before_steps = kinds[:split].count("steps")
+    for part in (steps[:before_steps], steps[before_steps:]):  # each process's intervals only move forward
+        assert part and all(a["inner_step"] < b["inner_step"] for a, b in itertools.pairwise(part)), part
+    assert all(math.isfinite(e["loss"]) and e["tokens_per_second"] > 0 and 0 < e["mfu"] < 1 for e in steps), (
+        steps
+    )
+    assert any(e["inner_step"] > newest * inner_steps for e in steps[kinds[:split].count("steps") :])
     before = {e["round_id"] for e in events[:split] if e["event"] == "round"}
     after = {e["round_id"] for e in events[split:] if e["event"] == "round"}
     assert min(after) == newest + 1 and before & after == set(range(newest + 1, committed + 1))

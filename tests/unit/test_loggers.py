@@ -14,7 +14,7 @@ import pytest
 
 from farloco.node.config import ConfigError, build_config
 from farloco.node.daemon.core import EventLog
-from farloco.node.daemon.loggers import ExperimentLoggers, round_values, wandb_run_id
+from farloco.node.daemon.loggers import ExperimentLoggers, round_values, step_values, wandb_run_id
 
 ROUND = {
     "round_id": 3,
@@ -50,16 +50,32 @@ def test_bad_logger_names_are_config_errors(loggers: list[str], message: str) ->
     assert message in str(caught.value)
 
 
-def test_tensorboard_gets_every_round_event_the_event_log_writes(tmp_path: Path) -> None:
+def test_tensorboard_one_run_per_node_gets_every_round_and_steps_event(tmp_path: Path) -> None:
+    """A node's TensorBoard run is <run-dir>/logs/tensorboard/<run.name>/<node>, opened once its peer id is
+    known; round/* against the round id, step/* (node.log_every_steps) against the inner step. A restarted
+    node appends to the same run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = build_config({"node": {"loggers": ["tensorboard"]}})
+    config = build_config({"node": {"loggers": ["tensorboard"]}, "run": {"name": "tb-test"}})
+    peer = "QmNodeAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
     events = EventLog(tmp_path / "logs" / "agent.jsonl", ExperimentLoggers(config, tmp_path))
-    for round_id, loss in ((1, 4.0), (2, 3.5), (3, 3.25)):
+    events.write("round", **{**ROUND, "round_id": 0})  # before `started`: no run to log to yet
+    events.write("started", peer_id=peer)
+    for round_id, loss in ((1, 4.0), (2, 3.5)):
         events.write("round", **{**ROUND, "round_id": round_id, "train_loss": loss})
-    events.write("joined", peers=2)  # not a round: not logged
+    events.write("steps", inner_step=10, loss=4.5, tokens_per_second=1000.0, seconds=0.5, round_id=1)
+    events.write(
+        "steps", inner_step=20, loss=4.25, tokens_per_second=1100.0, mfu=0.4, seconds=0.5, round_id=1
+    )
+    events.write("joined", peers=2)  # neither a round nor steps: not logged
     events.close()
-    accumulator = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    restarted = EventLog(tmp_path / "logs" / "agent.jsonl", ExperimentLoggers(config, tmp_path))
+    restarted.write("started", peer_id=peer)
+    restarted.write("round", **{**ROUND, "round_id": 3, "train_loss": 3.25})
+    restarted.close()
+    runs = [p for p in (tmp_path / "logs" / "tensorboard").glob("*/*") if p.is_dir()]
+    assert runs == [tmp_path / "logs" / "tensorboard" / "tb-test" / peer[:16]], runs
+    accumulator = EventAccumulator(str(runs[0]))
     accumulator.Reload()
     assert [(e.step, e.value) for e in accumulator.Scalars("round/train_loss")] == [
         (1, 4.0),
@@ -68,6 +84,17 @@ def test_tensorboard_gets_every_round_event_the_event_log_writes(tmp_path: Path)
     ]
     assert [e.value for e in accumulator.Scalars("round/contributors")] == [3.0, 3.0, 3.0]
     assert "round/eval_loss" not in accumulator.Tags()["scalars"]
+    assert [(e.step, e.value) for e in accumulator.Scalars("step/loss")] == [(10, 4.5), (20, 4.25)]
+    assert [(e.step, e.value) for e in accumulator.Scalars("step/tokens_per_second")] == [
+        (10, 1000.0),
+        (20, 1100.0),
+    ]
+    assert [(e.step, round(e.value, 6)) for e in accumulator.Scalars("step/mfu")] == [(20, 0.4)]
+
+
+def test_step_values_are_the_figures_of_a_steps_event() -> None:
+    fields = {"inner_step": 40, "loss": 2.0, "tokens_per_second": 10.0, "mfu": math.nan, "round_id": 2}
+    assert step_values(fields) == {"step/loss": 2.0, "step/tokens_per_second": 10.0}
 
 
 WANDB_SCRIPT = textwrap.dedent(
@@ -83,6 +110,7 @@ WANDB_SCRIPT = textwrap.dedent(
     first = int(sys.argv[3])
     for round_id in range(first, first + 3):
         loggers.event("round", {"round_id": round_id, "train_loss": 5.0 - round_id, "contributors": ["a"]})
+        loggers.event("steps", {"inner_step": 10 * round_id, "loss": 4.0, "tokens_per_second": 99.0})
     loggers.close()
     """
 )
@@ -120,4 +148,8 @@ def test_wandb_offline_one_run_per_node_in_the_swarms_group_resumed_after_a_rest
     data = b"".join(f.read_bytes() for r in runs_a for f in r.glob("run-*.wandb"))
     # one history record per round (plus the summary), each naming its keys; the round before `started` is not
     assert data.count(b"round/train_loss") >= 6 and data.count(b"round/contributors") >= 6
+    # per-inner-step figures on their own x axis (inner_step), beside the rounds' (round)
+    assert (
+        data.count(b"step/loss") >= 6 and b"inner_step" in data and data.count(b"step/tokens_per_second") >= 6
+    )
     assert b"wandb-test" in data and b"QmNodeAAAAAAAAAA" in data  # the group (run.name) and the node's name
