@@ -88,6 +88,10 @@ class RunConfig:
     """The schedule's length in inner steps (0: max_rounds x inner_steps; a decaying schedule needs one)."""
     wsd_decay_fraction: float = 0.1
     """lr_schedule = 'wsd': the last fraction of the total over which the rate decays (0 < f <= 1)."""
+    outer_lr_schedule: str = "constant"
+    """The outer rate by round (node/schedule.py): 'constant' (the strategy's lr: outer_lr, or strategy_options
+    lr), 'cosine' or 'linear' from it down to it x min_lr_ratio at the total's last round (total_inner_steps /
+    inner_steps, or max_rounds). A function of the round id, so every member applies the same rate."""
     grad_clip: float = 1.0
     """Clip the inner gradient norm to this value (0 disables)."""
     batch_size: int = 8
@@ -134,10 +138,19 @@ class RunConfig:
         _non_negative(
             self, "inner_lr", "inner_weight_decay", "warmup_steps", "grad_clip", "outer_lr", "max_rounds"
         )
-        from farloco.node.schedule import LR_SCHEDULES, total_inner_steps
+        from farloco.node.schedule import LR_SCHEDULES, OUTER_LR_SCHEDULES, total_inner_steps
 
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"run.lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.outer_lr_schedule not in OUTER_LR_SCHEDULES:
+            raise ConfigError(
+                f"run.outer_lr_schedule: expected one of {OUTER_LR_SCHEDULES}, got {self.outer_lr_schedule!r}"
+            )
+        if self.outer_lr_schedule != "constant" and total_inner_steps(self) < self.inner_steps:
+            raise ConfigError(
+                f"run.outer_lr_schedule = {self.outer_lr_schedule!r} decays over a total: set "
+                "run.total_inner_steps (at least one round's inner_steps), or run.max_rounds"
+            )
         if isinstance(self.min_lr_ratio, bool) or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"run.min_lr_ratio: expected 0..1, got {self.min_lr_ratio!r}")
         if isinstance(self.wsd_decay_fraction, bool) or not 0.0 < self.wsd_decay_fraction <= 1.0:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from farloco.node.config import RunConfig
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+OUTER_LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def total_inner_steps(run: RunConfig) -> int:
@@ -49,3 +50,19 @@ def inner_learning_rate(run: RunConfig, step: int) -> float:
     if run.lr_schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return peak - (peak - floor) * progress  # linear
+
+
+def outer_lr_factor(run: RunConfig, round_id: int) -> float:
+    """run.outer_lr_schedule: the factor on the strategy's own outer rate for the outer step that commits round
+    `round_id` (0-based). Over R = T / inner_steps rounds (T as above), with p = round_id / (R - 1) clipped to
+    [0, 1] and floor = run.min_lr_ratio: constant 1; cosine floor + (1 - floor) x (1 + cos(pi p)) / 2; linear
+    1 - (1 - floor) x p. No warm-up: the outer step's first rounds are already small (the pseudo-gradient of a
+    few inner steps)."""
+    if run.outer_lr_schedule == "constant":
+        return 1.0
+    rounds = max(1, total_inner_steps(run) // run.inner_steps)
+    progress = min(1.0, max(0.0, round_id / max(rounds - 1, 1)))
+    floor = run.min_lr_ratio
+    if run.outer_lr_schedule == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - floor) * progress

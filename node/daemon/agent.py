@@ -485,6 +485,7 @@ class Agent:
                 "loss": state.train_loss,
                 "eval_loss": state.eval_loss,
                 "inner_lr": state.inner_lr,
+                "outer_lr": self.outer.outer_lr,
                 "num_peers": len(state.peers_view),
                 "outer_hash": outer.outer_hash,
                 "bytes_sent": counters.bytes_sent,

@@ -39,6 +39,7 @@ GAUGES = (
     ),
     ("inner_step_seconds", "inner_step_seconds", "Mean inner step time of the last round."),
     ("inner_lr", "inner_lr", "Inner learning rate of the last sequence's last step (run.lr_schedule)."),
+    ("outer_lr", "outer_lr", "Outer learning rate the next commit applies (run.outer_lr_schedule)."),
     ("tokens_per_second", "tokens_per_second", "Training tokens per second in inner steps."),
     ("sync_bytes_done", "sync_bytes_done", "Bytes of outer state fetched by the running sync."),
     ("sync_bytes_total", "sync_bytes_total", "Bytes of outer state the running sync fetches."),

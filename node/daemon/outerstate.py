@@ -24,6 +24,7 @@ from farloco.node.config import Config, diff_run, run_section
 from farloco.node.daemon.core import AgentError, build_outer
 from farloco.node.daemon.outer import OuterError, OuterRound, theta_hash
 from farloco.node.handoff import flatten, layout_of
+from farloco.node.schedule import outer_lr_factor
 from farloco.node.training.model import num_parameters
 from farloco.node.training.models import build_spec
 from farloco.node.training.parallel import check_node_layout
@@ -66,6 +67,8 @@ class OuterState:
         exclude_from_fork(theta, *self.strategy.live_buffers().values())
         if injector is not None:  # corrupt-theta@R: theta nudged inside the commits the plan names
             self.round = injector.wrap_outer(self.round, lambda: self.round_id)
+        lr = self.strategy.hparams.get("lr")
+        self._base_outer_lr = float(lr) if isinstance(lr, (int, float)) else None
         self.round_id = 0
         self.outer_hash = ""
         # An outer step was applied since the ranks last loaded: merge it into their weights (streaming-diloco).
@@ -76,6 +79,28 @@ class OuterState:
         self._executor: ThreadPoolExecutor | None = None
         # The state donors serve, built when a joiner first asks for a round (None: not built for this state).
         self._snapshot: Snapshot | None = None
+
+    @property
+    def round_id(self) -> int:
+        """The round this outer state works on (its theta is round_id - 1's result)."""
+        return self._round_id
+
+    @round_id.setter
+    def round_id(self, value: int) -> None:
+        # run.outer_lr_schedule: the strategy's rate for the outer step that commits this round, set whenever the
+        # round moves (a commit, a round closed without a step, an installed state), so every member that
+        # commits round r applies the same rate.
+        self._round_id = value
+        if self._base_outer_lr is not None and self.config.run.outer_lr_schedule != "constant":
+            factor = outer_lr_factor(self.config.run, value)
+            self.strategy.hparams["lr"] = self._base_outer_lr * factor
+
+    @property
+    def outer_lr(self) -> float | None:
+        """The outer rate the next commit applies (None: the strategy has none, e.g. its lr is inside its
+        options' own schedule)."""
+        lr = self.strategy.hparams.get("lr")
+        return float(lr) if isinstance(lr, (int, float)) else None
 
     @property
     def theta(self) -> torch.Tensor:

@@ -547,6 +547,7 @@ class RoundRunner:
         fragment = getattr(self.outer.strategy, "current_fragment", None)
         synced = fragment() if fragment is not None else slice(0, self.outer.num_params)
         phase_started = time.monotonic()
+        outer_lr = self.outer.outer_lr  # the rate this commit applies (run.outer_lr_schedule)
         try:  # seen through once begun, even if the round is cancelled meanwhile (a leave): theta moved
             await self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
         finally:
@@ -570,6 +571,7 @@ class RoundRunner:
             train_loss=self.state.train_loss,
             eval_loss=self.state.eval_loss,
             inner_lr=self.state.inner_lr,
+            outer_lr=outer_lr,
             outer_hash=self.outer.outer_hash,
             bytes_sent=averaged.sent,
             bytes_received=averaged.received,

@@ -448,6 +448,7 @@ def status(run_dir: Path, as_json: bool, swarm: bool) -> None:
         "loss",
         "eval_loss",
         "inner_lr",
+        "outer_lr",
         "num_peers",
         "group_share",
         "left_out",

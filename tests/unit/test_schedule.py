@@ -85,3 +85,59 @@ def test_the_trainer_applies_the_schedule_and_demo_its_plain_step() -> None:
 def test_bad_schedules_are_config_errors(run: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_config({"run": run})
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_the_outer_rate_follows_the_round_and_every_state_change_sets_it(schedule: str) -> None:
+    """run.outer_lr_schedule against its closed form, as OuterState applies it to the strategy: at the start,
+    after a commit, after a round closed without a step and after an installed state (a joiner's, a resumed
+    node's), the strategy's lr is the rate of the round it now works on."""
+    import asyncio
+
+    import torch
+
+    from farloco.node.config import run_hash
+    from farloco.node.daemon.outerstate import OuterState
+    from farloco.node.schedule import outer_lr_factor
+
+    config = build_config(
+        {"run": {"outer_lr_schedule": schedule, "max_rounds": 6, "inner_steps": 4, "min_lr_ratio": 0.1}}
+    )
+    run = config.run
+
+    def closed_form(r: int) -> float:
+        p = min(1.0, r / 5)
+        if schedule == "cosine":
+            return 0.7 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+        return 0.7 * (1 - 0.9 * p) if schedule == "linear" else 0.7
+
+    assert [outer_lr_factor(run, r) * 0.7 for r in range(8)] == pytest.approx(
+        [closed_form(r) for r in range(8)]
+    )
+    outer = OuterState(config, run_hash(config))
+    try:
+        assert outer.outer_lr == pytest.approx(closed_form(0))
+        theta = outer.theta.clone()
+        contribution = outer.contribution(theta - 0.01)
+
+        async def commit() -> None:
+            mean = contribution.clone()
+            await outer.commit(contribution, contribution.clone(), mean)
+
+        asyncio.run(commit())
+        assert outer.round_id == 1 and outer.outer_lr == pytest.approx(closed_form(1))
+        outer.advance()
+        assert outer.outer_lr == pytest.approx(closed_form(2))
+        meta = {"run_hash": outer.run_hash, "round_id": 4}
+        state = {f"strategy.{k}": v for k, v in outer.strategy.state_dict().items()}
+        asyncio.run(outer.install(meta, {"theta": torch.zeros_like(theta), **state}))
+        assert outer.round_id == 4 and outer.outer_lr == pytest.approx(closed_form(4))
+    finally:
+        outer.close()
+
+
+def test_a_decaying_outer_schedule_needs_a_total() -> None:
+    with pytest.raises(ConfigError, match=r"run.outer_lr_schedule = 'cosine' decays over a total"):
+        build_config({"run": {"outer_lr_schedule": "cosine"}})
+    with pytest.raises(ConfigError, match=r"run.outer_lr_schedule: expected one of"):
+        build_config({"run": {"outer_lr_schedule": "wsd", "max_rounds": 4}})
