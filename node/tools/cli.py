@@ -570,13 +570,16 @@ def config_check(path: Path, overrides: tuple[str, ...]) -> None:
     from farloco.node.config import run_hash
     from farloco.node.daemon.agent import build_outer
     from farloco.node.training.model import num_parameters
-    from farloco.node.training.models import meta_spec
+    from farloco.node.training.models import check_init_from, meta_spec
     from farloco.node.training.parallel import check_node_layout
 
     try:
         cfg = load_config(path, overrides, environ=os.environ)
         check_node_layout(cfg)
-        build_outer(cfg, num_parameters(meta_spec(cfg.run.model).module))
+        spec = meta_spec(cfg.run.model)
+        build_outer(cfg, num_parameters(spec.module))
+        if cfg.run.init_from:  # names and shapes from the files' headers: no weight is read
+            check_init_from(spec, cfg.run.init_from)
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"ok: run {cfg.run.name!r}, run_hash {run_hash(cfg)}")

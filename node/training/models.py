@@ -203,18 +203,15 @@ def build_spec(run_model: str, seed: int, init_from: str = "") -> ModelSpec:
     return spec
 
 
-def load_init_from(spec: ModelSpec, folder: str) -> None:
-    """Overwrite every parameter of `spec` with the tensor of the same name in `folder` (node/weights.py finds
-    and checks the files), as float32. A preset reads a farloco export of the same preset (Llama names, and its
-    config.json must be that preset's); any other model reads its own parameter names. A missing or misshapen
-    tensor, a tensor the model does not have, or a NaN/Inf value is a ModelError naming them, before anything
-    is overwritten."""
-    from safetensors import safe_open
-
+def check_init_from(spec: ModelSpec, folder: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """That `folder` holds every parameter of `spec` under its name with its shape, and nothing foreign to it
+    (a preset: a farloco export of that preset, its config.json that preset's); reads only the files' headers,
+    so it works on a meta-device spec (`farloco config check`). Returns the folder's tensor index and the
+    parameter -> tensor name map; a ModelError names what is wrong."""
     from farloco.node.training.model import export_hf_config, hf_state_dict_names
     from farloco.node.weights import folder_config, weights_index
 
-    index = weights_index(Path(folder))
+    index: dict[str, Any] = dict(weights_index(Path(folder)))
     module = spec.module
     if spec.kind == "builtin":
         assert isinstance(module, Transformer)
@@ -257,6 +254,17 @@ def load_init_from(spec: ModelSpec, folder: str) -> None:
             f"run.init_from: {folder} does not hold this run.model's {len(params)} parameters: "
             + "; ".join(problems)
         )
+    return index, names
+
+
+def load_init_from(spec: ModelSpec, folder: str) -> None:
+    """Overwrite every parameter of `spec` with the tensor of the same name in `folder` (node/weights.py finds
+    and checks the files, `check_init_from` the names and shapes), as float32. A NaN/Inf value is a ModelError
+    naming the tensor, before anything is overwritten."""
+    from safetensors import safe_open
+
+    index, names = check_init_from(spec, folder)
+    params = dict(spec.module.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for name in params:
         by_file.setdefault(index[names[name]].file, []).append(name)
@@ -292,7 +300,8 @@ def _check_preset_config(folder: str, expected: dict[str, Any]) -> None:
     ]
     if differ:
         raise ModelError(
-            f"run.init_from: {folder}/config.json is not this preset's architecture: {'; '.join(differ[:6])}; "
+            f"run.init_from: {Path(folder) / 'config.json'} is not this preset's architecture: "
+            f"{'; '.join(differ[:6])}; "
             f"leave run.model unset to train the folder's own architecture"
         )
 
@@ -366,6 +375,7 @@ __all__ = [
     "architecture",
     "as_spec",
     "build_spec",
+    "check_init_from",
     "check_tp",
     "load_init_from",
     "logits_of",

@@ -17,7 +17,7 @@ from farloco.node.config import ConfigError, build_config, diff_run, run_hash, r
 from farloco.node.handoff import flatten, layout_of
 from farloco.node.tools.export import export_theta
 from farloco.node.training.model import build_model, model_config
-from farloco.node.training.models import ModelError, build_spec
+from farloco.node.training.models import ModelError, build_spec, check_init_from, meta_spec
 from farloco.node.weights import WeightsError, weights_digest, weights_index
 
 pytest.importorskip("transformers")
@@ -112,6 +112,11 @@ def test_a_preset_starts_from_a_farloco_export_of_that_preset(tmp_path: Path) ->
         ModelError, match=r"not this preset's architecture: .*hidden_size 128 \(the preset: 384\)"
     ):
         build_spec("small", 0, init_from=str(tmp_path / "export"))
+    # `farloco config check` finds the same from the headers alone, on a meta-device model: no weight is read.
+    with pytest.raises(ModelError, match=r"export/config.json is not this preset's architecture"):
+        check_init_from(meta_spec("small"), str(tmp_path / "export"))
+    index, names = check_init_from(meta_spec("tiny"), str(tmp_path / "export"))
+    assert set(names.values()) <= set(index)
 
 
 def _expect(error: type[Exception], pattern: str, folder: Path, model: str | None = None) -> None:
