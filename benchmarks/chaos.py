@@ -147,15 +147,19 @@ def main(argv: list[str] | None = None) -> int:
         lines += row(name, outcome, problems, healthy)
         results.append({**outcome.to_json(), "problems": problems, "seconds": time.monotonic() - started})
         print(f"{name}: {problems if problems else 'held'} ({time.monotonic() - started:.0f} s)", flush=True)
+        # Written after every scenario: a table of 30 rows takes 1.5 hours, and nothing of it is lost to a stop.
+        (args.out / "chaos.partial.json").write_text(json.dumps([*earlier, *results], indent=1))
     if earlier:
         order = list(SCENARIOS)
         merged = sorted(
             [*earlier, *results], key=lambda d: order.index(d["scenario"]) if d["scenario"] in order else 99
         )
         (args.out / "chaos.json").write_text(json.dumps(merged, indent=1))
+        (args.out / "chaos.partial.json").unlink(missing_ok=True)
         render(args.out)
         return 1 if failed else 0
     (args.out / "chaos.json").write_text(json.dumps(results, indent=1))
+    (args.out / "chaos.partial.json").unlink(missing_ok=True)
     table = "\n".join(lines)
     (args.out / "chaos.md").write_text(table + "\n")
     print(table)
