@@ -43,16 +43,8 @@ def custom_lm(monkeypatch: pytest.MonkeyPatch) -> str:
     return "custom_lm:build"
 
 
-LLAMA = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
+# The same shapes as QWEN2, as a Llama with tied embeddings.
+LLAMA = {**{k: v for k, v in QWEN2.items() if k != "model_type"}, "tie_word_embeddings": True}
 
 
 def save_pretrained(

@@ -98,7 +98,10 @@ def test_nodes_of_different_layouts_train_as_one_swarm(tmp_path: Path) -> None:
         assert all(loss is not None and math.isfinite(loss) for loss in losses), losses
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        board = EventAccumulator(str(peers[2].run_dir / "logs" / "tensorboard"))
+        # One TensorBoard run per node: logs/tensorboard/<run.name>/<node name, its peer id's prefix>.
+        peer_id = started_event(peers[2])["peer_id"]
+        [run_name] = [p.name for p in (peers[2].run_dir / "logs" / "tensorboard").iterdir()]
+        board = EventAccumulator(str(peers[2].run_dir / "logs" / "tensorboard" / run_name / peer_id[:16]))
         board.Reload()
         logged = {e.step: e.value for e in board.Scalars("round/train_loss")}
         assert logged == {r: pytest.approx(e["train_loss"]) for r, e in by_peer["one"].items()}
