@@ -8,9 +8,12 @@ strategy's freed residual) paid a copy-on-write fault per 4 KiB page: 3.6 ns per
 GB, and the node held two copies of those pages from then on. The child never touches them: excluded from the
 fork (madvise MADV_DONTFORK), they are simply not mapped there.
 
-Only storages of at least `MIN_BYTES` are excluded: glibc serves those with a mapping of their own (its mmap
-threshold is at most 32 MiB), so the excluded pages hold that tensor alone and go away with it; smaller ones may
-sit in the heap beside other objects, which the child needs.
+Only a storage that has its mapping to itself is excluded, so that the excluded pages hold that tensor alone and
+go away with it: at least `MIN_BYTES` (glibc's mmap threshold is at most 32 MiB), and either the start of a
+mapping (a file or an mmap of its own) or a malloc chunk glibc mapped for it alone (IS_MMAPPED in the chunk's
+header). A large request can also be served from a free chunk of the heap (tcpstream's `tune_malloc` keeps up to
+256 MiB free there): excluding those pages would outlive the tensor, and whatever malloc placed there next would
+be missing from every later child. Those are left alone.
 """
 
 from __future__ import annotations
@@ -66,8 +69,31 @@ def exclude_from_fork(*tensors: torch.Tensor) -> int:
         if storage.nbytes() < MIN_BYTES:
             continue
         address = storage.data_ptr()
+        if not _own_mapping(address):
+            continue
         start = -(-address // page) * page
         end = (address + storage.nbytes()) // page * page
         if end > start and madvise(start, end - start, MADV_DONTFORK) == 0:
             excluded += end - start
     return excluded
+
+
+IS_MMAPPED = 0x2  # glibc malloc: the chunk was mmapped for this allocation alone (size word's bit 1)
+
+
+def _own_mapping(address: int) -> bool:
+    """Whether the storage at `address` has its mapping to itself (see the module docstring)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                if low <= address < high:
+                    break
+            else:
+                return False
+    except OSError:
+        return False
+    if address - low < 16:  # it starts its mapping: no malloc header before it
+        return True
+    # A malloc chunk: the size word just before the pointer, inside the same mapping.
+    return bool(ctypes.c_size_t.from_address(address - 8).value & IS_MMAPPED)
