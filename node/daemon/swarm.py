@@ -57,6 +57,9 @@ class Swarm:
         self.outer = outer
         self.ranks = ranks
         self.checkpoints = checkpoints
+        # The [run] section our record carries and records are checked against: computed once (with
+        # run.init_from it holds the weights' digest, and the heartbeat publishes it every beat).
+        self.run_config = run_section(state.config)
         self.net = net
         self.config = state.config
         self.membership = net.membership
@@ -94,7 +97,7 @@ class Swarm:
             inner_step=int(max((r.inner_step for r in self.ranks.reports()), default=0)),
             slot=self.state.slot,
             run_hash=self.state.run_hash,
-            run_config=run_section(self.config),
+            run_config=self.run_config,
             outer_hash=self.outer.outer_hash,
             loss=0.0 if math.isnan(self.state.train_loss) else float(self.state.train_loss),
             heartbeat=0.0,
@@ -181,7 +184,7 @@ class Swarm:
         mismatched = self.membership.mismatched()
         if mismatched:
             record, _keys = mismatched[0]
-            differences = diff_run(run_section(self.config), dict(record.run_config))
+            differences = diff_run(self.run_config, dict(record.run_config))
             raise AgentError(
                 f"refusing to join: peer {record.peer_id} trains run {self.config.run.name!r} with another "
                 f"config (run_hash {record.run_hash[:12]} vs ours {self.state.run_hash[:12]}): "
