@@ -12,18 +12,26 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    statistics, `StragglerWait`, between `match_timeout_min` and `match_timeout`; 0 means `match_timeout`;
    never less than `leader_timeout`, which the argument below needs). All
    peers compute the same deadline from the same records, so a leader change cannot restart the clock.
-3. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
+3. **One hop.** Each ready record also declares the set of members its peer expects in the round (their number
+   and a digest of their ids, `expected_digest`: the live members working on the round, the last group's
+   members still in step, members catching up). When every peer of a set declared that very set, and the last
+   of them was ready within `leader_timeout/2` of the opening, the set is the round's group: each peer holding
+   their records knows it as the last one arrives, with no leader in between (`one_hop_sets`; peers outside it
+   are late). This is the common round (the same members as last time, ready within a few seconds of each
+   other); the leader below settles the rest (a member joining or vanishing, a straggler).
+4. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
    (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
    live member whose member record says round r (and is not leaving) is ready and no member's record says
-   a later round (such a member left round r, so r's group may already exist), and at the latest at the
-   freeze deadline; it then publishes the group (sorted members with addresses and the theta hash each declared
+   a later round (such a member left round r, so r's group may already exist), but not before
+   `opened + leader_timeout` (a one-hop freeze of others reaches it by then), and at the latest at the freeze
+   deadline; it then publishes the group (sorted members with addresses and the theta hash each declared
    in its ready record; group_id = sha256 of the round, member ids and hashes): pushed to its members over the
    links, and stored under `farloco/{run}/round/{r}/group`.
-4. Followers wait for a group record. If none appears, candidate k (k >= 1) takes over in the window
+5. Followers wait for a group record. If none appears, candidate k (k >= 1) takes over in the window
    `[freeze + k*leader_timeout, freeze + k*leader_timeout + leader_timeout/2)` and publishes the ready peers
    it sees minus the k candidates ranked before it (they failed to lead, so they are presumed dead). Every
    candidate, the leader included, publishes only inside its window, and only if it sees no group yet.
-5. A member that learns the group from another member relays it once to the others and keeps a DHT copy under
+6. A member that learns the group from another member relays it once to the others and keeps a DHT copy under
    its own key (a group record may be stored by any of its members): a leader that dies having reached only
    some members, whose relays are lost, still has its group seen by every candidate before its window.
    A peer that sees group records takes the one from the lowest leader peer id. If it is not a member, it
@@ -33,7 +41,10 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
 Why it agrees: windows of different candidates are `leader_timeout/2` apart, the eligibility cutoff is
 `leader_timeout/2` before the freeze, so if a record reaches every peer within `leader_timeout/2` (over a link
 or through the DHT, clock skew included), at the freeze every peer sees the same candidates and at
-most one candidate publishes. The early freeze is safe if a member's record moves to round r at least
+most one candidate publishes. A one-hop set's records were all sent within `leader_timeout/2` of the earliest
+ready_at any peer sees, so they reach every peer by `opened + leader_timeout`, before any candidate may publish
+(`match_timeout >= leader_timeout` is needed for this; with a shorter one no peer freezes in one hop): every
+candidate then sees the set complete and follows it instead. The early freeze is safe if a member's record moves to round r at least
 twice that bound before it declares itself ready for r, which holds because the record moves when the local
 work of round r starts. The lowest-leader tie-break only matters when those bounds are broken.
 
@@ -65,6 +76,7 @@ from farloco.protocol.matchmaking.records import (
     MatchmakingError,
     ReadyRecord,
     RecordPush,
+    expected_digest,
     parse_groups,
     parse_ready,
     round_key,
@@ -78,6 +90,7 @@ from farloco.protocol.matchmaking.rules import (
     StragglerWait,
     Wait,
     decide,
+    one_hop_sets,
     schedule,
     spread_sample,
 )
@@ -102,6 +115,8 @@ __all__ = [
     "StragglerWait",
     "Wait",
     "decide",
+    "expected_digest",
+    "one_hop_sets",
     "parse_groups",
     "parse_ready",
     "round_key",

@@ -20,6 +20,7 @@ from farloco.protocol.errors import Reject
 from farloco.protocol.matchmaking.records import (
     AT_METHOD,
     GROUP_METHOD,
+    MAX_GROUP,
     READY_METHOD,
     AtMessage,
     GroupRecord,
@@ -28,6 +29,7 @@ from farloco.protocol.matchmaking.records import (
     ReadyRecord,
     RecordPush,
     dht_entries,
+    expected_digest,
     parse_groups,
     parse_ready,
     round_key,
@@ -139,7 +141,8 @@ class DHTMatchmaker:
         # whether the connection was refused there). A refusal means no process listens there any more.
         # vanished member of our last group -> (last knock, verdict: "refused", "silent" or "" = it answered)
         self._knocked: dict[str, tuple[float, str]] = {}
-        # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected
+        # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected / one_hop (groups
+        # frozen in one hop)
         self.counters: Counter[str] = Counter()
         if server is not None:
             server.add_unary(READY_METHOD, self._on_ready)
@@ -271,13 +274,18 @@ class DHTMatchmaker:
             return False
         now = self.clock.now()
         live = self.membership.core.live(now)
-        expected = {
-            r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving"
-        } | self._from_last_group(round_id, live, now, me)
-        expected |= self._catching_up(round_id, live, now, me)
-        expected.discard(me)
+        expected = self._expected(round_id, live, now, me) - {me}
         ready = self._ready_in.get(round_id, {})
         return bool(expected) and expected <= ready.keys()
+
+    def _expected(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:
+        """Whom round `round_id` waits for: live members working on it and not leaving, the members of our last
+        group still in step (`_from_last_group`), and members fetching the swarm's state (`_catching_up`)."""
+        return (
+            frozenset(r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving")
+            | self._from_last_group(round_id, live, now, me)
+            | self._catching_up(round_id, live, now, me)
+        )
 
     def _from_last_group(self, round_id: int, live: Sequence[Any], now: float, me: str) -> frozenset[str]:
         """The members of our group of round r-1, expected in round r: they were in step with us a round ago,
@@ -579,7 +587,21 @@ class DHTMatchmaker:
                 # swarm of short rounds fetched round r, found the swarm at r+2, fetched again, forever.
                 wait = match_timeout
         self.last_wait = wait or match_timeout
-        mine = ReadyRecord(me.peer_id, me.address, round_id, float(now), wait, me.outer_hash, me.updates)
+        live = self.membership.core.live(now)
+        # The members we expect in the round, declared in our ready record: when every one of them declares the
+        # same, each peer holding their records knows the group at once (rules.one_hop_sets). Never a set of us
+        # alone: a peer whose member table is still empty would freeze by itself while others are in the round.
+        expected = self._expected(round_id, live, now, me.peer_id) | {me.peer_id}
+        mine = ReadyRecord(
+            me.peer_id,
+            me.address,
+            round_id,
+            float(now),
+            wait,
+            me.outer_hash,
+            me.updates,
+            expected_digest(expected) if 2 <= len(expected) <= MAX_GROUP else "",
+        )
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
         linked = self.client is not None
@@ -620,11 +642,7 @@ class DHTMatchmaker:
                     now=now,
                     ready=ready,
                     groups=groups,
-                    expected=frozenset(
-                        r.peer_id for r in live if self.round_of(r, now) == round_id and r.state != "leaving"
-                    )
-                    | self._from_last_group(round_id, live, now, me.peer_id)
-                    | catching_up,
+                    expected=self._expected(round_id, live, now, me.peer_id),
                     catching_up=catching_up,
                     ahead=frozenset(r.peer_id for r in live if self.round_of(r, now) > round_id),
                     leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
@@ -633,8 +651,14 @@ class DHTMatchmaker:
                     round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout
                 )
                 if isinstance(decision, Joined):
-                    chosen = min(groups, key=lambda record: record.leader)
-                    if linked and chosen.leader != me.peer_id:
+                    chosen = decision.record
+                    assert chosen is not None
+                    if decision.one_hop:
+                        self.counters["one_hop"] += 1
+                        # Every member derived the group itself: nothing to relay. A DHT copy under our key tells
+                        # peers the records missed that the round formed without them.
+                        self._spawn(self._store(group_key, chosen.to_wire(), expiration))
+                    elif linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)
                         # A DHT copy under our key too: if the leader died having reached only us and our relays
                         # are lost, the next candidate must still see this group before its window opens, or it
@@ -646,7 +670,7 @@ class DHTMatchmaker:
                     return decision.group
                 plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
                 early = isinstance(decision, Publish) and now < plan.freeze_at
-                giving_up = isinstance(decision, Late) and not view.groups
+                giving_up = isinstance(decision, Late) and not decision.group_formed
                 # Acting on the deadline (a takeover, giving up): only on a view that includes the DHT's.
                 # Without links, every decision waits for one (the DHT is then our only source).
                 on_deadline = (isinstance(decision, Publish) and not early) or giving_up
@@ -654,7 +678,9 @@ class DHTMatchmaker:
                     await self._wait(wake, self.poll_interval)
                     continue
                 if isinstance(decision, Late):
-                    raise LateForRound(round_id, me.peer_id, decision.reason, group_formed=bool(view.groups))
+                    raise LateForRound(
+                        round_id, me.peer_id, decision.reason, group_formed=decision.group_formed
+                    )
                 if isinstance(decision, Publish):
                     if await self._publish(decision.record, view, live, group_key, expiration):
                         self.last_leader = me.peer_id

@@ -4,8 +4,10 @@ frozen dataclass with one decoder (`from_wire`) built on protocol/messages.py's 
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +45,28 @@ def round_key(run_name: str, round_id: int) -> str:
 MAX_WAIT = 86400.0  # the largest straggler wait a ready record may propose (seconds)
 MAX_GROUP = 4096  # the most members a group record may list
 MAX_UPDATES = (1 << 53) - 1  # outer steps a declared theta may hold (exact in a float)
+_EXPECTED = re.compile(r"[1-9][0-9]{0,3}:[0-9a-f]{32}")
+
+
+def expected_digest(peer_ids: Collection[str]) -> str:
+    """What a ready record declares of the members its peer expects in the round (itself included): their
+    number and a digest of their sorted ids, `"<n>:<32 hex>"`. Peers whose records declare the same digest,
+    and are exactly that set, froze their group in one hop (rules.py, `one_hop_sets`)."""
+    if not 1 <= len(peer_ids) <= MAX_GROUP:
+        raise ValueError(f"an expected set holds 1 to {MAX_GROUP} peers, got {len(peer_ids)}")
+    digest = hashlib.sha256()
+    for peer_id in sorted(peer_ids):
+        digest.update(peer_id.encode())
+        digest.update(b"\0")
+    return f"{len(peer_ids)}:{digest.hexdigest()[:32]}"
+
+
+def _check_expected(value: object, where: str) -> str:
+    """An expected-set digest as it travels: "" (none declared) or `"<n>:<32 hex>"` with 1 <= n <= MAX_GROUP."""
+    text = check_str(value, where, max_len=40)
+    if text and (not _EXPECTED.fullmatch(text) or int(text.split(":")[0]) > MAX_GROUP):
+        raise WireError(where, f'"<n>:<32 hex digits>" with 1 <= n <= {MAX_GROUP}', text)
+    return text
 
 
 def _check_name(value: object, where: str) -> str:
@@ -75,9 +99,10 @@ def _check_member(value: object, where: str) -> GroupMember:
 @dataclass(frozen=True)
 class ReadyRecord:
     """'Peer `peer_id`, serving on `address`, finished its local work for `round_id` at `ready_at`, holding the
-    theta_outer of hash `outer_hash` with `updates` outer steps applied; if its record opens the round, wait
-    `wait` seconds for stragglers' (0: the configured match_timeout; see `schedule`). The leader copies each
-    member's hash and steps into the group record.'"""
+    theta_outer of hash `outer_hash` with `updates` outer steps applied, expecting the members of digest
+    `expected` in the round (`expected_digest`; "" declares none); if its record opens the round, wait `wait`
+    seconds for stragglers' (0: the configured match_timeout; see `schedule`). The group record copies each
+    member's hash and steps.'"""
 
     peer_id: str
     address: str
@@ -86,9 +111,10 @@ class ReadyRecord:
     wait: float = 0.0
     outer_hash: str = ""
     updates: int = 0
+    expected: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "peer_id": self.peer_id,
             "address": self.address,
             "round_id": self.round_id,
@@ -97,14 +123,19 @@ class ReadyRecord:
             "outer_hash": self.outer_hash,
             "updates": self.updates,
         }
+        if self.expected:
+            wire["expected"] = self.expected
+        return wire
 
     @classmethod
     def from_wire(cls, data: object) -> ReadyRecord:
-        """Decode a ready record (exactly its seven fields); `WireError` (a ValueError) naming the bad field."""
+        """Decode a ready record (its seven fields, and `expected` when declared); `WireError` (a ValueError)
+        naming the bad field."""
         fields = Fields(
             data,
             "ready record",
             ("peer_id", "address", "round_id", "ready_at", "wait", "outer_hash", "updates"),
+            optional=("expected",),
         )
         return cls(
             _check_name(fields.raw("peer_id"), fields.at("peer_id")),
@@ -114,6 +145,7 @@ class ReadyRecord:
             fields.real("wait", low=0.0, high=MAX_WAIT),
             _check_hash(fields.raw("outer_hash"), fields.at("outer_hash")),
             _check_updates(fields.raw("updates"), fields.at("updates")),
+            _check_expected(fields.raw("expected", ""), fields.at("expected")),
         )
 
 

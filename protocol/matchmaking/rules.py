@@ -6,10 +6,11 @@ the records seen: the package docstring says why every peer reaches the same gro
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from farloco.protocol.matchmaking.records import GroupRecord, ReadyRecord
+from farloco.protocol.matchmaking.records import GroupRecord, ReadyRecord, expected_digest
 from farloco.protocol.types import NO_INBOUND, Group, GroupMember
 
 
@@ -51,16 +52,20 @@ class Publish:
 
 @dataclass(frozen=True)
 class Joined:
-    """The round's group, with us in it."""
+    """The round's group, with us in it: `record` is the group record it came from (a leader's, or the one
+    every member derives alike from a one-hop freeze, `one_hop` then True)."""
 
     group: Group
+    record: GroupRecord | None = None
+    one_hop: bool = False
 
 
 @dataclass(frozen=True)
 class Late:
-    """We are not in round r's group (or none formed): raise LateForRound with `reason`."""
+    """We are not in round r's group (`group_formed`), or none formed: raise LateForRound with `reason`."""
 
     reason: str
+    group_formed: bool = False
 
 
 Decision = Wait | Publish | Joined | Late
@@ -79,6 +84,12 @@ class RoundSchedule:
         """[start, end) during which candidate `rank` may publish a group (rank 0 may also freeze early)."""
         start = self.freeze_at + rank * self.leader_timeout
         return (-math.inf if rank == 0 else start), start + self.leader_timeout / 2
+
+    @property
+    def one_hop_until(self) -> float:
+        """The last ready_at of a set that freezes in one hop (`one_hop_sets`): half a leader timeout after the
+        opening."""
+        return self.opened + self.leader_timeout / 2
 
     @property
     def give_up_at(self) -> float:
@@ -114,6 +125,37 @@ def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) ->
     return RoundSchedule(opened, opened + wait, candidates, leader_timeout)
 
 
+def one_hop_sets(ready: Mapping[str, ReadyRecord], plan: RoundSchedule) -> list[frozenset[str]]:
+    """The sets of peers that froze in one hop: every peer of the set declared the same expected set, that set
+    is exactly them (its digest matches), and the last of them was ready by `plan.one_hop_until`.
+
+    A function of the ready records alone, so every peer that holds them all reaches the same set, member or
+    not; sets are disjoint (a record declares one digest, and a set always holds its declarer)."""
+    declared: dict[str, list[str]] = defaultdict(list)
+    for peer_id, record in ready.items():
+        if record.expected:
+            declared[record.expected].append(peer_id)
+    sets = []
+    for digest, peers in declared.items():
+        if (
+            len(peers) >= 2  # a declared set is never of one peer alone (the driver declares none then)
+            and str(len(peers)) == digest.split(":", 1)[0]
+            and expected_digest(peers) == digest
+            and max(ready[p].ready_at for p in peers) <= plan.one_hop_until
+        ):
+            sets.append(frozenset(peers))
+    return sets
+
+
+def _one_hop_record(round_id: int, peers: frozenset[str], ready: Mapping[str, ReadyRecord]) -> GroupRecord:
+    """The group record of a one-hop freeze, equal on every peer: its lowest peer id as the leader, frozen at its
+    last ready_at."""
+    members = [
+        GroupMember(ready[p].peer_id, ready[p].address, ready[p].outer_hash, ready[p].updates) for p in peers
+    ]
+    return GroupRecord(min(peers), Group.make(round_id, members), max(ready[p].ready_at for p in peers))
+
+
 def decide(
     round_id: int, me: GroupMember, view: RoundView, *, match_timeout: float, leader_timeout: float
 ) -> Decision:
@@ -126,21 +168,41 @@ def decide(
         raise ValueError(
             f"peer {me.peer_id} must see its own ready record for round {round_id} before deciding"
         )
+    plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
+    # The one-hop freeze needs every record in time for it to reach every peer before any candidate may
+    # publish: at least `leader_timeout` from the opening, so `match_timeout` must not be shorter.
+    one_hop = bool(view.ready[me.peer_id].expected) and match_timeout >= leader_timeout
+    if one_hop:
+        sets = one_hop_sets(view.ready, plan)
+        for peers in sets:
+            if me.peer_id in peers:
+                record = _one_hop_record(round_id, peers, view.ready)
+                return Joined(record.group, record, one_hop=True)
+        if sets:
+            peers = min(sets, key=min)
+            return Late(
+                f"round {round_id} froze in one hop with {len(peers)} members "
+                f"({', '.join(sorted(peers))}), not including us",
+                group_formed=True,
+            )
     groups = [record for record in view.groups if record.group.round_id == round_id]
     if groups:
         chosen = min(groups, key=lambda record: record.leader)
         if me.peer_id in {m.peer_id for m in chosen.group.members}:
-            return Joined(chosen.group)
+            return Joined(chosen.group, chosen)
         return Late(
             f"round {round_id} was frozen by {chosen.leader} with {len(chosen.group.members)} members "
-            f"({', '.join(m.peer_id for m in chosen.group.members)}), not including us"
+            f"({', '.join(m.peer_id for m in chosen.group.members)}), not including us",
+            group_formed=True,
         )
 
-    plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
     now = view.now
     if me.peer_id in plan.candidates:
         rank = plan.candidates.index(me.peer_id)
         start, end = plan.window(rank)
+        if one_hop and rank == 0 and now < plan.opened + leader_timeout:
+            # A one-hop freeze of other peers may still be under way: its records reach us by then.
+            return Wait(min(plan.opened + leader_timeout, plan.freeze_at))
         if rank == 0 and now < plan.freeze_at:
             # A member already past this round means a group may exist that we cannot see yet: no early
             # freeze then, the deadline (or that group's record) settles it.

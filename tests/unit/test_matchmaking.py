@@ -26,6 +26,8 @@ from farloco.protocol.matchmaking import (
     StragglerWait,
     Wait,
     decide,
+    expected_digest,
+    one_hop_sets,
     parse_groups,
     parse_ready,
     schedule,
@@ -207,7 +209,7 @@ def test_all_ready_leader_publishes_at_once_and_followers_join_its_group() -> No
     # a follower's next deadline is its own takeover window; it joins as soon as the record is visible
     assert run("p2", view(10.03, everyone, set(everyone))) == Wait(10.0 + M + L)
     joined = run("p3", view(10.05, everyone, set(everyone), [decision.record]))
-    assert joined == Joined(decision.record.group)
+    assert joined == Joined(decision.record.group, decision.record)
 
 
 def test_leader_waits_for_expected_member_then_freezes_without_it_and_it_is_late() -> None:
@@ -246,7 +248,7 @@ def test_dead_leader_is_replaced_by_next_candidate_after_leader_timeout() -> Non
     # the old leader, waking up after its window, does not publish a competing group
     assert isinstance(run("p1", view(freeze + L / 2 + 0.01, seen, expected)), Wait)
     assert run("p1", view(freeze + L + 0.1, seen, expected, [takeover.record])) == Late(
-        "round 7 was frozen by p2 with 2 members (p2, p3), not including us"
+        "round 7 was frozen by p2 with 2 members (p2, p3), not including us", group_formed=True
     )
 
 
@@ -254,7 +256,7 @@ def test_group_from_lower_leader_wins() -> None:
     seen = {"p1": 10.0, "p2": 10.0, "p3": 10.0}
     low = GroupRecord("p1", Group.make(7, [member("p1"), member("p3")]), 11.0)
     high = GroupRecord("p2", Group.make(7, [member("p2"), member("p3")]), 11.4)
-    assert run("p3", view(11.5, seen, set(seen), [high, low])) == Joined(low.group)
+    assert run("p3", view(11.5, seen, set(seen), [high, low])) == Joined(low.group, low)
     assert isinstance(run("p2", view(11.5, seen, set(seen), [high, low])), Late)
 
 
@@ -264,6 +266,87 @@ def test_late_comers_are_not_candidates_and_give_up_when_no_group_forms() -> Non
     assert run("p9", view(10.0 + M + 0.1, seen, expected)) == Wait(10.0 + M + L)
     gave_up = run("p9", view(10.0 + M + L, seen, expected))
     assert isinstance(gave_up, Late) and "no group was published" in gave_up.reason
+
+
+# ------------------------------------------------------------------------------------------- the one-hop freeze
+
+
+def declaring(ready_at: dict[str, float], declared: dict[str, set[str]]) -> dict[str, ReadyRecord]:
+    """Ready records where peer p declares the expected set `declared[p]` (none where absent)."""
+    return {
+        p: ReadyRecord(
+            p, member(p).address, 7, t, expected=expected_digest(declared[p]) if p in declared else ""
+        )
+        for p, t in ready_at.items()
+    }
+
+
+def test_a_set_that_all_declared_itself_is_the_group_on_every_peer_and_the_others_are_late() -> None:
+    everyone = {"p1", "p2", "p3"}
+    at = {"p1": 10.0, "p2": 10.05, "p3": 10.1, "p4": 10.12}  # p4 joined after the others declared
+    records = declaring(at, {"p1": everyone, "p2": everyone, "p3": everyone, "p4": everyone | {"p4"}})
+    v = RoundView(10.11, records, [], frozenset(everyone | {"p4"}))
+    decisions = {p: run(p, v) for p in everyone}
+    # no leader in between: each member derives the same group record (leader: its lowest id) from the records
+    assert all(isinstance(d, Joined) and d.one_hop for d in decisions.values())
+    assert len({d.record for d in decisions.values()}) == 1
+    record = decisions["p2"].record
+    assert record.leader == "p1" and record.frozen_at == 10.1
+    assert [m.peer_id for m in record.group.members] == ["p1", "p2", "p3"]
+    assert GroupRecord.from_wire(record.to_wire()) == record  # the DHT copy each member keeps decodes
+    late = run("p4", v)
+    assert late == Late(
+        "round 7 froze in one hop with 3 members (p1, p2, p3), not including us", group_formed=True
+    )
+    # a set that is not complete yet: the members wait (p3's record still in flight)
+    partial = {p: r for p, r in records.items() if p != "p3"}
+    assert isinstance(run("p1", RoundView(10.11, partial, [], frozenset(everyone))), Wait)
+
+
+def test_a_set_whose_last_member_was_ready_past_half_a_leader_timeout_goes_through_the_leader() -> None:
+    everyone = {"p1", "p2", "p3"}
+    at = {"p1": 10.0, "p2": 10.05, "p3": 10.0 + L / 2 + 0.01}
+    records = declaring(at, {p: everyone for p in everyone})
+    plan = schedule(RoundView(10.3, records, [], frozenset(everyone)), match_timeout=M, leader_timeout=L)
+    assert one_hop_sets(records, plan) == []
+    # everyone expected is ready, but the leader freezes only from opening + leader_timeout: a one-hop set of
+    # others would have reached it by then
+    assert run("p1", RoundView(10.3, records, [], frozenset(everyone))) == Wait(10.0 + L)
+    led = run("p1", RoundView(10.0 + L, records, [], frozenset(everyone)))
+    assert isinstance(led, Publish) and len(led.record.group.members) == 3
+
+
+def test_peers_that_declare_different_sets_or_themselves_alone_never_freeze_in_one_hop() -> None:
+    at = {"p1": 10.0, "p2": 10.01, "p3": 10.02}
+    # p3 did not see p1 yet: no set is complete, so the leader decides (at opening + leader_timeout)
+    records = declaring(at, {"p1": {"p1", "p2", "p3"}, "p2": {"p1", "p2", "p3"}, "p3": {"p2", "p3"}})
+    v = RoundView(10.05, records, [], frozenset(at))
+    assert one_hop_sets(records, schedule(v, match_timeout=M, leader_timeout=L)) == []
+    assert run("p2", v) == Wait(10.0 + M + L) and run("p1", v) == Wait(10.0 + L)
+    # a record declaring a set of its peer alone (the driver never does) makes nobody else late
+    alone = declaring(at, {"p1": {"p1"}, "p2": {"p1", "p2", "p3"}, "p3": {"p1", "p2", "p3"}})
+    v = RoundView(10.05, alone, [], frozenset(at))
+    assert one_hop_sets(alone, schedule(v, match_timeout=M, leader_timeout=L)) == []
+    # with a match_timeout shorter than the leader timeout no record reaches every peer in time for it
+    records = declaring(at, {p: set(at) for p in at})
+    v = RoundView(10.05, records, [], frozenset(at))
+    short = decide(7, member("p1"), v, match_timeout=L / 2, leader_timeout=L)
+    assert isinstance(short, Publish) and short.record.leader == "p1"
+
+
+def test_ready_records_declare_their_expected_set_or_none() -> None:
+    digest = expected_digest({"p2", "p1", "p3"})
+    assert digest == expected_digest(["p3", "p1", "p2"]) and digest.startswith("3:")
+    wire = ReadyRecord("p1", "a:1", 7, 1.0, expected=digest).to_wire()
+    assert ReadyRecord.from_wire(wire).expected == digest
+    # a record without one (a peer that expects nobody else) decodes with ""
+    bare = ReadyRecord("p1", "a:1", 7, 1.0).to_wire()
+    assert "expected" not in bare and ReadyRecord.from_wire(bare).expected == ""
+    for bad in ("3:" + "g" * 32, "0:" + "a" * 32, "5000:" + "a" * 32, "3:" + "a" * 31, 3, None):
+        with pytest.raises(ValueError, match=r"ready record.expected: expected "):
+            ReadyRecord.from_wire(dict(wire, expected=bad))
+    with pytest.raises(ValueError, match="1 to 4096 peers, got 0"):
+        expected_digest([])
 
 
 def test_decide_refuses_a_view_without_our_ready_record() -> None:
@@ -585,7 +668,8 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two members with gRPC links whose DHT reads never answer (a stalled DHT process): every member they expect
-    is ready over the links, so the leader freezes early, without waiting for a DHT read that never comes."""
+    is ready over the links and declared the same set, so both freeze in one hop, without waiting for a DHT read
+    that never comes."""
     import concurrent.futures
 
     from farloco.protocol.auth import Authenticator
@@ -629,6 +713,7 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
         assert len({g.group_id for g in groups}) == 1
         assert sorted(m.peer_id for m in groups[0].members) == sorted(me.peer_id for me in mes)
         assert elapsed < 2.0, elapsed  # early: the freeze deadline is 5 s away
+        assert [mk.counters["one_hop"] for mk in makers] == [1, 1]
 
     asyncio.run(main())
 
