@@ -49,6 +49,31 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}")
 
 
+# Each namespace's own /etc/resolv.conf (`ip netns exec` bind-mounts /etc/netns/<name>/*): a simulated host has no
+# DNS, and says so at once. With the machine's resolver, a lookup from behind the hub is routed into the void and
+# waits out its timeouts: torch's TCPStore names every client it accepts (a reverse lookup of ::ffff:127.0.0.1,
+# which /etc/hosts does not answer), so each rank start of a node in a namespace stalled 10 s per connection.
+NETNS_ETC = Path("/etc/netns")
+NO_DNS = "# a farloco simulated WAN host: no DNS (nothing listens here, so every lookup fails at once)\n"
+NO_DNS += "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
+
+
+def _add_namespace(name: str) -> None:
+    _ip("netns", "add", name)
+    etc = NETNS_ETC / name
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "resolv.conf").write_text(NO_DNS)
+
+
+def _del_namespace(name: str) -> None:
+    try:
+        _ip("netns", "del", name)
+    finally:
+        shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+        with contextlib.suppress(OSError):  # /etc/netns itself, once no namespace's files are left in it
+            NETNS_ETC.rmdir()
+
+
 def unavailable() -> str | None:
     """Why namespaces cannot be made here (None: they can)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
@@ -143,8 +168,13 @@ def remove_stale_namespaces() -> list[str]:
         match = STALE_NAME.match(name)
         if match and int(match.group(1)) not in alive:
             with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
-                _ip("netns", "del", name)
+                _del_namespace(name)
                 removed.append(name)
+    if NETNS_ETC.is_dir():  # the resolv.conf folders of namespaces already gone
+        for folder in NETNS_ETC.iterdir():
+            match = STALE_NAME.match(folder.name)
+            if match and int(match.group(1)) not in alive:
+                shutil.rmtree(folder, ignore_errors=True)
     root = _cpu_cgroup_root()
     if root is not None:
         for group in root.iterdir():
@@ -256,7 +286,7 @@ class NamespaceWAN:
         remove_stale_namespaces()
         hub = f"{self.prefix}br"
         try:
-            _ip("netns", "add", hub)
+            _add_namespace(hub)
             self.made.append(hub)
             _ip("-n", hub, "link", "set", "lo", "up")
             if not self.relay:
@@ -264,7 +294,7 @@ class NamespaceWAN:
                 _ip("-n", hub, "link", "set", "br0", "up")
             for i in range(1, self.hosts + 1):
                 host, inner, outer = self.namespace(i), f"{self.prefix}v{i}", f"{self.prefix}p{i}"
-                _ip("netns", "add", host)
+                _add_namespace(host)
                 self.made.append(host)
                 _ip(
                     "link",
@@ -330,7 +360,7 @@ class NamespaceWAN:
         dial out, nobody can dial in (a home router, a VPC's NAT gateway, an HPC cluster's compute node)."""
         host, router = self.namespace(i), f"{self.prefix}n{i}"
         uplink, inside, outside = f"{self.prefix}v{i}", f"{self.prefix}x{i}", f"{self.prefix}y{i}"
-        _ip("netns", "add", router)
+        _add_namespace(router)
         self.made.append(router)
         _ip("-n", host, "link", "set", uplink, "netns", router)
         _ip("-n", router, "addr", "add", f"{self.public_address(i)}/24", "dev", uplink)
@@ -461,7 +491,7 @@ table ip farloco_nat {{
         errors = []
         for ns in reversed(self.made):
             try:
-                _ip("netns", "del", ns)
+                _del_namespace(ns)
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
                 errors.append(str(exc))
         self.made.clear()

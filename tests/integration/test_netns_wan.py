@@ -104,6 +104,26 @@ def root_namespace() -> str:
     )
 
 
+def test_a_host_has_no_dns_and_says_so_at_once(root_ok: None) -> None:
+    """Behind the relay every packet to the machine's own resolver is lost: a lookup would wait out its timeouts
+    (10 s on this machine), and torch's TCPStore names each client it accepts, so every rank start of a node in
+    a namespace stalled. Each namespace gets a resolv.conf of its own that fails at once."""
+    script = (
+        "import socket, time\nstart = time.monotonic()\n"
+        "try:\n    socket.getnameinfo(('::ffff:127.0.0.1', 1), 0)\nexcept OSError:\n    pass\n"
+        "print(time.monotonic() - start)"
+    )
+    with NamespaceWAN(2, "100mbit", delay_ms=5) as wan:
+        resolv = Path("/etc/netns") / wan.namespace(1) / "resolv.conf"
+        assert "nameserver 127.0.0.1" in resolv.read_text()
+        out = subprocess.run(
+            [*wan.prefix_command(1), sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert float(out.stdout) < 1.0, out.stdout
+    assert not resolv.parent.exists()
+
+
 def test_rules_are_validated_and_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="unknown keys"):
         Rules({"dealy": {}})
@@ -221,6 +241,7 @@ def test_a_sigkilled_harness_leaves_nothing_after_the_next_one_starts(root_ok: N
     assert prefix + "br" in listed  # left behind by the crash...
     removed = remove_stale_namespaces()  # ...and removed by the next harness (up() calls this first)
     assert {prefix + "br", prefix + "1", prefix + "2"} <= set(removed), removed
+    assert not any(Path("/etc/netns", prefix + suffix).exists() for suffix in ("br", "1", "2"))
     if groups != "-":  # the CPU cgroups too
         assert set(groups.split(",")) <= set(removed) and not any(Path(g).exists() for g in groups.split(","))
     deadline = time.monotonic() + 10
