@@ -88,9 +88,12 @@ class DHTMatchmaker:
     Without links (tests of the DHT path alone) the ready record is stored first and a refusal raises
     MatchmakingError, as before.
 
-    DHT polling starts at `min_poll_interval` and doubles up to `poll_interval` (with links: a first read at once,
-    then every `poll_interval`, since the links carry the round and the DHT only backs them up; reading it
-    every few ms cost each peer three DHT traversals per poll, CPU the round's critical path competes for).
+    DHT polling starts at `min_poll_interval` and doubles up to `poll_interval`, each poll reading the round's
+    ready and group records and the member table. With links the first read waits `poll_interval` (most rounds
+    freeze over the links before it: no DHT read at all) and polls leave the member table to the heartbeat's
+    reads, since the links carry the round and the DHT only backs them up (reading it every few ms cost each
+    peer three DHT traversals per poll, CPU the round's critical path competes for). A member behind NAT, which
+    nobody pushes to, reads at once.
     Reads use `latest=True` (a full traversal merging every replica's sub-keys); a plain get stops at the first
     copy it finds, often our own partial one, and would miss other peers' records.
     """
@@ -496,17 +499,22 @@ class DHTMatchmaker:
                 kept[owner] = value
         return kept
 
-    async def _poll(self, round_id: int, view: _DHTView, wake: asyncio.Event) -> None:
-        """Read the round's ready and group records and the member table, again and again, into `view`."""
+    async def _poll(self, round_id: int, view: _DHTView, wake: asyncio.Event, *, pushed_to: bool) -> None:
+        """Read the round's ready and group records (and without links the member table), again and again, into
+        `view`. `pushed_to`: the members' links reach us, so the first read can wait (class docstring)."""
         key = round_key(self.run_name, round_id)
         group_key = f"{key}/group"
-        interval = self.min_poll_interval if self.client is None else self.poll_interval
+        linked = self.client is not None
+        interval = self.poll_interval if linked else self.min_poll_interval
         rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
+        if linked and pushed_to:
+            await self.clock.sleep(self.poll_interval)
         while True:
             try:
-                group_raw, ready_raw, _ = await asyncio.gather(
-                    self._get(group_key), self._get(key), self.membership.refresh()
-                )
+                reads = [self._get(group_key), self._get(key)]
+                if not linked:
+                    reads.append(self.membership.refresh())
+                group_raw, ready_raw, *_ = await asyncio.gather(*reads)
                 unknown = set(ready_raw) - self.membership.core.owners(self.clock.now()).keys() - rechecked
                 if unknown:
                     # Maybe a member whose record reached us after our read of the table: look once more.
@@ -611,7 +619,7 @@ class DHTMatchmaker:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
         pushed: set[str] = {me.peer_id}  # peers our ready record went to (or that we gave up on)
         dht = _DHTView({}, {}, [])
-        poller = asyncio.ensure_future(self._poll(round_id, dht, wake))
+        poller = asyncio.ensure_future(self._poll(round_id, dht, wake, pushed_to=me.dialable))
         try:
             while True:
                 wake.clear()
@@ -655,9 +663,11 @@ class DHTMatchmaker:
                     assert chosen is not None
                     if decision.one_hop:
                         self.counters["one_hop"] += 1
-                        # Every member derived the group itself: nothing to relay. A DHT copy under our key tells
-                        # peers the records missed that the round formed without them.
-                        self._spawn(self._store(group_key, chosen.to_wire(), expiration))
+                        # Every member derived the group itself: nothing to relay. A DHT copy tells peers the
+                        # records missed that the round formed without them: kept by its two lowest peer ids
+                        # (one survives either's death), not by all N.
+                        if me.peer_id in [m.peer_id for m in decision.group.members[:2]]:
+                            self._spawn(self._store(group_key, chosen.to_wire(), expiration))
                     elif linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)
                         # A DHT copy under our key too: if the leader died having reached only us and our relays
