@@ -511,7 +511,7 @@ class DHTMatchmaker:
             await self.clock.sleep(self.poll_interval)
         while True:
             try:
-                reads = [self._get(group_key), self._get(key)]
+                reads: list[Awaitable[Any]] = [self._get(group_key), self._get(key)]
                 if not linked:
                     reads.append(self.membership.refresh())
                 group_raw, ready_raw, *_ = await asyncio.gather(*reads)
