@@ -663,10 +663,13 @@ class DHTMatchmaker:
                     assert chosen is not None
                     if decision.one_hop:
                         self.counters["one_hop"] += 1
-                        # Every member derived the group itself: nothing to relay. A DHT copy tells peers the
-                        # records missed that the round formed without them: kept by its two lowest peer ids
-                        # (one survives either's death), not by all N.
+                        # Every member derives the group itself: nothing to relay. Its two lowest peer ids (one
+                        # survives either's death) push it to the others, so a member one of whose ready records
+                        # is slow or lost has it two hops after the last ready record, not at its next DHT read;
+                        # and keep a DHT copy, which tells peers the records missed that they are late.
                         if me.peer_id in [m.peer_id for m in decision.group.members[:2]]:
+                            if linked and not any(g.group == decision.group for g in groups):
+                                self._relay(chosen, me)
                             self._spawn(self._store(group_key, chosen.to_wire(), expiration))
                     elif linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)

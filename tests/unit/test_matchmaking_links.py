@@ -197,10 +197,14 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
             if not published[round_id] or decision.group not in {g for _, g in published[round_id]}:
                 one_hop_groups += 1
                 published[round_id].append((now, decision.group))
-            if peer.name in [m.peer_id for m in decision.group.members[:2]]:  # as the driver: two copies
-                sim.store(
-                    ("group", round_id), peer.name, decision.record, now
-                )  # for peers the records missed
+            if peer.name in [m.peer_id for m in decision.group.members[:2]]:
+                # as the driver: its two lowest peer ids push it to the others (when they derived it themselves)
+                # and keep a DHT copy for peers the records missed
+                if not any(g.group == decision.group for g in view.groups):
+                    for m in decision.group.members:
+                        if m.peer_id not in (peer.name, decision.record.leader):
+                            sim.push(peer.name, m.peer_id, "group", decision.record, now)
+                sim.store(("group", round_id), peer.name, decision.record, now)
             finish(peer, round_id, now, decision.group)
         elif isinstance(decision, Joined):
             chosen = min(view.groups, key=lambda g: g.leader)
