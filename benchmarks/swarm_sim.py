@@ -132,6 +132,7 @@ class Simulation:
         self.outcomes: dict[int, dict[str, Any]] = defaultdict(dict)
         self.known_at: dict[int, dict[str, float]] = defaultdict(dict)  # round -> member -> when it knew
         self.in_work: dict[int, set[str]] = defaultdict(set)  # round -> peers that started its work
+        self.ready_time: dict[int, dict[str, float]] = defaultdict(dict)  # round -> peer -> global ready time
         self.messages = 0
         self.crashes = 0
         self.peer_rounds = 0
@@ -330,6 +331,7 @@ class Simulation:
                 if record.expected:
                     peer.digests[round_id][record.expected] += 1
                 peer.ready_at = now
+                self.ready_time[round_id][name] = now
                 self.store(("ready", round_id), peer, record, now)
                 for other in self.targets(peer, now):
                     self.push(peer, other, "ready", record, now)
@@ -395,7 +397,8 @@ class Simulation:
             missing_total += len(missing)
             all_live += not missing
             known = [self.known_at[round_id][n] for n in names if n in self.known_at[round_id]]
-            ready = [r.ready_at for r in self._ready_records(round_id, names)]
+            # global times: a record's ready_at is its peer's skewed clock
+            ready = [self.ready_time[round_id][n] for n in names if n in self.ready_time[round_id]]
             if known and ready:
                 latencies.append(max(known) - max(ready))
         latencies.sort()
@@ -420,10 +423,6 @@ class Simulation:
             "crashes": self.crashes,
             "sim_seconds": seconds,
         }
-
-    def _ready_records(self, round_id: int, names: set[str]) -> list[ReadyRecord]:
-        copies = self.dht.get(("ready", round_id), {})
-        return [copies[n][1] for n in names if n in copies]
 
 
 def simulate(settings: Settings) -> dict[str, Any]:
