@@ -280,7 +280,7 @@ class Simulation:
             peer.straggler.observe(spread_sample(outcome, view, plan))
         self.outcomes[round_id][peer.name] = outcome
         if isinstance(outcome, Group):
-            self.known_at[round_id][peer.name] = now
+            self.known_at[round_id].setdefault(peer.name, now)
             peer.last_group = (round_id, frozenset(m.peer_id for m in outcome.members))
             self.start(peer, round_id + 1, now)
         else:
@@ -331,7 +331,9 @@ class Simulation:
                 if record.expected:
                     peer.digests[round_id][record.expected] += 1
                 peer.ready_at = now
-                self.ready_time[round_id][name] = now
+                # the first time only: a peer that crashed in the group and restarted into the same round id
+                # joins it at once, which says nothing about the freeze
+                self.ready_time[round_id].setdefault(name, now)
                 self.store(("ready", round_id), peer, record, now)
                 for other in self.targets(peer, now):
                     self.push(peer, other, "ready", record, now)
