@@ -201,8 +201,9 @@ def decide(
         rank = plan.candidates.index(me.peer_id)
         start, end = plan.window(rank)
         if one_hop and rank == 0 and now < plan.opened + leader_timeout:
-            # A one-hop freeze of other peers may still be under way: its records reach us by then.
-            return Wait(min(plan.opened + leader_timeout, plan.freeze_at))
+            # A one-hop freeze of other peers may still be under way: its records reach us by then (never past
+            # the freeze deadline: with match_timeout >= leader_timeout the wait is at least leader_timeout).
+            return Wait(plan.opened + leader_timeout)
         if rank == 0 and now < plan.freeze_at:
             # A member already past this round means a group may exist that we cannot see yet: no early
             # freeze then, the deadline (or that group's record) settles it.
