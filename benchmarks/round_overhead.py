@@ -17,6 +17,13 @@ flat theta of `--params` float32 values; the network is left out. Each round, as
   half of the mean, the same count);
 - `stage`, `step`, `install`, `hash`: error feedback staged in place, the outer step on theta, the staged state
   swapped in, theta's digest (the sha256 tree hash: protocol/digest.py);
+
+With a dense codec the agent's synchronous loop makes its contribution on demand (`OuterRound.on_demand`), and so
+does this benchmark unless `--whole` (the path of an island's node and of run.outer_update delayed/eager):
+`contribution` is then the finiteness check, chunk by chunk, with nothing written; `encode` makes each of the
+exchange's chunks (1 MiB of float32) as it goes out, encodes it with its decoded values, and sums those with the
+peer's decoded chunk already in the mean buffer (`decode+sum` is then only the peer's decode); `stage` makes each
+chunk once more and writes the error feedback straight into the state (`install` has nothing to swap).
 - `publish`: what the ranks load next (theta, or the merged weights for streaming-diloco) into the hand-off.
 
 Reported apart, because they do not happen every round: `snapshot` (the copies a donor serves, built on a
@@ -105,6 +112,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     from farloco.node.handoff import Handoff
     from farloco.optim import get_codec, make_strategy
     from farloco.optim.strategies import CHUNK, chunks
+    from farloco.protocol.exchange import OnDemand
     from farloco.protocol.tcpstream import tune_malloc
 
     tune_malloc()  # as the agent does
@@ -125,6 +133,8 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     theta = torch.randn(numel, generator=generator).mul_(0.02)
     outer = OuterRound(theta, strategy, codec)
+    outer.on_demand = bool(codec.dense) and not args.whole  # as the agent's synchronous loop (OuterState)
+    exchange_chunk = (1 << 20) // 4  # the exchange's default chunk_bytes, in float32 values
     handoff = Handoff.create(numel, 1)
     theta = outer.share_with(handoff.theta)  # as the agent does once its hand-off exists
     rank = subprocess.Popen(  # the stand-in rank: maps the hand-off and touches every page, then waits
@@ -133,8 +143,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
          "sys.stdin.read()", str(handoff.path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    peer_payloads: list[Any] = []
-    payload_bytes = 0
+    peer_payloads: list[tuple[int, Any]] = []
     scratch = torch.empty(CHUNK)
     try:
         handoff.publish(theta, round_id=0, step_base=0, inner_steps=1)
@@ -145,6 +154,15 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             outer.prefault(False)
             prefault_s = time.perf_counter() - started
+        # The stand-in peer's contributions, one per length a round can have (fragments differ), made before the
+        # peak is measured: they are the benchmark's, not the agent's (a real exchange streams them in chunks),
+        # and making one takes a vector of the model's size. Their bytes are taken off the peak below.
+        lengths = sorted({f.stop - f.start for f in getattr(strategy, "fragments", [])} or {numel})
+        for n in lengths:
+            other = torch.randn(n, generator=generator).mul_(1e-3)
+            peer_payloads.append((n, other if codec.lossless else codec.encode(other, checksum=False)))
+            del other
+        payload_bytes = sum(_nbytes(payload) for _, payload in peer_payloads)
         samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
         sampler = PeakPrivate()
         sampler.start()
@@ -157,13 +175,6 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 torch.add(handoff.theta[part], noise, alpha=1e-3, out=handoff.local[part])
             n = strategy.contribution_numel()
-            if not peer_payloads or peer_payloads[0][0] != n:  # a peer's contribution (fragments differ)
-                other = torch.randn(n, generator=generator).mul_(1e-3)
-                peer_payloads[:] = [(n, other if codec.lossless else codec.encode(other, checksum=False))]
-                del other
-                # The stand-in peer's payload is the benchmark's, not the agent's: a real exchange streams it in
-                # chunks. Its bytes are taken off the peak below.
-                payload_bytes = max(payload_bytes, _nbytes(peer_payloads[0][1]))
             timings: dict[str, float] = {}
 
             def timed(phase: str, started: float, timings: dict[str, float] = timings) -> float:
@@ -176,22 +187,43 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
             t = timed("read", t)
             contribution = outer.contribution(theta_local)
             t = timed("contribution", t)
-            mean, sent = outer.exchange_buffers(n)
-            if codec.lossless:  # raw float32 on the wire: no codec call
-                transmitted = contribution
+            payload = next(p for length, p in peer_payloads if length == n)
+            transmitted: Any
+            if isinstance(contribution, OnDemand):
+                # The peer's chunks decoded into the mean buffer as they come in; ours made, encoded and
+                # summed with them chunk by chunk as the exchange sends them.
+                mean = outer.mean_buffer(n)
+                if codec.lossless:
+                    mean.copy_(payload)
+                else:
+                    codec.decode(payload, checksum=False, out=mean)
+                t = timed("decode+sum", t)
+                ranges = tuple((a, min(a + exchange_chunk, n)) for a in range(0, n, exchange_chunk))
+                for a, b in ranges:
+                    own = contribution.chunk(a, b)
+                    if not codec.lossless:
+                        own = codec.encode_decoded(own, checksum=False, out=own)[1]
+                    mean[a:b].add_(own).mul_(0.5)
+                transmitted = None if codec.lossless else ranges
+                t = timed("encode", t)
+                outer.stage(contribution, transmitted, mean)
+                t = timed("stage", t)
             else:
-                transmitted = codec.encode_decoded(contribution, checksum=False, out=sent)[1]
-            t = timed("encode", t)
-            payload = peer_payloads[0][1]
-            if codec.lossless:
-                torch.add(transmitted, payload, out=mean)
-            else:
-                codec.decode(payload, checksum=False, out=mean)
-                mean.add_(transmitted)
-            mean.mul_(0.5)
-            t = timed("decode+sum", t)
-            outer.stage(contribution, transmitted)
-            t = timed("stage", t)
+                mean, sent = outer.exchange_buffers(n)
+                if codec.lossless:  # raw float32 on the wire: no codec call
+                    transmitted = contribution
+                else:
+                    transmitted = codec.encode_decoded(contribution, checksum=False, out=sent)[1]
+                t = timed("encode", t)
+                if codec.lossless:
+                    torch.add(transmitted, payload, out=mean)
+                else:
+                    codec.decode(payload, checksum=False, out=mean)
+                    mean.add_(transmitted)
+                mean.mul_(0.5)
+                t = timed("decode+sum", t)
+                outer.stage(contribution, transmitted, mean)
+                t = timed("stage", t)
             outer.step(mean)
             t = timed("step", t)
             outer.install()
@@ -225,6 +257,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         "params": numel,
         "strategy": args.strategy,
         "codec": args.codec,
+        "contribution": "on demand" if outer.on_demand else "whole",
         "threads": args.threads,
         "rounds": args.rounds,
         "ns_per_param": ns,
@@ -243,6 +276,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "params",
         "strategy",
         "codec",
+        "contribution",
         *PHASES,
         "round",
         "memcpy",
@@ -256,7 +290,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ns = row["ns_per_param"]
         lines.append(
             "| " + " | ".join([
-                f"{row['params'] / 1e6:.0f}M", row["strategy"], row["codec"],
+                f"{row['params'] / 1e6:.0f}M", row["strategy"], row["codec"], row.get("contribution", "whole"),
                 *(f"{ns[p]:.1f}" for p in PHASES),
                 f"**{row['round_ns_per_param']:.1f}**", f"{row['memcpy_ns_per_param']:.2f}",
                 f"{row['round_ns_per_param'] / row['memcpy_ns_per_param']:.0f}",
@@ -291,6 +325,11 @@ def main() -> None:
         action="store_false",
         help="leave the round's buffers to be paged in by the first round (the agent writes them at join)",
     )
+    parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="make the contribution whole (an island's node, run.outer_update delayed/eager), not on demand",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -311,6 +350,8 @@ def main() -> None:
                 ]  # fmt: skip
                 if not args.prefault:
                     command.append("--no-prefault")
+                if args.whole:
+                    command.append("--whole")
                 if args.checkpoint_dir:
                     command += ["--checkpoint-dir", args.checkpoint_dir]
                 result = subprocess.run(command, capture_output=True, text=True)

@@ -23,6 +23,13 @@ passes (contributions, outer steps, DeMo's sign step, the eager preview, the str
 per range in the optional C kernels (`_in_one_pass`, optim/_kernels.c: no GIL held, so the agent's threads
 scale); without them, multi-pass updates run in cache-sized chunks of torch ops. Both do the same operations in
 the same order: the same bits.
+
+On demand. A contribution is an elementwise function of theta_outer, theta_local and the strategy's state, and
+its error-feedback state is `contribution - transmitted`, where `transmitted` is the codec's round trip of each
+range the exchange encoded. So a node need not hold either: `contribution_range(...)` gives any range of it (the
+exchange's chunks, as it sends them), and `stage_in_place(...)` writes the new state straight into its buffer,
+range by range, once the round commits: the same bits as `make_contribution` + `propose` + `commit`, with no
+vector of the model's size beside the state (the agent's memory: 12 bytes per parameter with int8 instead of 22).
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ from __future__ import annotations
 import abc
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
 
 from farloco.optim import dense
-from farloco.optim.ranges import CHUNK, chunks, run_chunked, run_split
+from farloco.optim.ranges import CHUNK, chunks, run_chunked, run_ranges, run_split
 from farloco.optim.wire import Codec, all_finite
 
 HParam = float | int | bool
@@ -186,11 +193,90 @@ class OuterStrategy(abc.ABC):
     def apply(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         """The outer step, in place on theta_outer, from the swarm mean of transmitted contributions."""
         self._check_vector("theta_outer", theta_outer, self.num_params)
+        self.check_averaged(averaged)
+        self._outer_step(theta_outer, averaged)
+        self._num_rounds += 1
+
+    # ---- the contribution on demand (see the module docstring) ---------------------------------------------
+    def _feedback(self) -> torch.Tensor | None:
+        """The state buffer the stage sets to `contribution - transmitted` (full length), or None (no feedback)."""
+        return None
+
+    def _offset(self) -> int:
+        """Where this round's contribution starts in the flat parameters (a fragment's start, else 0)."""
+        return 0
+
+    def _contribute(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, part: slice, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`make_contribution`'s values on the flat range `part` (already offset), into `out`: the same bits."""
+        raise NotImplementedError
+
+    def contribution_range(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, a: int, b: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Values [a, b) of `make_contribution(theta_outer, theta_local)` (this round's), into `out` (b - a
+        float32 values, returned): the same bits, from any thread, as long as the inputs and the state stay put."""
+        if not 0 <= a <= b <= self.contribution_numel():
+            raise StrategyError(
+                f"{self.name} contribution_range: expected 0 <= a <= b <= {self.contribution_numel()}, got {a}, {b}"
+            )
+        offset = self._offset()
+        return self._contribute(theta_outer, theta_local, slice(offset + a, offset + b), out[: b - a])
+
+    def stage_in_place(
+        self,
+        theta_outer: torch.Tensor,
+        theta_local: torch.Tensor,
+        encoded_in: Sequence[tuple[int, int]] | None,
+    ) -> None:
+        """`propose` for a contribution made on demand, written straight into the state buffer: for each range
+        [a, b) the exchange encoded our contribution in (`encoded_in`, covering it in order), the state becomes
+        c[a:b] - decode(encode(c[a:b])), c being `contribution_range`; with None (a lossless codec, or a group of
+        one: nothing was lost) it becomes c - c. The same bits as `propose(make_contribution(...), transmitted)`
+        then `commit()`, which must follow (it installs nothing more). Only once the round commits: the old state
+        is gone (theta_outer must not have moved yet: the contribution is measured from it)."""
+        self._check_vector("theta_outer", theta_outer, self.num_params)
+        self._check_vector("theta_local", theta_local, self.num_params)
+        numel = self.contribution_numel()
+        self._stage_started()
+        self._staged = {}
+        feedback = self._feedback()
+        if feedback is None:
+            return
+        offset = self._offset()
+        if encoded_in is None:  # nothing lost: c - c, zeros (c is finite: checked before it was sent)
+            run_split(lambda part: feedback[offset + part.start : offset + part.stop].zero_(), numel, 4)
+            return
+        ranges = list(encoded_in)
+        ends = [a for _, a in ranges]
+        if [a for a, _ in ranges] != [0, *ends[:-1]] or (ends[-1] if ends else 0) != numel:
+            raise StrategyError(
+                f"{self.name} stage_in_place: expected ranges covering [0, {numel}) in order, got "
+                f"{len(ranges)} ranges from {ranges[:1]} to {ranges[-1:]}"
+            )
+        longest = max(b - a for a, b in ranges)
+
+        def stage(first: int, last: int) -> None:
+            scratch = torch.empty(longest)
+            for a, b in ranges[first:last]:
+                contribution = self.contribution_range(theta_outer, theta_local, a, b, scratch)
+                # Decoded in place over the contribution's copy would lose it: into the state's range first.
+                piece = feedback[offset + a : offset + b]
+                self.codec.encode_decoded(contribution, checksum=False, out=piece)
+                torch.sub(contribution, piece, out=piece)
+
+        run_ranges(stage, len(ranges), 12 * numel)
+
+    def _stage_started(self) -> None:
+        """Hook: what a strategy remembers when a round's state is staged (the fragment, for streaming)."""
+        return None
+
+    def check_averaged(self, averaged: torch.Tensor) -> None:
+        """Refuse a mean `apply` cannot take (its length, NaN/Inf), before anything changes."""
         self._check_vector("averaged", averaged, self.contribution_numel())
         if not all_finite(averaged):
             raise StrategyError(f"{self.name} averaged: expected only finite values, got NaN/Inf")
-        self._outer_step(theta_outer, averaged)
-        self._num_rounds += 1
 
     def eager_scale(self) -> float:
         """c such that the outer step moves theta by -c * averaged plus what its state alone contributes: the
@@ -389,6 +475,19 @@ def _in_one_pass(op: _Op, tensors: tuple[torch.Tensor, ...], scalars: tuple[floa
     return True
 
 
+def _decayed_plus_gradient_range(
+    state: torch.Tensor,
+    decay: float,
+    theta_outer: torch.Tensor,
+    theta_local: torch.Tensor,
+    part: slice,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`OuterStrategy._decayed_plus_gradient` on one range: state*decay + (outer - local), in that order."""
+    delta = theta_outer[part] - theta_local[part]  # a range's worth (the exchange's chunk), not the model's
+    return torch.mul(state[part], decay, out=out).add_(delta)
+
+
 def _nesterov_step(
     theta: torch.Tensor, momentum_buffer: torch.Tensor, gradient: torch.Tensor, lr: float, momentum: float
 ) -> None:
@@ -456,6 +555,15 @@ class DiLoCo(OuterStrategy):
     ) -> dict[str, torch.Tensor]:
         return {} if self.residual is None else {"residual": self._residual(contribution, transmitted, reuse)}
 
+    def _feedback(self) -> torch.Tensor | None:
+        return self.residual
+
+    def _contribute(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, part: slice, out: torch.Tensor
+    ) -> torch.Tensor:
+        torch.sub(theta_outer[part], theta_local[part], out=out)
+        return out if self.residual is None else out.add_(self.residual[part])
+
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         _nesterov_step(
             theta_outer, self.momentum_buffer, averaged, self._float("lr"), self._float("momentum")
@@ -498,6 +606,16 @@ class SparseLoCo(OuterStrategy):
         self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
     ) -> dict[str, torch.Tensor]:
         return {"error_buffer": self._residual(contribution, transmitted, reuse)}
+
+    def _feedback(self) -> torch.Tensor | None:
+        return self.error_buffer
+
+    def _contribute(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, part: slice, out: torch.Tensor
+    ) -> torch.Tensor:
+        return _decayed_plus_gradient_range(
+            self.error_buffer, self._float("beta"), theta_outer, theta_local, part, out
+        )
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr = self._float("lr")
@@ -543,6 +661,16 @@ class DeMo(OuterStrategy):
         self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
     ) -> dict[str, torch.Tensor]:
         return {"momentum": self._residual(contribution, transmitted, reuse)}
+
+    def _feedback(self) -> torch.Tensor | None:
+        return self.momentum
+
+    def _contribute(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, part: slice, out: torch.Tensor
+    ) -> torch.Tensor:
+        return _decayed_plus_gradient_range(
+            self.momentum, self._float("beta"), theta_outer, theta_local, part, out
+        )
 
     def _outer_step(self, theta_outer: torch.Tensor, averaged: torch.Tensor) -> None:
         lr, weight_decay = self._float("lr"), self._float("weight_decay")
@@ -635,9 +763,24 @@ class StreamingDiLoCo(OuterStrategy):
     def _stage(
         self, contribution: torch.Tensor, transmitted: torch.Tensor, reuse: bool
     ) -> dict[str, torch.Tensor]:
+        self._stage_started()
+        return {} if self.residual is None else {"residual": self._residual(contribution, transmitted, reuse)}
+
+    def _stage_started(self) -> None:
         # Remember the fragment now: `apply` advances the schedule before the node calls `commit`.
         self._staged_fragment = self.current_fragment()
-        return {} if self.residual is None else {"residual": self._residual(contribution, transmitted, reuse)}
+
+    def _feedback(self) -> torch.Tensor | None:
+        return self.residual
+
+    def _offset(self) -> int:
+        return int(self.current_fragment().start)
+
+    def _contribute(
+        self, theta_outer: torch.Tensor, theta_local: torch.Tensor, part: slice, out: torch.Tensor
+    ) -> torch.Tensor:  # make_contribution's order: (outer - local) + residual on the fragment's range
+        torch.sub(theta_outer[part], theta_local[part], out=out)
+        return out if self.residual is None else out.add_(self.residual[part])
 
     def _install(self, buffer: torch.Tensor, staged: torch.Tensor) -> None:
         buffer[self._staged_fragment].copy_(staged)

@@ -37,6 +37,7 @@ from farloco.node.config import Config, ConfigError, run_hash, run_secret, to_to
 from farloco.node.daemon.loggers import ExperimentLoggers
 from farloco.node.daemon.metrics import NodeMetrics
 from farloco.node.logs import SyncProgress
+from farloco.protocol.exchange import OnDemand
 from farloco.protocol.isolation import IsolationWatch
 from farloco.protocol.shares import RoundShares
 
@@ -185,7 +186,7 @@ class Prepared:
     """A round's input taken from the ranks: their weights and the contribution made from them."""
 
     theta_local: torch.Tensor
-    contribution: torch.Tensor
+    contribution: torch.Tensor | OnDemand  # OnDemand: made chunk by chunk (OuterRound.on_demand)
     fixed_reference: bool
     """The contribution is measured from where the ranks started (not theta_outer): a state sync mid-round
     leaves it as it is."""

@@ -11,7 +11,14 @@ A round on the agent, phase by phase (`benchmarks/round_overhead.py` times each 
     load = outer.merged(handoff)                     # what the ranks load next round
     tensors = outer.snapshot()                       # only when a joiner asks, or a checkpoint is due
 
-Nothing of the model's size is allocated per round: the contribution is written into a work buffer that the
+On demand (`on_demand`, the synchronous loop with a dense codec and no island: the agent sets it), nothing of the
+model's size is written for the contribution at all: `contribution` checks it chunk by chunk and returns an
+`OnDemand` the exchange fills each chunk from as it sends it; `commit` writes the error feedback straight into
+its state range by range (`OuterStrategy.stage_in_place`). That leaves the strategy's state and the mean: 12 bytes
+per parameter with int8 and error feedback (momentum, residual, mean) instead of 22. It needs the round's inputs
+to stay put until the commit: theta_outer, the ranks' weights (they wait for us, or we read a copy) and the state.
+
+Otherwise nothing of the model's size is allocated per round: the contribution is written into a work buffer that the
 strategy turns into the new error-feedback state and swaps in at commit (handing back the buffer it replaced),
 the exchange writes into two buffers kept across rounds, the finiteness check is one vectorised sum, the hash
 reads theta in place. At 100M+ parameters a fresh buffer costs about as much as the arithmetic done in it (page
@@ -26,8 +33,14 @@ import torch
 
 from farloco.node.checkpoint import theta_digest
 from farloco.optim import Codec, OuterStrategy
-from farloco.optim.ranges import run_split
+from farloco.optim.ranges import CHUNK, run_ranges, run_split
 from farloco.optim.wire import all_finite, nonfinite_error
+from farloco.protocol.exchange import OnDemand
+
+# What the swarm saw of our contribution, as `commit` takes it: a tensor; for an OnDemand contribution the
+# ranges the exchange encoded it in (AverageResult.encoded_in), or None where nothing was lost (a lossless
+# codec, a group of one).
+Transmitted = torch.Tensor | tuple[tuple[int, int], ...] | None
 
 
 class OuterError(RuntimeError):
@@ -61,6 +74,11 @@ class OuterRound:
         self._reference: torch.Tensor | None = None
         self._fresh: torch.Tensor | None = None  # eager: what the swarm sees of this round's contribution
         self._stale: torch.Tensor | None = None  # ... and of the previous round's
+        # Contributions made on demand (see the module docstring); the agent sets it where the inputs stay put.
+        self.on_demand = False
+        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # (start, local) of the OnDemand given out
+        )
 
     def share_with(self, publish_buffer: torch.Tensor) -> torch.Tensor:
         """Keep theta_outer in the hand-off's theta region itself (returned), when the ranks simply load theta
@@ -81,9 +99,14 @@ class OuterRound:
         page fault by page fault: 2.1 s of the first contribution at 1B on the H200 host. The agent runs this on
         its outer thread while a joining node waits for its ranks and the swarm's state; never during a round
         (it overwrites the buffers)."""
-        if self._work is None:
-            self._work = torch.empty(self.max_numel, dtype=torch.float32)
-        buffers = [self._work, *self.exchange_buffers(self.max_numel)]
+        if self.on_demand:  # no work buffer, and nothing kept of what the swarm saw
+            buffers = [self.mean_buffer(self.max_numel)]
+        else:
+            if self._work is None:
+                self._work = torch.empty(self.max_numel, dtype=torch.float32)
+            mean, sent = self.exchange_buffers(self.max_numel)
+            # A lossless codec's transmitted is the contribution itself: its buffer is never written.
+            buffers = [self._work, mean] if self.codec.lossless else [self._work, mean, sent]
         if reference:
             if self._reference is None:
                 self._reference = torch.empty(self.strategy.num_params, dtype=torch.float32)
@@ -102,10 +125,15 @@ class OuterRound:
             self._local_copy = torch.empty_like(local)
         return self._local_copy.copy_(local)
 
-    def contribution(self, theta_local: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+    def contribution(
+        self, theta_local: torch.Tensor, reference: torch.Tensor | None = None
+    ) -> torch.Tensor | OnDemand:
         """This round's contribution, in the work buffer (valid until `commit` or the next call), measured from
         `reference`, the weights the ranks' inner steps started from: theta_outer itself unless the ranks started
-        elsewhere (run.outer_update = delayed or eager: one commit behind, or a preview)."""
+        elsewhere (run.outer_update = delayed or eager: one commit behind, or a preview). With `on_demand`, an
+        `OnDemand` instead, checked finite chunk by chunk (valid until `commit`, while the inputs stay put)."""
+        if self.on_demand:
+            return self._on_demand(theta_local, self.theta if reference is None else reference)
         if self._work is None:
             self._work = torch.empty(self.max_numel, dtype=torch.float32)
         out = self._work[: self.strategy.contribution_numel()]
@@ -118,31 +146,82 @@ class OuterRound:
             raise OuterError(f"the trainer ranks produced non-finite parameters: {detail}")
         return contribution
 
+    def _on_demand(self, theta_local: torch.Tensor, start: torch.Tensor) -> OnDemand:
+        strategy = self.strategy
+        numel = strategy.contribution_numel()
+
+        def fill(a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+            return strategy.contribution_range(start, theta_local, a, b, out)
+
+        def first_bad(first: int, last: int) -> tuple[int, torch.Tensor] | None:
+            scratch = torch.empty(min(CHUNK, numel))
+            for index in range(first, last):
+                a, b = index * CHUNK, min((index + 1) * CHUNK, numel)
+                if not all_finite(piece := fill(a, b, scratch)):
+                    return a, piece
+            return None
+
+        for bad in run_ranges(first_bad, -(-numel // CHUNK), 16 * numel):
+            if bad is not None:
+                detail = nonfinite_error(f"theta_outer - theta_local (values from {bad[0]})", bad[1])
+                raise OuterError(f"the trainer ranks produced non-finite parameters: {detail}")
+        self._inputs = (start, theta_local)
+        return OnDemand(numel, fill)
+
+    def mean_buffer(self, numel: int) -> torch.Tensor:
+        """The mean's output for `Exchange.average(out=)`, `numel` long, reused."""
+        if self._mean is None:
+            self._mean = torch.empty(self.max_numel, dtype=torch.float32)
+        return self._mean[:numel]
+
     def exchange_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, transmitted) outputs for `Exchange.average(out=, transmitted_out=)`, `numel` long, reused."""
-        if self._mean is None or self._sent is None:
-            self._mean = torch.empty(self.max_numel, dtype=torch.float32)
+        if self._sent is None:
             self._sent = torch.empty(self.max_numel, dtype=torch.float32)
-        return self._mean[:numel], self._sent[:numel]
+        return self.mean_buffer(numel), self._sent[:numel]
 
-    def alone(self, contribution: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def alone(self, contribution: torch.Tensor | OnDemand) -> tuple[Transmitted, torch.Tensor]:
         """(transmitted, averaged) for a group of one: nothing crosses a wire, so nothing is lost to a codec and
         nothing is encoded; the mean of one contribution is itself (a copy: `commit` consumes the contribution)."""
-        mean, _ = self.exchange_buffers(contribution.numel())
+        if isinstance(contribution, OnDemand):
+            mean = self.mean_buffer(contribution.numel)
+            run_split(
+                lambda part: contribution.fill(part.start, part.stop, mean[part]), contribution.numel, 16
+            )
+            return None, mean
+        mean = self.mean_buffer(contribution.numel())
         mean.copy_(contribution)
         return contribution, mean
 
-    def commit(self, contribution: torch.Tensor, transmitted: torch.Tensor, averaged: torch.Tensor) -> str:
-        """Stage the error feedback (in place in the contribution), take the outer step on theta, install the
-        staged state (a buffer swap) and return theta's new hash."""
-        self.stage(contribution, transmitted)
+    def commit(
+        self, contribution: torch.Tensor | OnDemand, transmitted: Transmitted, averaged: torch.Tensor
+    ) -> str:
+        """Stage the error feedback (in place in the contribution, or straight into the state for an OnDemand
+        one), take the outer step on theta, install the staged state (a buffer swap) and return theta's new
+        hash."""
+        self.stage(contribution, transmitted, averaged)
         self.step(averaged)
         self.install()
         return self.rehash()
 
     # commit's phases, apart for benchmarks/round_overhead.py
-    def stage(self, contribution: torch.Tensor, transmitted: torch.Tensor) -> None:
-        self.strategy.propose(contribution, transmitted, reuse=True)
+    def stage(
+        self, contribution: torch.Tensor | OnDemand, transmitted: Transmitted, averaged: torch.Tensor
+    ) -> None:
+        if not isinstance(contribution, OnDemand):
+            assert isinstance(transmitted, torch.Tensor), "a contribution tensor's transmitted is a tensor"
+            self.strategy.propose(contribution, transmitted, reuse=True)
+            return
+        if self._inputs is None or isinstance(transmitted, torch.Tensor):
+            raise ValueError(
+                "commit: an OnDemand contribution takes the ranges it was encoded in (or None), got "
+                f"{type(transmitted).__name__}{' with no contribution made' if self._inputs is None else ''}"
+            )
+        # The state is written before the step: a mean the step refuses must find it whole.
+        self.strategy.check_averaged(averaged)
+        start, local = self._inputs
+        self.strategy.stage_in_place(start, local, None if self.codec.lossless else transmitted)
+        self._inputs = None
 
     def step(self, averaged: torch.Tensor) -> None:
         self.strategy.apply(self.theta, averaged)
@@ -180,7 +259,9 @@ class OuterRound:
         self._fresh, self._stale = self._stale, self._fresh  # this round's is next round's stale
 
     def rollback(self) -> None:
-        """The round did not commit: the error-feedback state stays as it was (the work buffer is scratch)."""
+        """The round did not commit: the error-feedback state stays as it was (the work buffer is scratch; an
+        OnDemand contribution wrote nothing)."""
+        self._inputs = None
         self.strategy.rollback()
 
     def merged(self, local: torch.Tensor, publish_buffer: torch.Tensor) -> torch.Tensor:

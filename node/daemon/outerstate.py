@@ -22,13 +22,14 @@ import torch
 
 from farloco.node.config import Config, diff_run, run_section
 from farloco.node.daemon.core import AgentError, build_outer
-from farloco.node.daemon.outer import OuterError, OuterRound, theta_hash
+from farloco.node.daemon.outer import OuterError, OuterRound, Transmitted, theta_hash
 from farloco.node.handoff import flatten, layout_of
 from farloco.node.schedule import outer_lr_factor
 from farloco.node.training.model import num_parameters
 from farloco.node.training.models import build_spec
 from farloco.node.training.parallel import check_node_layout
 from farloco.optim.strategies import StrategyError
+from farloco.protocol.exchange import OnDemand
 from farloco.util.memory import exclude_from_fork
 
 if TYPE_CHECKING:
@@ -62,6 +63,12 @@ class OuterState:
         # run.aggregator: None keeps the exchange's own weighted mean
         self.aggregator = Aggregator(config.run.aggregator) if config.run.aggregator != "mean" else None
         self.round: OuterRound = OuterRound(theta, self.strategy, self.codec)
+        # The contribution made chunk by chunk as the exchange sends it (no vector of the model's size for it):
+        # where its inputs stay put until the commit (the synchronous loop: the ranks wait, or we read a copy) and
+        # it goes to the exchange as it is (a dense codec, no island reducing it first).
+        self.round.on_demand = (
+            config.run.outer_update == "sync" and bool(self.codec.dense) and not config.node.island
+        )
         # The DHT node is forked after this: theta and the strategy's state stay out of it (util/memory.py), or
         # their first writes (the first commit, the first contribution) pay a copy-on-write fault per page.
         exclude_from_fork(theta, *self.strategy.live_buffers().values())
@@ -141,14 +148,18 @@ class OuterState:
 
     # -- changes --------------------------------------------------------------------------------------------
 
-    def contribution(self, theta_local: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+    def contribution(
+        self, theta_local: torch.Tensor, reference: torch.Tensor | None = None
+    ) -> torch.Tensor | OnDemand:
         """`OuterRound.contribution`, its error (non-finite weights from the ranks) ending the node, named."""
         try:
             return self.round.contribution(theta_local, reference)
         except OuterError as exc:
             raise AgentError(f"round {self.round_id}: {exc}") from None
 
-    async def commit(self, contribution: torch.Tensor, transmitted: torch.Tensor, mean: torch.Tensor) -> None:
+    async def commit(
+        self, contribution: torch.Tensor | OnDemand, transmitted: Transmitted, mean: torch.Tensor
+    ) -> None:
         """`OuterRound.commit` (the outer step and theta's digest: seconds at 10B) on the outer thread, so the
         event loop goes on serving the swarm meanwhile; then round r+1."""
         async with self.lock:

@@ -34,11 +34,13 @@ from farloco.node.daemon.core import (
     log,
     overlap_steps,
 )
+from farloco.node.daemon.outer import Transmitted
 from farloco.node.daemon.outerstate import OuterState
 from farloco.node.daemon.ranks import Ranks
 from farloco.node.daemon.rules import Action, Decision, RoundFacts, decide
 from farloco.node.daemon.swarm import Swarm
 from farloco.protocol import shares
+from farloco.protocol.exchange import OnDemand
 from farloco.protocol.shares import left_out_reason
 from farloco.util.tasks import cancel_and_wait, wait_for
 
@@ -47,7 +49,7 @@ from farloco.util.tasks import cancel_and_wait, wait_for
 class Averaged:
     """What the exchange of a round gave: what the swarm saw of our contribution, the mean, who is in it, bytes."""
 
-    transmitted: torch.Tensor
+    transmitted: Transmitted
     mean: torch.Tensor
     contributors: tuple[str, ...]
     sent: int
@@ -227,6 +229,7 @@ class RoundRunner:
                 if run.outer_update == "eager":
                     # The preview needs this round's contribution: made before the ranks go on.
                     prepared = self._prepare_round(seq, copy=False, reference=reference, reports=False)
+                    assert isinstance(prepared.contribution, torch.Tensor), "on demand is for the sync loop"
                     group = self.state.counters.last_contributors or len(self.swarm.live_ids()) + 1
                     self.outer.round.eager_start(
                         self.ranks.handoff.theta, prepared.contribution, group, ours_applied=ours_applied
@@ -440,7 +443,7 @@ class RoundRunner:
         return replace(facts, fork="healed" if resynced else "none")
 
     async def _average(
-        self, group: Any, contribution: torch.Tensor, facts: RoundFacts, weight: float = 1.0
+        self, group: Any, contribution: torch.Tensor | OnDemand, facts: RoundFacts, weight: float = 1.0
     ) -> tuple[Averaged | None, RoundFacts]:
         """The group's mean of contributions (protocol/exchange/; a group of one encodes nothing), counting
         every byte that crossed the wire, aborted attempts included. With an island (node/daemon/island.py) that
@@ -454,8 +457,31 @@ class RoundRunner:
         result = None
         try:
             if len(group.members) == 1 and island_round is None:
+                transmitted: Transmitted
                 transmitted, mean = self.outer.round.alone(contribution)
                 averaged = Averaged(transmitted, mean, (self.state.peer_id,), 0, 0, 0)
+            elif isinstance(contribution, OnDemand):
+                # Made chunk by chunk as the exchange sends it; the mean lands in a buffer kept across rounds,
+                # and of what the swarm saw only the ranges it was encoded in are kept (OuterRound.commit).
+                exchange_started = time.monotonic()
+                result = await self.net.exchange.average(
+                    group,
+                    contribution,
+                    self.outer.codec,
+                    timeout=self.config.timeouts.exchange_timeout,
+                    out=self.outer.round.mean_buffer(contribution.numel),
+                    rule=self.outer.aggregator,
+                    weight=weight,
+                )
+                self.state.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
+                averaged = Averaged(
+                    result.transmitted if result.transmitted is not None else result.encoded_in,
+                    result.averaged,
+                    tuple(result.contributors),
+                    result.bytes_sent,
+                    result.bytes_received,
+                    result.fp32_bytes,
+                )
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
                 mean_out, sent_out = self.outer.round.exchange_buffers(contribution.numel())
@@ -474,9 +500,11 @@ class RoundRunner:
                 self.state.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
                 transmitted = result.transmitted
                 if island_round is not None:
-                    assert self.island is not None
+                    assert self.island is not None and result.transmitted is not None
                     await asyncio.wrap_future(
-                        self.island.submit_gather(True, result.averaged, transmitted, mean_out, sent_out)
+                        self.island.submit_gather(
+                            True, result.averaged, result.transmitted, mean_out, sent_out
+                        )
                     )
                     transmitted = sent_out
                 averaged = Averaged(
@@ -507,11 +535,12 @@ class RoundRunner:
         self.state.count_bytes(averaged.sent, averaged.received, averaged.fp32_bytes)
         return averaged, replace(facts, exchange="done", contributors=len(averaged.contributors))
 
-    async def _island_reduce(self, group: Any, contribution: torch.Tensor, weight: float) -> Any:
+    async def _island_reduce(self, group: Any, contribution: torch.Tensor | OnDemand, weight: float) -> Any:
         """Our island's weighted mean on our span (an IslandRound), or None: we exchange alone this round (no
         island, an island of one, a node of it missing, the island re-forming)."""
         if self.island is None:
             return None
+        assert isinstance(contribution, torch.Tensor), "a node of an island makes its contribution whole"
         future = self.island.submit_reduce(self.outer.round_id, group.group_id, contribution, weight)
         try:
             island_round = await wait_for(

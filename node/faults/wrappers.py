@@ -136,16 +136,24 @@ class ByzantineExchange:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._exchange, name)
 
-    async def average(self, group: Any, contribution: torch.Tensor, codec: Any, **kwargs: Any) -> Any:
+    async def average(self, group: Any, contribution: Any, codec: Any, **kwargs: Any) -> Any:
         from farloco.optim import byzantine_update
+        from farloco.protocol.exchange import OnDemand
 
         attack = self._wrong(group.round_id)
         if attack is None:
             return await self._exchange.average(group, contribution, codec, **kwargs)
+        on_demand = isinstance(contribution, OnDemand)
+        if on_demand:  # the attacks need the whole update: made here, in the fault's own memory
+            contribution = contribution.chunk(0, contribution.numel)
         sent = byzantine_update(attack, contribution, self._stale)
         self._on_sent(group.round_id, attack)
         self._stale = contribution.clone()
         result = await self._exchange.average(group, sent, codec, **kwargs)
+        if on_demand:
+            # The node rebuilds what the swarm saw of its honest update from the ranges encoded in, which depend
+            # on the attempt alone, not on the values sent.
+            return replace(result, transmitted=None)
         honest = contribution
         if not codec.lossless:
             honest = torch.empty_like(contribution)

@@ -9,7 +9,7 @@ attempts: a failed attempt is voted on, and the survivors retry without the memb
 Where each part lives:
   exchange.py   `Exchange`: average (the attempts loop and its deadlines), advance, close; registers the two
                 server methods
-  api.py        what it takes and gives: TensorCodec, RobustRule, AverageResult, ExchangeAborted
+  api.py        what it takes and gives: TensorCodec, RobustRule, OnDemand, AverageResult, ExchangeAborted
   plan.py       parts, chunks, lanes, spans (slices), attempt ids
   wire.py       the methods' frame headers as typed messages (Hello, Chunk, Piece, Done, Vote, VoteRequest),
                 rejections and blame
@@ -24,7 +24,7 @@ Where each part lives:
   gone.py       `GoneWatch`: members frozen mid-exchange given up before the deadline
 """
 
-from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, RobustRule, TensorCodec
+from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDemand, RobustRule, TensorCodec
 from farloco.protocol.exchange.exchange import Exchange
 from farloco.protocol.exchange.plan import lanes_for, slice_bounds
 from farloco.protocol.exchange.wire import PUSH_METHOD, VOTE_METHOD
@@ -35,6 +35,7 @@ __all__ = [
     "AverageResult",
     "Exchange",
     "ExchangeAborted",
+    "OnDemand",
     "RobustRule",
     "TensorCodec",
     "lanes_for",

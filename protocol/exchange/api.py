@@ -3,7 +3,7 @@ or raises (`ExchangeAborted`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,14 +49,34 @@ class RobustRule(Protocol):
     def __call__(self, decoded: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class OnDemand:
+    """A contribution the exchange computes chunk by chunk when it needs one, instead of a tensor held whole.
+
+    `fill(a, b, out)` writes values [a, b) of the contribution into `out` (a contiguous float32 tensor of b - a
+    values) and returns it; it must give the same values every time it is asked, from any thread (the exchange
+    calls it from its codec threads, and again for a retry), until `average` returns. A node whose contribution
+    is a pure function of buffers that stay put during the exchange (its weights and its optimizer state) passes
+    one, and no vector of the model's size is written for the contribution, nor for what the swarm saw of it.
+    Dense codecs only (a sparse payload is chosen over the whole vector)."""
+
+    numel: int
+    fill: Callable[[int, int, torch.Tensor], torch.Tensor]
+
+    def chunk(self, a: int, b: int) -> torch.Tensor:
+        """Values [a, b) in a fresh tensor."""
+        return self.fill(a, b, torch.empty(b - a, dtype=torch.float32))
+
+
 @dataclass
 class AverageResult:
     """The outcome of one successful exchange."""
 
     averaged: torch.Tensor  # fp32 mean over `contributors`, bit-identical on every member that returns
     # What this node's own contribution became on the wire (for error feedback). For a lossless codec it is
-    # the (flattened) input tensor itself, not a copy.
-    transmitted: torch.Tensor
+    # the (flattened) input tensor itself, not a copy. None for an `OnDemand` contribution with a lossy codec:
+    # `encoded_in` then says how to make it again (nothing of the model's size is kept for it).
+    transmitted: torch.Tensor | None
     contributors: tuple[str, ...]  # peer ids whose contribution is in the mean (sorted)
     # Bytes of farloco frames (headers and payloads) this member sent and received over every attempt,
     # failed ones included; the transport's own framing (HTTP/2, TCP/IP, a data-plane preamble) is not counted.
@@ -68,6 +88,10 @@ class AverageResult:
     # 2(k-1)/k * 4 bytes per value of each attempt, pro rata of the payload sent). Raw fp32 sends 4 bytes per
     # value plus frame headers, so bytes_sent >= fp32_bytes for it: its compression ratio never exceeds 1.
     fp32_bytes: int = 0
+    # The ranges our contribution went through the codec in, in the attempt that gave the mean (dense codecs, in
+    # order, within our span): for a lossy codec, `transmitted[a:b]` is decode(encode(contribution[a:b])) for
+    # each, so a caller that kept no `transmitted` (OnDemand) rebuilds it range by range, bit for bit.
+    encoded_in: tuple[tuple[int, int], ...] = ()
 
 
 class ExchangeAborted(Exception):

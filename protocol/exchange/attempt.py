@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import torch
 
-from farloco.protocol.exchange.api import RobustRule
+from farloco.protocol.exchange.api import OnDemand, RobustRule
 from farloco.protocol.exchange.codecpool import Jobs
 from farloco.protocol.exchange.plan import Plan, lanes_for
 from farloco.protocol.exchange.wire import AttemptRef, Hello, Vote, precondition
@@ -72,9 +72,12 @@ class Attempt:
     lo: int = 0  # our span: the element range we contribute to and take the mean of (see Spans in plan.py)
     hi: int = 0
     flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    source: OnDemand | None = None  # our contribution made chunk by chunk (then `flat` is empty); see own()
     plan: Plan = field(default_factory=lambda: Plan(0, 1, 1))
     result: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    transmitted: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    # What the others decode of our contribution; None for an OnDemand contribution with a lossy codec (the
+    # caller rebuilds it from `encoded_in()`).
+    transmitted: torch.Tensor | None = field(default_factory=lambda: torch.empty(0))
     fast: bool = False  # the codec takes checksum=False and out= (TensorCodec.optional_checksum)
     rule: RobustRule | None = None  # None: the weighted mean
     # Progress:
@@ -119,6 +122,19 @@ class Attempt:
     def aggregator(self) -> str:
         """The name of what reduces a chunk: the robust rule's, or "mean" (every member of a group alike)."""
         return self.rule.name if self.rule is not None else "mean"
+
+    def own(self, a: int, b: int) -> torch.Tensor:
+        """Our contribution's values [a, b): a view of the tensor given, or made now (OnDemand: a fresh tensor)."""
+        return self.flat[a:b] if self.source is None else self.source.chunk(a, b)
+
+    def encoded_in(self) -> tuple[tuple[int, int], ...]:
+        """The ranges our contribution goes through the codec in (dense codecs): every part's chunks inside our
+        span, in order (AverageResult.encoded_in)."""
+        if not self.dense:
+            return ()
+        return tuple(
+            chunk for j in range(self.plan.num_parts) for chunk in self.plan.chunks(j) if self.covers(*chunk)
+        )
 
     def covers(self, a: int, b: int) -> bool:
         """Whether chunk [a, b) is inside our span (chunks never straddle a span's boundary)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, RobustRule, TensorCodec
+from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDemand, RobustRule, TensorCodec
 from farloco.protocol.exchange.attempt import Attempt, Attempts
 from farloco.protocol.exchange.codecpool import MAX_CODEC_THREADS, CodecPool
 from farloco.protocol.exchange.gone import GoneWatch
@@ -100,7 +100,7 @@ class Exchange:
     async def average(
         self,
         group: Group,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | OnDemand,
         codec: TensorCodec,
         *,
         timeout: float,
@@ -120,12 +120,28 @@ class Exchange:
         `rule`: a robust aggregation rule instead of the weighted mean (see RobustRule); the group must agree.
         `span` = (g0, g1): contribute to slices g0 .. g1 - 1 only (see Spans in plan.py; dense codecs, an Exchange
         made with `slices`); the mean (and `transmitted`) is then defined on that range only, and `contributors`
-        names every member of the final attempt, whatever its span."""
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
-            raise ValueError(f"expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}")
-        if tensor.numel() * 4 > self.max_payload_bytes:
+        names every member of the final attempt, whatever its span.
+        `tensor` may be an `OnDemand` (dense codecs): the contribution is then made chunk by chunk as each is
+        sent or reduced, and with a lossy codec nothing is kept of `transmitted` (None in the result; pass no
+        `transmitted_out`): `encoded_in` says how to rebuild it."""
+        if isinstance(tensor, OnDemand):
+            if not codec.dense:
+                raise ValueError(
+                    f"an OnDemand contribution needs a dense codec, got {codec.name!r} (a sparse payload is "
+                    "chosen over the whole vector)"
+                )
+            if transmitted_out is not None:
+                raise ValueError(
+                    "transmitted_out: expected None with an OnDemand contribution (encoded_in says it)"
+                )
+            numel = tensor.numel
+        else:
+            if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+                raise ValueError(f"expected a float32 CPU tensor, got {tensor.dtype} on {tensor.device}")
+            numel = tensor.numel()
+        if numel * 4 > self.max_payload_bytes:
             raise ValueError(
-                f"tensor of {tensor.numel() * 4} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+                f"tensor of {numel * 4} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
             )
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be finite and > 0, got {weight}")
@@ -141,7 +157,7 @@ class Exchange:
             g0, g1 = span
             if not 0 <= g0 < g1 <= self.slices:
                 raise ValueError(f"span: expected 0 <= g0 < g1 <= {self.slices}, got {span}")
-        bounds = (0, tensor.numel()) if span is None else slice_bounds(tensor.numel(), self.slices, span)
+        bounds = (0, numel) if span is None else slice_bounds(numel, self.slices, span)
         for name, buffer in (("out", out), ("transmitted_out", transmitted_out)):
             if buffer is None:
                 continue
@@ -149,14 +165,16 @@ class Exchange:
                 buffer.dtype != torch.float32
                 or buffer.device.type != "cpu"
                 or not buffer.is_contiguous()
-                or buffer.numel() != tensor.numel()
+                or buffer.numel() != numel
             ):
                 raise ValueError(
-                    f"{name}: expected a contiguous float32 CPU tensor of {tensor.numel()} values, got "
+                    f"{name}: expected a contiguous float32 CPU tensor of {numel} values, got "
                     f"{buffer.dtype} on {buffer.device} with {buffer.numel()} values "
                     f"(contiguous={buffer.is_contiguous()})"
                 )
-            others = [tensor] if name == "out" or out is None else [tensor, out]
+            others = [] if isinstance(tensor, OnDemand) else [tensor]
+            if name == "transmitted_out" and out is not None:
+                others.append(out)
             if any(_overlaps(buffer, other) for other in others):
                 raise ValueError(f"{name}: expected memory apart from the input and from out, got an overlap")
         group.index_of(self.peer_id)  # ValueError naming the members if we are not one
@@ -164,7 +182,11 @@ class Exchange:
         started_at = loop.time()
         deadline = started_at + timeout
         # Contiguous, so chunks can be sent as views of the tensor's own memory.
-        flat = tensor.detach().reshape(-1).contiguous()
+        flat: torch.Tensor | OnDemand
+        if isinstance(tensor, OnDemand):
+            flat, shape = tensor, torch.Size([numel])
+        else:
+            flat, shape = tensor.detach().reshape(-1).contiguous(), tensor.shape
         members = group.members
         bytes_sent = bytes_received = 0
         fp32_sent = 0.0
@@ -210,13 +232,14 @@ class Exchange:
             alive = [m for m in members if m.peer_id in votes]
             if all(votes[m.peer_id].ok for m in alive):
                 return AverageResult(
-                    averaged=attempt.result.reshape(tensor.shape),
-                    transmitted=attempt.transmitted.reshape(tensor.shape),
+                    averaged=attempt.result.reshape(shape),
+                    transmitted=None if attempt.transmitted is None else attempt.transmitted.reshape(shape),
                     contributors=tuple(sorted(attempt.member_ids)),
                     bytes_sent=bytes_sent,
                     bytes_received=bytes_received,
                     seconds=loop.time() - started_at,
                     fp32_bytes=round(fp32_sent),
+                    encoded_in=attempt.encoded_in(),
                 )
             excluded = vote_excluded(alive, votes)
             survivors = tuple(m for m in alive if m.peer_id not in excluded)
@@ -252,7 +275,7 @@ class Exchange:
         round_id: int,
         attempt_no: int,
         members: tuple[GroupMember, ...],
-        flat: torch.Tensor,
+        flat: torch.Tensor | OnDemand,
         codec: TensorCodec,
         weight: float,
         out: torch.Tensor | None = None,
@@ -273,25 +296,32 @@ class Exchange:
         attempt.lossless = attempt.raw or getattr(codec, "lossless", False) is True
         attempt.fast = getattr(codec, "optional_checksum", False) is True
         attempt.weight = weight
-        attempt.lo, attempt.hi = (0, flat.numel()) if bounds is None else bounds
-        attempt.flat = flat
+        numel = flat.numel if isinstance(flat, OnDemand) else flat.numel()
+        attempt.lo, attempt.hi = (0, numel) if bounds is None else bounds
+        if isinstance(flat, OnDemand):
+            attempt.source, attempt.flat = flat, torch.empty(0)
+        else:
+            attempt.source, attempt.flat = None, flat
         dialable = tuple(m.dialable for m in members)
         attempt.plan = Plan(
-            flat.numel(),
+            numel,
             len(members),
             self.chunk_elems,
             self.slices if attempt.dense else 0,
             owners=None if all(dialable) or len(members) == 1 else dialable,
         )
-        attempt.result = torch.empty(flat.numel(), dtype=torch.float32) if out is None else out.view(-1)
+        attempt.result = torch.empty(numel, dtype=torch.float32) if out is None else out.view(-1)
         # Lossless: what goes on the wire is our tensor itself. Not a copy (a 64 MiB clone per round cost ~10%
         # of an exchange): `transmitted` then shares the caller's input memory, which AverageResult says.
-        if attempt.lossless:
-            attempt.transmitted = flat
+        # OnDemand: nothing is kept (lossless: it would be the contribution; lossy: `encoded_in` rebuilds it).
+        if attempt.source is not None:
+            attempt.transmitted = None
+        elif attempt.lossless:
+            attempt.transmitted = attempt.flat
         elif transmitted_out is not None:
             attempt.transmitted = transmitted_out.view(-1)
         else:
-            attempt.transmitted = torch.empty(flat.numel(), dtype=torch.float32)
+            attempt.transmitted = torch.empty(numel, dtype=torch.float32)
         attempt.weights = {attempt.me: weight}
         attempt.status = asyncio.get_running_loop().create_future()
         # Dense: every lane of every other member's part, plus our own part once it is reduced. Sparse: every

@@ -66,6 +66,7 @@ class Owner:
     async def own_sparse(self, attempt: Attempt) -> None:
         """Our own sparse payload, encoded (and decoded into `transmitted`) for the others: one of the payloads."""
         attempt.payload = await self.pool.wide(attempt.jobs, encode_sparse, attempt)
+        assert attempt.transmitted is not None, "a sparse contribution is a tensor (average refuses OnDemand)"
         attempt.decoded[attempt.me] = attempt.transmitted
         await self._sparse_part_done(attempt)
 
@@ -304,7 +305,7 @@ class Owner:
             if not attempt.covers(a, b):
                 contributions[attempt.me] = None
             elif attempt.lossless:
-                contributions[attempt.me] = attempt.flat[a:b]
+                contributions[attempt.me] = attempt.own(a, b)
             else:
                 contributions[attempt.me] = OWN_CHUNK  # encoded and decoded in the reduction's job
             # Sum in member (= sorted peer id) order so the owner's arithmetic does not depend on arrival order;

@@ -93,12 +93,13 @@ class Pusher:
                     if attempt.raw:
                         # Our own NaN/Inf is refused chunk by chunk as it goes out: summing a chunk just before it
                         # is sent also brings it into cache for the send (one pass over 64 MiB up front cost more).
-                        error = own_chunk_error(codec, attempt.flat[a:b], a)
+                        own = attempt.own(a, b)
+                        error = own_chunk_error(codec, own, a)
                         if error is not None:
                             attempt.fail_locally(error)
                             return
                         # The tensor's own bytes: sent from its memory (data plane) or copied once (gRPC).
-                        frame = Frame(Chunk(k).encode(), raw_bytes(attempt.flat[a:b]))
+                        frame = Frame(Chunk(k).encode(), raw_bytes(own))
                         attempt.bytes_sent += wire_size(frame)
                         attempt.fp32_sent += 4 * (b - a)
                         yield frame

@@ -26,9 +26,10 @@ from farloco.protocol.exchange.wire import Blamed
 def encode_chunk(attempt: Attempt, a: int, b: int) -> bytes:
     """Our contribution's chunk [a, b) for the wire (lossy codecs: what the others decode of it into
     `transmitted`)."""
-    if attempt.lossless:
-        return encode(attempt.codec, attempt.flat[a:b], attempt.fast)
-    return encode_decoded(attempt.codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[0]
+    own = attempt.own(a, b)
+    if attempt.lossless or attempt.transmitted is None:
+        return encode(attempt.codec, own, attempt.fast)
+    return encode_decoded(attempt.codec, own, attempt.fast, attempt.transmitted[a:b])[0]
 
 
 class OwnChunkError(Exception):
@@ -65,9 +66,7 @@ def chunk_mean(
     for contribution in contributions:
         if contribution is OWN_CHUNK:
             try:
-                inputs.append(
-                    encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
-                )
+                inputs.append(_own_decoded(attempt, a, b))
             except Exception as exc:
                 raise OwnChunkError(exc) from None
         elif isinstance(contribution, Future):
@@ -123,6 +122,14 @@ def sparse_mean(
     total.div_(math.fsum(weights))
 
 
+def _own_decoded(attempt: Attempt, a: int, b: int) -> torch.Tensor:
+    """What the others decode of our chunk [a, b) (a lossy codec), into `transmitted` where it is kept."""
+    own = attempt.own(a, b)
+    # OnDemand: `own` is a fresh tensor of ours, which the decoded values may overwrite.
+    out = own if attempt.transmitted is None else attempt.transmitted[a:b]
+    return encode_decoded(attempt.codec, own, attempt.fast, out)[1]
+
+
 def reduce_alone(attempt: Attempt) -> None:
     """A dense group of one (all others dropped): the mean is our own contribution, through the codec twice like
     every owner's mean."""
@@ -130,12 +137,13 @@ def reduce_alone(attempt: Attempt) -> None:
     for a, b in attempt.plan.chunks(0):
         if not attempt.covers(a, b):
             continue
-        own = encode_decoded(codec, attempt.flat[a:b], attempt.fast, attempt.transmitted[a:b])[1]
+        own = attempt.own(a, b) if attempt.lossless else _own_decoded(attempt, a, b)
         encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
 
 
 def encode_sparse(attempt: Attempt) -> bytes:
     """Our sparse payload, and what the others will decode of it in `transmitted`."""
+    assert attempt.transmitted is not None, "a sparse contribution is a tensor (average refuses OnDemand)"
     payload = encode(attempt.codec, attempt.flat, attempt.fast)
     decode(attempt.codec, payload, attempt.plan.numel, "own payload", attempt.fast, attempt.transmitted)
     return payload

@@ -26,7 +26,7 @@ from helpers.exchange import (
     tolerance,
 )
 
-from farloco.protocol.exchange import AverageResult, ExchangeAborted
+from farloco.protocol.exchange import AverageResult, ExchangeAborted, OnDemand
 from farloco.protocol.types import Group, GroupMember
 
 
@@ -685,5 +685,95 @@ def test_connections_dropped_mid_exchange_end_the_attempt_at_once_alike_everywhe
         finally:
             for node in nodes:
                 await node.stop()
+
+    run(body())
+
+
+def on_demand(tensor: torch.Tensor, calls: list[tuple[int, int]] | None = None) -> OnDemand:
+    """`tensor` as an OnDemand contribution (each fill counted in `calls`)."""
+
+    def fill(a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        if calls is not None:
+            calls.append((a, b))
+        return out.copy_(tensor[a:b])
+
+    return OnDemand(tensor.numel(), fill)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp32"])
+def test_an_on_demand_contribution_gives_the_tensor_paths_bits(name: str) -> None:
+    """A contribution made chunk by chunk as it is sent (OnDemand), over two codec threads: the same mean, bit
+    for bit, as the tensor itself; nothing kept of `transmitted`, and `encoded_in` rebuilds it exactly; again
+    after a member is dropped (the survivors' retry makes the chunks again, cut for two members)."""
+    from farloco.optim import get_codec
+
+    codec = get_codec(name)
+    numel = 90_001
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3, codec_threads=2)
+        try:
+            inputs = [make_input(i, numel) for i in range(3)]
+            whole = await asyncio.gather(
+                *(node.exchange.average(group, inputs[i], codec, timeout=30) for i, node in enumerate(nodes))
+            )
+            calls: list[list[tuple[int, int]]] = [[] for _ in nodes]
+            made = await asyncio.gather(
+                *(
+                    node.exchange.average(group, on_demand(inputs[i], calls[i]), codec, timeout=30)
+                    for i, node in enumerate(nodes)
+                )
+            )
+            for i, (w, m) in enumerate(zip(whole, made, strict=True)):
+                assert torch.equal(m.averaged, w.averaged)
+                assert m.transmitted is None and m.contributors == w.contributors
+                assert m.encoded_in == w.encoded_in
+                assert [a for a, _ in m.encoded_in] == [0, *(b for _, b in m.encoded_in[:-1])]
+                assert m.encoded_in[-1][1] == numel and len(m.encoded_in) == len(
+                    chunks_of(group, i, inputs[i])
+                )
+                rebuilt = torch.cat([codec.encode_decoded(inputs[i][a:b])[1] for a, b in m.encoded_in])
+                assert torch.equal(rebuilt, w.transmitted)
+                # Every chunk was made when it was needed, none of them whole.
+                assert sorted(set(calls[i])) == sorted(m.encoded_in)
+            # A member of another shape is dropped: the survivors' retry cuts its chunks for two.
+            odd = make_input(2, numel - 1)
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(group, on_demand(inputs[0]), codec, timeout=30),
+                nodes[1].exchange.average(group, inputs[1], codec, timeout=30),
+                nodes[2].exchange.average(group, odd, codec, timeout=30),
+                return_exceptions=True,
+            )
+            first, second = outcomes[0], outcomes[1]
+            assert isinstance(first, AverageResult) and isinstance(second, AverageResult), outcomes
+            assert first.contributors == ("peer-0", "peer-1") and torch.equal(first.averaged, second.averaged)
+            pair = Group.make(group.round_id, list(group.members[:2]))
+            assert len(first.encoded_in) == len(chunks_of(pair, 0, inputs[0]))
+            rebuilt = torch.cat([codec.encode_decoded(inputs[0][a:b])[1] for a, b in first.encoded_in])
+            assert torch.equal(
+                rebuilt, torch.cat([codec.encode_decoded(c)[1] for c in chunks_of(pair, 0, inputs[0])])
+            )
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_an_on_demand_contribution_refuses_what_it_cannot_serve() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(1)
+        try:
+            source = on_demand(torch.ones(3))
+            with pytest.raises(ValueError, match="OnDemand contribution needs a dense codec, got 'topk'"):
+                await nodes[0].exchange.average(group, source, TopKCodec(), timeout=5)
+            with pytest.raises(ValueError, match="transmitted_out: expected None with an OnDemand"):
+                await nodes[0].exchange.average(
+                    group, source, Fp32Codec(), timeout=5, transmitted_out=torch.empty(3)
+                )
+            alone = await nodes[0].exchange.average(group, source, Fp32Codec(), timeout=5)
+            assert torch.equal(alone.averaged, torch.ones(3)) and alone.encoded_in == ((0, 3),)
+        finally:
+            await nodes[0].stop()
 
     run(body())

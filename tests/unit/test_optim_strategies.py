@@ -3,6 +3,7 @@ hyper-parameter checks, and bit-identical outer steps across simulated peers."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -392,3 +393,59 @@ def test_streaming_diloco_residual_lands_on_the_proposed_fragment_whatever_the_c
         residual = strategy.state_dict()["residual"]
         assert torch.equal(residual[:4], contribution - transmitted)
         assert torch.equal(residual[4:], torch.zeros(8))
+
+
+def ranges_of(numel: int, cuts: list[int]) -> list[tuple[int, int]]:
+    bounds = [0, *sorted({c for c in cuts if 0 < c < numel}), numel]
+    return list(itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize("name", ["diloco", "sparseloco", "streaming-diloco", "demo"])
+@pytest.mark.parametrize("codec_name", ["int8", "int4", "bf16", "fp32"])
+def test_a_contribution_on_demand_gives_the_same_bits_as_one_made_whole(name: str, codec_name: str) -> None:
+    """`contribution_range` is `make_contribution`'s values, and `stage_in_place` over the ranges an exchange
+    encoded in leaves the state `propose` + `commit` would, bit for bit, over three rounds (streaming: three
+    fragments) and after a round alone (None: nothing lost). The outer steps then agree too."""
+    numel = 3_001
+    codec = get_codec(codec_name, **({"block_size": 32} if codec_name in ("int8", "int4") else {}))
+    hparams: dict[str, float | int | bool] = {"num_fragments": 3} if name == "streaming-diloco" else {}
+    if name in ("diloco", "streaming-diloco"):
+        hparams["error_feedback"] = True
+    whole, on_demand = (make_strategy(name, numel, codec, **hparams) for _ in range(2))
+    generator = torch.Generator().manual_seed(7)
+    theta_w = torch.randn(numel, generator=generator)
+    theta_d = theta_w.clone()
+    for round_index in range(4):
+        local = theta_w + torch.randn(numel, generator=generator) * 0.01
+        contribution = whole.make_contribution(theta_w, local)
+        n = contribution.numel()
+        for a, b in [(0, n), (5, 17), (n - 3, n), (9, 9)]:
+            piece = on_demand.contribution_range(theta_d, local, a, b, torch.empty(b - a))
+            assert torch.equal(piece, contribution[a:b]), (a, b)
+        alone = round_index == 3
+        ranges = None if alone else ranges_of(n, [257 * (round_index + 1), 1000, 2049 - round_index])
+        if ranges is None:
+            transmitted = contribution
+        else:
+            transmitted = torch.cat([codec.encode_decoded(contribution[a:b])[1] for a, b in ranges])
+        averaged = transmitted * 0.5 + 0.001
+        whole.propose(contribution, transmitted)
+        whole.apply(theta_w, averaged)
+        whole.commit()
+        on_demand.stage_in_place(theta_d, local, ranges)
+        on_demand.apply(theta_d, averaged)
+        assert on_demand.commit() is None
+        assert torch.equal(theta_d, theta_w)
+        for key, value in whole.state_dict().items():
+            assert torch.equal(on_demand.state_dict()[key], value), (round_index, key)
+
+
+def test_stage_in_place_refuses_ranges_that_do_not_cover_the_contribution() -> None:
+    strategy = make_strategy("diloco", 100, get_codec("int8"))
+    theta, local = torch.zeros(100), torch.ones(100)
+    for ranges in ([(0, 50)], [(0, 50), (60, 100)], [(0, 60), (50, 100)], []):
+        with pytest.raises(StrategyError, match=r"expected ranges covering \[0, 100\) in order"):
+            strategy.stage_in_place(theta, local, ranges)
+    with pytest.raises(StrategyError, match=r"contribution_range: expected 0 <= a <= b <= 100, got 90, 101"):
+        strategy.contribution_range(theta, local, 90, 101, torch.empty(11))
+    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))  # nothing written

@@ -167,10 +167,17 @@ def test_a_rolled_back_round_leaves_the_error_feedback_untouched() -> None:
     local = torch.linspace(-1, 1, 1000)
     contribution = outer.contribution(local)
     transmitted = codec.decode(codec.encode(contribution))
-    outer.stage(contribution, transmitted)
+    outer.stage(contribution, transmitted, transmitted)
     outer.rollback()
     assert torch.equal(outer.strategy.state_dict()["residual"], torch.zeros(1000))
     assert torch.equal(outer.contribution(local), -local)  # the work buffer is scratch again
+    # On demand, nothing is written before the commit: a round that does not commit has nothing to undo.
+    outer.on_demand = True
+    made = outer.contribution(local)
+    outer.rollback()
+    assert torch.equal(outer.strategy.state_dict()["residual"], torch.zeros(1000))
+    with pytest.raises(ValueError, match="with no contribution made"):
+        outer.commit(made, ((0, 1000),), torch.zeros(1000))
 
 
 @pytest.mark.parametrize(("name", "codec", "options"), [CASES[0], CASES[3]])
@@ -219,3 +226,67 @@ def test_a_contribution_measured_from_a_reference_leaves_theta_outer_alone() -> 
     assert torch.equal(outer.theta, theta)
     with pytest.raises(StrategyError, match="a delayed outer update"):
         make_strategy("demo", NUMEL, get_codec("int8")).eager_scale()
+
+
+@pytest.mark.parametrize(("name", "codec_name", "hparams"), [c for c in CASES if c[1] != "topk"])
+def test_the_on_demand_round_matches_the_plain_strategy_api(
+    name: str, codec_name: str, hparams: dict[str, float], agent_threads: int
+) -> None:
+    """OuterRound with `on_demand`: the contribution is an OnDemand (checked, never written whole), the exchange's
+    ranges stand for what the swarm saw, and commit writes the state straight in; theta, the state and the hash
+    agree bit for bit with the plain strategy API after every round, a round alone among them. Nothing of the
+    model's size is allocated for the contribution or for `transmitted`."""
+    from farloco.protocol.exchange import OnDemand
+
+    codec = get_codec(codec_name)
+    generator = torch.Generator().manual_seed(11)
+    theta = torch.randn(NUMEL, generator=generator).mul_(0.02)
+    fast = OuterRound(theta.clone(), make_strategy(name, NUMEL, codec, **hparams), codec)
+    fast.on_demand = True
+    fast.prefault(False)
+    plain = make_strategy(name, NUMEL, codec, **hparams)
+    plain_theta = theta.clone()
+    for round_index in range(4):
+        local = plain_theta + torch.randn(NUMEL, generator=generator).mul_(1e-3)
+        contribution = fast.contribution(local)
+        assert isinstance(contribution, OnDemand)
+        expected = plain.make_contribution(plain_theta, local)
+        assert torch.equal(contribution.chunk(0, contribution.numel), expected)
+        n = expected.numel()
+        if round_index == 2:  # a group of one: the mean is the contribution, nothing lost
+            sent, averaged = fast.alone(contribution)
+            assert sent is None and torch.equal(averaged, expected)
+            transmitted, averaged = expected, averaged.clone()
+        else:
+            sent = tuple((a, min(a + 50_000, n)) for a in range(0, n, 50_000))
+            transmitted = torch.cat([codec.encode_decoded(expected[a:b])[1] for a, b in sent])
+            averaged = (transmitted + torch.randn(n, generator=generator).mul_(1e-3)) * 0.5
+        outer_hash = fast.commit(contribution, sent, averaged)
+        plain.propose(expected, transmitted)
+        plain.apply(plain_theta, averaged)
+        plain.commit()
+        assert torch.equal(fast.theta, plain_theta)
+        assert outer_hash == digest(plain_theta.numpy().tobytes())
+        for key, value in plain.state_dict().items():
+            assert torch.equal(fast.strategy.state_dict()[key], value), (round_index, key)
+    assert fast._work is None and fast._sent is None
+
+
+def test_an_on_demand_round_names_nonfinite_weights_and_a_refused_mean_leaves_the_state_whole() -> None:
+    codec = get_codec("int8")
+    outer = OuterRound(torch.zeros(NUMEL), make_strategy("diloco", NUMEL, codec), codec)
+    outer.on_demand = True
+    local = torch.zeros(NUMEL)
+    local[CHUNK + 5] = float("nan")
+    with pytest.raises(OuterError, match=rf"non-finite parameters: .*values from {CHUNK}"):
+        outer.contribution(local)
+    local[CHUNK + 5] = 0.5
+    contribution = outer.contribution(local)
+    residual = outer.strategy.state_dict()["residual"]
+    bad = torch.zeros(NUMEL)
+    bad[7] = float("inf")
+    with pytest.raises(StrategyError, match="averaged: expected only finite values"):
+        outer.commit(contribution, ((0, NUMEL),), bad)
+    assert torch.equal(outer.strategy.state_dict()["residual"], residual)
+    with pytest.raises(ValueError, match="commit: an OnDemand contribution takes the ranges"):
+        outer.commit(contribution, torch.zeros(NUMEL), torch.zeros(NUMEL))

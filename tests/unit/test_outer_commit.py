@@ -16,6 +16,7 @@ from farloco.node.config import load_config
 from farloco.node.daemon.agent import Agent, theta_hash
 from farloco.node.daemon.core import AgentError, Prepared
 from farloco.node.daemon.rounds import Averaged
+from farloco.protocol.exchange import OnDemand
 from farloco.protocol.statesync import StateServer
 
 
@@ -26,9 +27,12 @@ def committable(tmp_path: Path) -> tuple[Agent, StateServer, Prepared, Averaged]
     generator = torch.Generator().manual_seed(0)
     theta_local = agent.outer.theta + 1e-3 * torch.randn(agent.outer.theta.shape, generator=generator)
     contribution = agent.outer.contribution(theta_local)
-    transmitted = agent.outer.codec.decode(agent.outer.codec.encode(contribution))
+    # The synchronous loop's contribution with a dense codec: made on demand, sent in one range here.
+    assert isinstance(contribution, OnDemand)
+    whole = contribution.chunk(0, contribution.numel)
+    transmitted = agent.outer.codec.decode(agent.outer.codec.encode(whole))
     prepared = Prepared(theta_local, contribution, fixed_reference=False)
-    return agent, server, prepared, Averaged(transmitted, transmitted, ("self",), 0, 0, 0)
+    return agent, server, prepared, Averaged(((0, contribution.numel),), transmitted, ("self",), 0, 0, 0)
 
 
 def test_a_commit_runs_off_the_event_loop_and_is_seen_through(tmp_path: Path) -> None:

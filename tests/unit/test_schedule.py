@@ -121,8 +121,8 @@ def test_the_outer_rate_follows_the_round_and_every_state_change_sets_it(schedul
         contribution = outer.contribution(theta - 0.01)
 
         async def commit() -> None:
-            mean = contribution.clone()
-            await outer.commit(contribution, contribution.clone(), mean)
+            transmitted, mean = outer.round.alone(contribution)  # a group of one
+            await outer.commit(contribution, transmitted, mean)
 
         asyncio.run(commit())
         assert outer.round_id == 1 and outer.outer_lr == pytest.approx(closed_form(1))

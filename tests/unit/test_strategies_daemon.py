@@ -99,8 +99,8 @@ def committed_rounds(agent: Agent, num_rounds: int) -> None:
     for _ in range(num_rounds):
         theta_local = agent.outer.theta + 1e-3 * torch.randn(agent.outer.theta.shape, generator=generator)
         contribution = agent.outer.contribution(theta_local)
-        transmitted = agent.outer.codec.decode(agent.outer.codec.encode(contribution))
-        agent.outer.outer_hash = agent.outer.round.commit(contribution, transmitted, transmitted)
+        transmitted, mean = agent.outer.round.alone(contribution)  # a group of one, as `_average` makes it
+        agent.outer.outer_hash = agent.outer.round.commit(contribution, transmitted, mean)
         agent.outer.round_id += 1
     assert agent.outer.outer_hash == theta_hash(agent.outer.theta)
 
