@@ -157,9 +157,11 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
                     pass
 
         await membership.publish(record())
+        # Heartbeats from the start: with many peers on few cores the table fills more slowly than a record's
+        # TTL (8 s), and a record published once would expire before the last peer saw it.
+        beats = asyncio.create_task(heartbeat())
         while len(await membership.members()) < peers:  # everyone in the table before round 0
             await asyncio.sleep(0.2)
-        beats = asyncio.create_task(heartbeat())
         codec = get_codec("fp32")
         tensor = torch.full((NUMEL,), float(rank))
         log: list[dict[str, Any]] = []

@@ -610,6 +610,9 @@ class RoundRunner:
             fp32_bytes=averaged.fp32_bytes,
             seconds=self.state.counters.last_round_seconds,
             phases=self._phases,
+            # matchmaking: frozen in one hop, and the last member's ready record -> the group known here
+            one_hop=getattr(self.matchmaker, "last_one_hop", False),
+            freeze_ms=_ms(getattr(self.matchmaker, "last_freeze_seconds", None)),
             ranks_idle_seconds=self.state.counters.ranks_idle_seconds,
             inner_step_seconds=self.state.inner_step_seconds,
             trained_from=prepared.trained_from,
@@ -679,3 +682,7 @@ class RoundRunner:
         log.warning("round %d aborted: %s", self.outer.round_id, reason)
         self.outer.round.rollback()  # the residual is not eaten
         return self.swarm.advance_without_update(reason)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 1)

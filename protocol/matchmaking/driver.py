@@ -139,6 +139,10 @@ class DHTMatchmaker:
         self.straggler: StragglerWait | None = None
         self.last_wait = 0.0  # the straggler wait we proposed in our last ready record
         self.last_leader = ""  # who froze the group form_group last returned
+        # How form_group last returned a group (the round event carries it): frozen in one hop, and the seconds
+        # from the last of its members' ready records (their ready_at) to the group known here (our clock).
+        self.last_one_hop = False
+        self.last_freeze_seconds: float | None = None
         self._last_group: tuple[int, dict[str, str]] = (-1, {})  # (round, peer id -> address) of that group
         # Members of the last group whose record vanished: peer id -> (when we last knocked at its address,
         # whether the connection was refused there). A refusal means no process listens there any more.
@@ -679,7 +683,7 @@ class DHTMatchmaker:
                         self._spawn(self._store(group_key, chosen.to_wire(), expiration))
                     self.last_leader = chosen.leader
                     self._last_group = (round_id, {m.peer_id: m.address for m in decision.group.members})
-                    self._sample(decision.group, view, match_timeout, leader_timeout)
+                    self._sample(decision.group, view, match_timeout, leader_timeout, decision.one_hop)
                     return decision.group
                 plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
                 early = isinstance(decision, Publish) and now < plan.freeze_at
@@ -709,7 +713,18 @@ class DHTMatchmaker:
         finally:
             await cancel_and_wait(poller)
 
-    def _sample(self, group: Group, view: RoundView, match_timeout: float, leader_timeout: float) -> None:
+    def _sample(
+        self,
+        group: Group,
+        view: RoundView,
+        match_timeout: float,
+        leader_timeout: float,
+        one_hop: bool = False,
+    ) -> None:
+        self.last_one_hop = one_hop
+        readies = [view.ready[m.peer_id].ready_at for m in group.members if m.peer_id in view.ready]
+        # A member whose ready record we never saw (the group reached us through its leader) is left out.
+        self.last_freeze_seconds = max(0.0, self.clock.now() - max(readies)) if readies else None
         if self.straggler is not None:
             plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
             self.straggler.observe(spread_sample(group, view, plan))

@@ -714,6 +714,10 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
         assert sorted(m.peer_id for m in groups[0].members) == sorted(me.peer_id for me in mes)
         assert elapsed < 2.0, elapsed  # early: the freeze deadline is 5 s away
         assert [mk.counters["one_hop"] for mk in makers] == [1, 1]
+        # What the round event reports: in one hop, known within the round's time of the last ready record.
+        assert all(mk.last_one_hop for mk in makers)
+        freezes = [mk.last_freeze_seconds for mk in makers]
+        assert all(f is not None and 0.0 <= f <= elapsed for f in freezes), (freezes, elapsed)
 
     asyncio.run(main())
 

@@ -1,0 +1,228 @@
+"""Many real nodes on one machine: healthy swarms of 2, 4, 8 and 16 nodes, and 16 nodes through faults (4 of them
+SIGKILLed and restarted, 2 joining mid-run), each node the whole daemon (`farloco join`: agent, rank, DHT child,
+p2pd) on 127.0.0.1, the tiny preset.
+
+    python benchmarks/swarm_scale.py --markdown                          # 2, 4, 8, 16 healthy, then 16 with faults
+    python benchmarks/swarm_scale.py --nodes 4 --rounds 10 --no-faults   # one quick row
+
+Swarms run through benchmarks/chaos_runner.py (the chaos table's harness: its invariants are checked here too: one
+outer hash per round among the nodes that committed it, no NaN, no node that no fault touched exiting other than
+cleanly, nothing left behind). Figures per row, from the nodes' own round events:
+
+- `rounds`: round ids the swarm committed; `round_s` p50 / p90: the gap between consecutive commits of each node;
+- `all live`: the share of (node, round) commits whose contributors hold every *live* node of that round, a node
+  being live at round r when it committed both r - 1 and r + 1 (it was in the swarm on both sides of r: a node
+  killed, restarting or still catching up is not expected); `worst node`: the lowest share of one node (the goal:
+  every node >= 99%);
+- `freeze_ms` p50 / p99: per round, the largest over its members of `freeze_ms` (the round event's time from the
+  last member's ready record to the group known there: last ready -> group known by all); `one hop`: the share
+  of rounds frozen in one hop;
+- `KB/round`: exchange bytes one node sent per round (its round events' `bytes_sent`, aborted attempts
+  included); the DHT's own traffic is measured by benchmarks/matchmaking.py;
+- `forks`: round ids committed with two outer hashes (must be 0).
+
+Timeouts are the loopback demo's (node/tools/demo.py) widened for many processes on few cores: `--member-ttl`
+(default 15 s) and `--heartbeat` (default 2 s), match_timeout 60 s, isolation_timeout 60 s. Each node runs
+`--inner-steps` (default 8) inner steps a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from chaos_runner import Fault, Scenario, run, verdict
+
+from farloco.node.tools.demo import read_events
+
+
+def overrides(args: argparse.Namespace) -> tuple[str, ...]:
+    return (
+        f"timeouts.member_ttl={args.member_ttl}",
+        f"timeouts.heartbeat_interval={args.heartbeat}",
+        "timeouts.match_timeout=60.0",
+        "timeouts.isolation_timeout=60.0",
+        f"run.inner_steps={args.inner_steps}",
+        'run.codec="int8"',
+    )
+
+
+def healthy(nodes: int, args: argparse.Namespace) -> Scenario:
+    return Scenario(
+        f"healthy-{nodes}",
+        f"{nodes} nodes, {args.rounds} rounds, nothing goes wrong",
+        peers=nodes,
+        rounds=args.rounds,
+        overrides=overrides(args),
+        timeout=args.timeout,
+    )
+
+
+def with_faults(args: argparse.Namespace) -> Scenario:
+    """16 nodes: nodes 3, 7, 11 and 13 SIGKILLed (ranks and DHT child with them) at rounds 4, 8, 12 and 16 and
+    restarted 1 s later from their checkpoints; nodes 14 and 15 join at rounds 6 and 10."""
+    kills = tuple(
+        Fault(
+            f"SIGKILL node {peer} at round {at}",
+            peer,
+            at,
+            signal="sigkill",
+            restart_after=1.0,
+            checks=("back",),
+        )
+        for peer, at in ((3, 4), (7, 8), (11, 12), (13, 16))
+    )
+    joins = tuple(
+        Fault(f"node {peer} joins at round {at}", peer, at, signal="join", checks=("back",))
+        for peer, at in ((14, 6), (15, 10))
+    )
+    return Scenario(
+        "faults-16",
+        "16 nodes: 4 SIGKILLed and restarted, 2 join mid-run",
+        (*kills, *joins),
+        peers=16,
+        rounds=max(args.rounds, 24),
+        late_peers=(14, 15),
+        overrides=overrides(args),
+        timeout=args.timeout,
+    )
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def figures(work: Path, nodes: int) -> dict[str, Any]:
+    """The row's figures from every node's round events (see the module docstring)."""
+    events = {i: [e for e in read_events(work / f"p{i}") if e["event"] == "round"] for i in range(nodes)}
+    committed: dict[int, set[int]] = defaultdict(set)  # node -> round ids
+    hashes: dict[int, set[str]] = defaultdict(set)
+    freeze: dict[int, list[float]] = defaultdict(list)
+    one_hop: dict[int, bool] = {}
+    gaps: list[float] = []
+    sent: list[int] = []
+    for index, rounds in events.items():
+        for event in rounds:
+            r = event["round_id"]  # the round after the commit: the committed round is r - 1
+            committed[index].add(r - 1)
+            hashes[r - 1].add(event["outer_hash"])
+            sent.append(int(event.get("bytes_sent", 0)))
+            if event.get("freeze_ms") is not None:
+                freeze[r - 1].append(float(event["freeze_ms"]))
+            one_hop[r - 1] = one_hop.get(r - 1, False) or bool(event.get("one_hop"))
+        times = [float(e["time"]) for e in rounds if "time" in e]
+        gaps += [b - a for a, b in itertools.pairwise(times)]
+    peer_of = _peer_ids(work, nodes)
+    all_live = 0
+    total = 0
+    worst: dict[int, list[bool]] = defaultdict(list)
+    for index, rounds in events.items():
+        for event in rounds:
+            r = event["round_id"] - 1
+            live = {j for j in range(nodes) if r - 1 in committed[j] and r + 1 in committed[j]}
+            present = {peer_of.get(p) for p in event.get("contributors", [])}
+            ok = live <= present
+            all_live += ok
+            total += 1
+            worst[index].append(ok)
+    shares = [sum(v) / len(v) for v in worst.values() if v]
+    per_round_freeze = [max(v) for v in freeze.values() if v]
+    return {
+        "nodes": nodes,
+        "rounds": len(hashes),
+        "round_s_p50": _percentile(gaps, 0.5),
+        "round_s_p90": _percentile(gaps, 0.9),
+        "all_live_share": all_live / total if total else None,
+        "worst_node_share": min(shares) if shares else None,
+        "freeze_ms_p50": _percentile(per_round_freeze, 0.5),
+        "freeze_ms_p99": _percentile(per_round_freeze, 0.99),
+        "one_hop_share": sum(one_hop.values()) / len(one_hop) if one_hop else None,
+        "kb_per_round": statistics.mean(sent) / 1000 if sent else None,
+        "forks": sorted(r for r, h in hashes.items() if len(h) > 1),
+    }
+
+
+def _peer_ids(work: Path, nodes: int) -> dict[str, int]:
+    """peer id -> node index, from each node's events (any event naming its own peer id)."""
+    found: dict[str, int] = {}
+    for index in range(nodes):
+        for event in read_events(work / f"p{index}"):
+            peer = event.get("peer_id")
+            if isinstance(peer, str) and peer:
+                found[peer] = index
+                break
+    return found
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def f(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        "| swarm | nodes | rounds | round_s p50 / p90 | all live | worst node | freeze_ms p50 / p99 | one hop | "
+        "KB/round | forks | held |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['scenario']} | {row['nodes']} | {row['rounds']} | {f(row['round_s_p50'], '.1f')} / "
+            f"{f(row['round_s_p90'], '.1f')} | {f(row['all_live_share'], '.1%')} | {f(row['worst_node_share'], '.1%')} | "
+            f"{f(row['freeze_ms_p50'], '.0f')} / {f(row['freeze_ms_p99'], '.0f')} | {f(row['one_hop_share'], '.0%')} | "
+            f"{f(row['kb_per_round'], '.1f')} | {len(row['forks'])} | {'yes' if not row['problems'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="*", default=[2, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--inner-steps", type=int, default=8)
+    parser.add_argument("--member-ttl", type=float, default=15.0)
+    parser.add_argument("--heartbeat", type=float, default=2.0)
+    parser.add_argument("--timeout", type=float, default=2400.0, help="seconds each swarm may take")
+    parser.add_argument(
+        "--no-faults", dest="faults", action="store_false", help="leave the 16-node fault row out"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="keep the swarms' directories here")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    print(f"# load before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores", flush=True)
+    scenarios = [healthy(n, args) for n in args.nodes] + ([with_faults(args)] if args.faults else [])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="farloco-scale-") as tmp:
+        root = args.out or Path(tmp)
+        for scenario in scenarios:
+            work = root / scenario.name
+            started = time.monotonic()
+            outcome = run(
+                scenario, work, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True)
+            )
+            row = {
+                "scenario": scenario.name,
+                **figures(work, scenario.peers),
+                "seconds": round(time.monotonic() - started, 1),
+                "load": round(os.getloadavg()[0], 2),
+                "problems": verdict(scenario, outcome),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.markdown:
+        print(markdown(rows))
+    sys.exit(1 if any(row["problems"] or row["forks"] for row in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
