@@ -45,8 +45,9 @@ from chaos_runner import Fault, Scenario, run, verdict
 from farloco.node.tools.demo import read_events
 
 
-def overrides(args: argparse.Namespace) -> tuple[str, ...]:
+def overrides(args: argparse.Namespace, nodes: int) -> tuple[str, ...]:
     return (
+        f"run.data_slots={max(8, nodes)}",  # node i asks for data slot i
         f"timeouts.member_ttl={args.member_ttl}",
         f"timeouts.heartbeat_interval={args.heartbeat}",
         "timeouts.match_timeout=60.0",
@@ -62,7 +63,7 @@ def healthy(nodes: int, args: argparse.Namespace) -> Scenario:
         f"{nodes} nodes, {args.rounds} rounds, nothing goes wrong",
         peers=nodes,
         rounds=args.rounds,
-        overrides=overrides(args),
+        overrides=overrides(args, nodes),
         timeout=args.timeout,
     )
 
@@ -92,7 +93,7 @@ def with_faults(args: argparse.Namespace) -> Scenario:
         peers=16,
         rounds=max(args.rounds, 24),
         late_peers=(14, 15),
-        overrides=overrides(args),
+        overrides=overrides(args, 16),
         timeout=args.timeout,
     )
 

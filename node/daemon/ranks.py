@@ -174,6 +174,8 @@ class Ranks:
             str(dataset),
             "--slot",
             str(slot),
+            "--agent-pid",
+            str(os.getpid()),
         )
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(node.threads_per_rank)

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -153,7 +154,7 @@ def run_rank(args: argparse.Namespace) -> None:
         handoff.mark_peak_flops(rank, device_peak_flops(device, precision, config.node.peak_tflops))
         staging = HostStaging(views, device, region=handoff.mapped)
         try:
-            loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device)
+            loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device, args.agent_pid)
         finally:
             staging.close()
 
@@ -184,12 +185,15 @@ def loop(
     config: Config,
     rank: int,
     device: torch.device,
+    agent_pid: int = 0,
 ) -> None:
     done_seq = handoff.report(rank).done_seq
     # A restarted rank group redoes an inner-state request that any rank had not finished: they all must meet
     # in its collectives.
     inner_done = min(handoff.report(r).inner_done for r in range(handoff.world_size))
-    parent = os.getppid()
+    # The agent that launched us: given by it, since a rank still importing torch when the agent was SIGKILLed
+    # was already re-parented when it got here, and took its new parent (init) for the agent, forever.
+    parent = agent_pid or os.getppid()
     loaded_once = False
     tokens = 0
     pid = os.getpid()
@@ -522,14 +526,40 @@ def defer_sigterm(handoff_path: Path, grace: float = SIGTERM_GRACE) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
+def watch_agent(agent_pid: int, every: float = 1.0) -> threading.Thread:
+    """End this rank at once when the agent that launched it is gone (it is no longer our parent), wherever the
+    rank is: a rank still importing torch or joining its process group when the agent was SIGKILLed otherwise
+    waits out the rendezvous store's connect timeout (many minutes) before noticing, an orphan meanwhile. The
+    inner loop's own check ends it cleanly between steps; this covers the rest."""
+
+    def watch() -> None:
+        while os.getppid() == agent_pid:
+            time.sleep(every)
+        sys.stderr.write(f"farloco trainer rank: the agent (pid {agent_pid}) is gone; exiting\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="farloco-agent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="farloco trainer rank (started by the agent, not by hand)")
     parser.add_argument("--handoff", required=True, help="path of the agent's shared-memory hand-off file")
     parser.add_argument("--config", required=True, help="the node's resolved config (TOML)")
     parser.add_argument("--dataset", required=True, help="prepared dataset directory")
     parser.add_argument("--slot", type=int, required=True, help="this node's data slot")
+    parser.add_argument(
+        "--agent-pid",
+        type=int,
+        default=0,
+        help="the agent's pid: the rank ends when it is no longer its parent",
+    )
     args = parser.parse_args(argv)
     defer_sigterm(Path(args.handoff))
+    if args.agent_pid:
+        watch_agent(args.agent_pid)
     run_rank(args)
     # Stopped by the agent (or orphaned): the process group is torn down and the hand-off is the agent's, so
     # nothing is left to clean up. Skip the interpreter's teardown of torch, which took seconds of a leave's

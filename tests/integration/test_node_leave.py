@@ -4,6 +4,7 @@ timeouts.dht_retry ends the node with a message that names the DHT key."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,6 +97,40 @@ def test_sigkill_of_the_agent_orphans_no_rank_and_no_dht_process(tmp_path: Path)
     # The launcher's warning about orphans (it runs on a thread and cannot trap signals) is not shown.
     output = (run_dir / "stderr.log").read_text() + (run_dir / "stdout.log").read_text()
     assert "Failed to register signal handlers" not in output
+
+
+def test_ranks_still_starting_when_the_agent_is_sigkilled_end_too(tmp_path: Path) -> None:
+    """The agent SIGKILLed right after it launched its ranks, while they still import torch: by the time they
+    look for their parent they were re-parented already, and must not take the new parent for the agent."""
+    run_dir = tmp_path / "node"
+    node = start_node(run_dir, "--set", "node.num_ranks=2")
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[psutil.Process] = []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = [
+                p
+                for p in psutil.Process(node.pid).children(recursive=True)
+                if "farloco.node.training.trainer" in " ".join(p.cmdline())
+            ]
+            time.sleep(0.05)
+        assert len(ranks) == 2, "the agent did not launch its ranks"
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait(timeout=30)
+        deadline = (
+            time.monotonic() + 90
+        )  # they import torch and set up their group first, on a loaded machine
+        while time.monotonic() < deadline:
+            alive = [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not alive:
+                break
+            time.sleep(0.2)
+        assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
+    finally:
+        stop_process(node)
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()
 
 
 def test_refused_dht_stores_at_join_are_ridden_out(tmp_path: Path) -> None:
