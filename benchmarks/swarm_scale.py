@@ -11,9 +11,10 @@ cleanly, nothing left behind). Figures per row, from the nodes' own round events
 
 - `rounds`: round ids the swarm committed; `round_s` p50 / p90: the gap between consecutive commits of each node;
 - `all live`: the share of (node, round) commits whose contributors hold every *live* node of that round, a node
-  being live at round r when it committed both r - 1 and r + 1 (it was in the swarm on both sides of r: a node
-  killed, restarting or still catching up is not expected); `worst node`: the lowest share of one node (the goal:
-  every node >= 99%);
+  being live from its first `joined` event on, except from each fault done to it until its first commit after
+  that fault (a node killed, restarting or catching up is not expected), over the whole span from the commit of
+  round r - 1 to that of r + 1; `worst node`: the lowest share of one node (the goal: every node >= 99%);
+  `missed`: per node, the commits that left it out while it was live;
 - `freeze_ms` p50 / p99: per round, the largest over its members of `freeze_ms` (the round event's time from the
   last member's ready record to the group known there: last ready -> group known by all); `one hop`: the share
   of rounds frozen in one hop;
@@ -31,12 +32,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -105,39 +107,64 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def figures(work: Path, nodes: int) -> dict[str, Any]:
+def down_intervals(
+    work: Path, nodes: int, faults: list[tuple[int, float]]
+) -> dict[int, list[tuple[float, float]]]:
+    """Per node, when it was not a live member: before it first joined, and from each fault done to it
+    (`faults`: (node, when)) until its first round committed after it (for ever if none)."""
+    down: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for index in range(nodes):
+        log = read_events(work / f"p{index}")
+        joined = [float(e["time"]) for e in log if e["event"] == "joined"]
+        down[index].append((-math.inf, joined[0] if joined else math.inf))
+        commits = sorted(float(e["time"]) for e in log if e["event"] == "round")
+        for node, at in faults:
+            if node == index:
+                back = next((t for t in commits if t > at), math.inf)
+                down[index].append((at, back))
+    return down
+
+
+def figures(work: Path, nodes: int, faults: list[tuple[int, float]]) -> dict[str, Any]:
     """The row's figures from every node's round events (see the module docstring)."""
     events = {i: [e for e in read_events(work / f"p{i}") if e["event"] == "round"] for i in range(nodes)}
-    committed: dict[int, set[int]] = defaultdict(set)  # node -> round ids
     hashes: dict[int, set[str]] = defaultdict(set)
+    times: dict[int, list[float]] = defaultdict(list)  # round id -> when its members committed it
     freeze: dict[int, list[float]] = defaultdict(list)
     one_hop: dict[int, bool] = {}
     gaps: list[float] = []
     sent: list[int] = []
-    for index, rounds in events.items():
+    for rounds in events.values():
         for event in rounds:
-            r = event["round_id"]  # the round after the commit: the committed round is r - 1
-            committed[index].add(r - 1)
-            hashes[r - 1].add(event["outer_hash"])
+            r = event["round_id"]
+            hashes[r].add(event["outer_hash"])
+            times[r].append(float(event["time"]))
             sent.append(int(event.get("bytes_sent", 0)))
             if event.get("freeze_ms") is not None:
-                freeze[r - 1].append(float(event["freeze_ms"]))
-            one_hop[r - 1] = one_hop.get(r - 1, False) or bool(event.get("one_hop"))
-        times = [float(e["time"]) for e in rounds if "time" in e]
-        gaps += [b - a for a, b in itertools.pairwise(times)]
+                freeze[r].append(float(event["freeze_ms"]))
+            one_hop[r] = one_hop.get(r, False) or bool(event.get("one_hop"))
+        stamps = [float(e["time"]) for e in rounds]
+        gaps += [b - a for a, b in itertools.pairwise(stamps)]
+    at = {r: statistics.median(t) for r, t in times.items()}
     peer_of = _peer_ids(work, nodes)
-    all_live = 0
-    total = 0
+    down = down_intervals(work, nodes, faults)
+
+    def live(r: int) -> set[int]:
+        """Nodes live from the commit of round r - 1 to that of r + 1 (the first and last rounds: their own)."""
+        lo, hi = at.get(r - 1, at[r]), at.get(r + 1, at[r])
+        return {j for j in range(nodes) if not any(a <= hi and lo <= b for a, b in down[j])}
+
+    all_live = total = 0
     worst: dict[int, list[bool]] = defaultdict(list)
+    missed: Counter[int] = Counter()
     for index, rounds in events.items():
         for event in rounds:
-            r = event["round_id"] - 1
-            live = {j for j in range(nodes) if r - 1 in committed[j] and r + 1 in committed[j]}
             present = {peer_of.get(p) for p in event.get("contributors", [])}
-            ok = live <= present
-            all_live += ok
+            absent = live(event["round_id"]) - present
+            missed.update(absent)
+            all_live += not absent
             total += 1
-            worst[index].append(ok)
+            worst[index].append(not absent)
     shares = [sum(v) / len(v) for v in worst.values() if v]
     per_round_freeze = [max(v) for v in freeze.values() if v]
     return {
@@ -147,6 +174,8 @@ def figures(work: Path, nodes: int) -> dict[str, Any]:
         "round_s_p90": _percentile(gaps, 0.9),
         "all_live_share": all_live / total if total else None,
         "worst_node_share": min(shares) if shares else None,
+        # node -> commits (of others) that missed it while it was live
+        "missed": {f"p{j}": n for j, n in sorted(missed.items())},
         "freeze_ms_p50": _percentile(per_round_freeze, 0.5),
         "freeze_ms_p99": _percentile(per_round_freeze, 0.99),
         "one_hop_share": sum(one_hop.values()) / len(one_hop) if one_hop else None,
@@ -211,9 +240,14 @@ def main() -> None:
             outcome = run(
                 scenario, work, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True)
             )
+            done = [
+                (fault.peer, figure.at)
+                for fault, figure in zip(scenario.faults, outcome.faults, strict=True)
+                if fault.signal != "join" and figure.at is not None
+            ]
             row = {
                 "scenario": scenario.name,
-                **figures(work, scenario.peers),
+                **figures(work, scenario.peers, done),
                 "seconds": round(time.monotonic() - started, 1),
                 "load": round(os.getloadavg()[0], 2),
                 "problems": verdict(scenario, outcome),

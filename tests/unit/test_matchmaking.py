@@ -864,3 +864,29 @@ def test_a_vanished_member_that_refuses_connections_or_answers_no_call_is_not_wa
                 await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_a_member_whose_record_we_lack_is_expected_on_its_own_fresh_announcement() -> None:
+    """A member that told us over the links it works on round r is waited for in r though its member record is
+    missing from our table (expired in our view under load): the leader's early freeze waits for its ready
+    record, and a straggler sees that the others wait for it. Not after the member ttl, not another round's, not
+    after a departure tombstone, never ourselves."""
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.membership import Departure, DHTMembership
+    from farloco.util.clock import FakeClock
+
+    clock = FakeClock(1000.0)
+    membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
+    maker = DHTMatchmaker(None, "mm", membership, clock=clock)
+    now = clock.now()
+    live = [rec("p1", heartbeat=now, round_id=5, run_hash="h")]
+    assert maker._expected(5, live, now, "p0") == {"p1"}
+    maker.announce(5, "p2")  # what a MatchAt from p2 records (our own announcement goes the same way)
+    maker.announce(5, "p0")
+    maker.announce(6, "p3")
+    assert maker._expected(5, live, now, "p0") == {"p1", "p2"}
+    assert maker._expected(6, live, now, "p0") == {"p3"}
+    later = now + membership.core.ttl + 0.1
+    assert maker._expected(5, [], later, "p0") == frozenset()  # p1's record and p2's word both expired
+    membership.core.observe(b"k2", Departure("p2", now + 0.5))
+    assert maker._expected(5, live, now + 1.0, "p0") == {"p1"}  # p2 left since
