@@ -11,10 +11,11 @@ cleanly, nothing left behind). Figures per row, from the nodes' own round events
 
 - `rounds`: round ids the swarm committed; `round_s` p50 / p90: the gap between consecutive commits of each node;
 - `all live`: the share of (node, round) commits whose contributors hold every *live* node of that round, a node
-  being live from its first `joined` event on, except from each fault done to it until its first commit after
-  that fault (a node killed, restarting or catching up is not expected), over the whole span from the commit of
-  round r - 1 to that of r + 1; `worst node`: the lowest share of one node (the goal: every node >= 99%);
-  `missed`: per node, the commits that left it out while it was live;
+  being live from its first commit on (at the latest from two rounds' time after its `joined` event), except
+  from each fault done to it until its first commit after that fault (a node joining, killed, restarting or
+  catching up is not expected), over the whole span from the commit of round r - 1 to that of r + 1; `worst node`: the lowest share of one node (the goal: every node >= 99%);
+  `missed`: per node, the commits that left it out while it was live; `never in`: nodes that joined and were in
+  no round at all (a row with one does not hold);
 - `freeze_ms` p50 / p99: per round, the largest over its members of `freeze_ms` (the round event's time from the
   last member's ready record to the group known there: last ready -> group known by all); `one hop`: the share
   of rounds frozen in one hop;
@@ -107,20 +108,34 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+# A node that joined is expected in the rounds from this many rounds' time after its `joined` event, if it was in
+# none before: its ranks start and it catches up first (a node that never gets in is then counted as missed).
+JOIN_GRACE_ROUNDS = 2
+
+
 def down_intervals(
     work: Path, nodes: int, faults: list[tuple[int, float]]
 ) -> dict[int, list[tuple[float, float]]]:
-    """Per node, when it was not a live member: before it first joined, and from each fault done to it
-    (`faults`: (node, when)) until its first round committed after it (for ever if none)."""
+    """Per node, when it was not a live member: until `JOIN_GRACE_ROUNDS` rounds after it joined (a joiner's
+    ranks start and it catches up first) or its first round committed, whichever is first; and from each fault
+    done to it (`faults`: (node, when)) until its first round committed after it (for ever if none)."""
     down: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for index in range(nodes):
-        log = read_events(work / f"p{index}")
-        joined = [float(e["time"]) for e in log if e["event"] == "joined"]
-        down[index].append((-math.inf, joined[0] if joined else math.inf))
+    logs = {index: read_events(work / f"p{index}") for index in range(nodes)}
+    stamps = sorted(float(e["time"]) for log in logs.values() for e in log if e["event"] == "round")
+    period = (
+        statistics.median(b - a for a, b in itertools.pairwise(stamps)) * nodes if len(stamps) > 1 else 0.0
+    )
+    for index, log in logs.items():
         commits = sorted(float(e["time"]) for e in log if e["event"] == "round")
+        joined = [float(e["time"]) for e in log if e["event"] == "joined"]
+        grace = joined[0] + JOIN_GRACE_ROUNDS * period if joined else math.inf
+        down[index].append((-math.inf, min(commits[0] if commits else math.inf, grace)))
+        starts = sorted(float(e["time"]) for e in log if e["event"] == "started")
         for node, at in faults:
             if node == index:
-                back = next((t for t in commits if t > at), math.inf)
+                # A node started again after the fault is back at its first commit after that start.
+                since = next((t for t in starts if t > at), at)
+                back = next((t for t in commits if t > since), math.inf)
                 down[index].append((at, back))
     return down
 
@@ -166,6 +181,12 @@ def figures(work: Path, nodes: int, faults: list[tuple[int, float]]) -> dict[str
             total += 1
             worst[index].append(not absent)
     shares = [sum(v) / len(v) for v in worst.values() if v]
+    # Nodes that joined and were in no round at all (never live by the rule above, yet running).
+    never_in = [
+        f"p{j}"
+        for j in range(nodes)
+        if not events[j] and any(e["event"] == "joined" for e in read_events(work / f"p{j}"))
+    ]
     per_round_freeze = [max(v) for v in freeze.values() if v]
     return {
         "nodes": nodes,
@@ -176,6 +197,7 @@ def figures(work: Path, nodes: int, faults: list[tuple[int, float]]) -> dict[str
         "worst_node_share": min(shares) if shares else None,
         # node -> commits (of others) that missed it while it was live
         "missed": {f"p{j}": n for j, n in sorted(missed.items())},
+        "never_in": never_in,
         "freeze_ms_p50": _percentile(per_round_freeze, 0.5),
         "freeze_ms_p99": _percentile(per_round_freeze, 0.99),
         "one_hop_share": sum(one_hop.values()) / len(one_hop) if one_hop else None,
@@ -202,15 +224,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| swarm | nodes | rounds | round_s p50 / p90 | all live | worst node | freeze_ms p50 / p99 | one hop | "
-        "KB/round | forks | held |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "never in | KB/round | forks | held |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['scenario']} | {row['nodes']} | {row['rounds']} | {f(row['round_s_p50'], '.1f')} / "
             f"{f(row['round_s_p90'], '.1f')} | {f(row['all_live_share'], '.1%')} | {f(row['worst_node_share'], '.1%')} | "
             f"{f(row['freeze_ms_p50'], '.0f')} / {f(row['freeze_ms_p99'], '.0f')} | {f(row['one_hop_share'], '.0%')} | "
-            f"{f(row['kb_per_round'], '.1f')} | {len(row['forks'])} | {'yes' if not row['problems'] else 'no'} |"
+            f"{len(row['never_in'])} | {f(row['kb_per_round'], '.1f')} | {len(row['forks'])} | "
+            f"{'yes' if not (row['problems'] or row['never_in'] or row['forks']) else 'no'} |"
         )
     return "\n".join(lines)
 
@@ -256,7 +279,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.markdown:
         print(markdown(rows))
-    sys.exit(1 if any(row["problems"] or row["forks"] for row in rows) else 0)
+    sys.exit(1 if any(row["problems"] or row["forks"] or row["never_in"] for row in rows) else 0)
 
 
 if __name__ == "__main__":
