@@ -102,3 +102,19 @@ def test_handoff_and_node_throughput_benchmarks_run_a_real_node(tmp_path: Path) 
     assert result["preset"] == "tiny" and result["bare_tokens_per_second"] > 0
     assert result["daemon_tokens_per_second"] > 0
     assert len(result["rounds"]) >= 2  # the per-round table's rows (the first round is skipped)
+
+
+def test_swarm_scale_and_node_memory_benchmarks_run_real_nodes(tmp_path: Path) -> None:
+    """Two whole nodes through the chaos harness with their figures, and one node's tree sampled for memory."""
+    proc = run_script(
+        "swarm_scale.py", "--nodes", "2", "--rounds", "3", "--no-faults", "--out", str(tmp_path / "scale")
+    )
+    (row,) = json_lines(proc.stdout)
+    assert row["nodes"] == 2 and row["rounds"] >= 3 and not row["problems"], row
+    assert row["all_live_share"] == 1.0 and not row["forks"] and not row["never_in"]
+    assert row["freeze_ms_p50"] is not None and row["one_hop_share"] is not None
+    proc = run_script(
+        "node_memory.py", "--preset", "tiny", "--rounds", "3", "--inner-steps", "2", "--sides", "farloco"
+    )
+    (side,) = [r for r in json_lines(proc.stdout) if r.get("side") == "farloco"]
+    assert side["peak_pss"] > 0 and side["peak_rss"] >= side["peak_pss"] and side["processes"]
