@@ -70,6 +70,17 @@ def leave_and_time(node: subprocess.Popen[bytes], how: signal.Signals) -> float:
     return time.monotonic() - started
 
 
+def assert_gone(processes: list[psutil.Process], seconds: float) -> None:
+    """Every one of `processes` has exited (or is a zombie) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
+
+
 def test_sigkill_of_the_agent_orphans_no_rank_and_no_dht_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "node"
     node = start_node(run_dir, "--set", "node.num_ranks=2", "--set", "run.inner_steps=200")
@@ -85,13 +96,7 @@ def test_sigkill_of_the_agent_orphans_no_rank_and_no_dht_process(tmp_path: Path)
         assert len(ranks) == 2 and ranks <= {p.pid for p in tree}, (ranks, tree)
         os.kill(node.pid, signal.SIGKILL)  # the agent alone: its children get no chance to be told
         node.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-            if not alive:
-                break
-            time.sleep(0.2)
-        assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
+        assert_gone(tree, 30)
     finally:
         stop_process(node)
     # The launcher's warning about orphans (it runs on a thread and cannot trap signals) is not shown.
@@ -117,15 +122,7 @@ def test_ranks_still_starting_when_the_agent_is_sigkilled_end_too(tmp_path: Path
         assert len(ranks) == 2, "the agent did not launch its ranks"
         os.kill(node.pid, signal.SIGKILL)
         node.wait(timeout=30)
-        deadline = (
-            time.monotonic() + 90
-        )  # they import torch and set up their group first, on a loaded machine
-        while time.monotonic() < deadline:
-            alive = [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-            if not alive:
-                break
-            time.sleep(0.2)
-        assert not alive, [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
+        assert_gone(ranks, 90)  # they import torch and set up their group first, on a loaded machine
     finally:
         stop_process(node)
         for rank in ranks:
