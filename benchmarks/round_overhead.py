@@ -24,6 +24,8 @@ does this benchmark unless `--whole` (the path of an island's node and of run.ou
 exchange's chunks (1 MiB of float32) as it goes out, encodes it with its decoded values, and sums those with the
 peer's decoded chunk already in the mean buffer (`decode+sum` is then only the peer's decode); `stage` makes each
 chunk once more and writes the error feedback straight into the state (`install` has nothing to swap).
+`--mean-per-round` allocates the mean afresh each round, as an agent whose ranks train on the host does (its
+page faults land in `decode+sum`).
 - `publish`: what the ranks load next (theta, or the merged weights for streaming-diloco) into the hand-off.
 
 Reported apart, because they do not happen every round: `snapshot` (the copies a donor serves, built on a
@@ -134,6 +136,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     theta = torch.randn(numel, generator=generator).mul_(0.02)
     outer = OuterRound(theta, strategy, codec)
     outer.on_demand = bool(codec.dense) and not args.whole  # as the agent's synchronous loop (OuterState)
+    outer.mean_per_round = (
+        outer.on_demand and args.mean_per_round
+    )  # as an agent whose ranks train on the host
     exchange_chunk = (1 << 20) // 4  # the exchange's default chunk_bytes, in float32 values
     handoff = Handoff.create(numel, 1)
     theta = outer.share_with(handoff.theta)  # as the agent does once its hand-off exists
@@ -233,6 +238,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
             load = outer.merged(handoff.local, handoff.theta)
             handoff.publish(load, round_id=round_index + 1, step_base=0, inner_steps=1)
             timed("publish", t)
+            del mean  # as the agent's round drops it (with --mean-per-round, its pages go with it)
             for phase, seconds in timings.items():
                 samples[phase].append(seconds)
         peak = sampler.stop()
@@ -257,7 +263,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         "params": numel,
         "strategy": args.strategy,
         "codec": args.codec,
-        "contribution": "on demand" if outer.on_demand else "whole",
+        "contribution": ("on demand" + (", mean per round" if outer.mean_per_round else ""))
+        if outer.on_demand
+        else "whole",
         "threads": args.threads,
         "rounds": args.rounds,
         "ns_per_param": ns,
@@ -330,6 +338,11 @@ def main() -> None:
         action="store_true",
         help="make the contribution whole (an island's node, run.outer_update delayed/eager), not on demand",
     )
+    parser.add_argument(
+        "--mean-per-round",
+        action="store_true",
+        help="on demand, a fresh mean each round, freed with it (an agent whose ranks train on the host)",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -352,6 +365,8 @@ def main() -> None:
                     command.append("--no-prefault")
                 if args.whole:
                     command.append("--whole")
+                if args.mean_per_round:
+                    command.append("--mean-per-round")
                 if args.checkpoint_dir:
                     command += ["--checkpoint-dir", args.checkpoint_dir]
                 result = subprocess.run(command, capture_output=True, text=True)

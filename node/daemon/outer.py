@@ -15,8 +15,10 @@ On demand (`on_demand`, the synchronous loop with a dense codec and no island: t
 model's size is written for the contribution at all: `contribution` checks it chunk by chunk and returns an
 `OnDemand` the exchange fills each chunk from as it sends it; `commit` writes the error feedback straight into
 its state range by range (`OuterStrategy.stage_in_place`). That leaves the strategy's state and the mean: 12 bytes
-per parameter with int8 and error feedback (momentum, residual, mean) instead of 22. It needs the round's inputs
-to stay put until the commit: theta_outer, the ranks' weights (they wait for us, or we read a copy) and the state.
+per parameter with int8 and error feedback (momentum, residual, mean) instead of 22; with `mean_per_round` (ranks
+training on the host) the mean is allocated for the round and freed with it, so while the ranks train the agent
+holds 8. It needs the round's inputs to stay
+put until the commit: theta_outer, the ranks' weights (they wait for us, or we read a copy) and the state.
 
 Otherwise nothing of the model's size is allocated per round: the contribution is written into a work buffer that the
 strategy turns into the new error-feedback state and swaps in at commit (handing back the buffer it replaced),
@@ -76,6 +78,8 @@ class OuterRound:
         self._stale: torch.Tensor | None = None  # ... and of the previous round's
         # Contributions made on demand (see the module docstring); the agent sets it where the inputs stay put.
         self.on_demand = False
+        # A fresh mean each round, freed with it (`mean_buffer`); only on demand, whose round keeps nothing else.
+        self.mean_per_round = False
         self._inputs: tuple[torch.Tensor, torch.Tensor] | None = (
             None  # (start, local) of the OnDemand given out
         )
@@ -99,8 +103,10 @@ class OuterRound:
         page fault by page fault: 2.1 s of the first contribution at 1B on the H200 host. The agent runs this on
         its outer thread while a joining node waits for its ranks and the swarm's state; never during a round
         (it overwrites the buffers)."""
+        buffers: list[torch.Tensor] = []
         if self.on_demand:  # no work buffer, and nothing kept of what the swarm saw
-            buffers = [self.mean_buffer(self.max_numel)]
+            if not self.mean_per_round:
+                buffers.append(self.mean_buffer(self.max_numel))
         else:
             if self._work is None:
                 self._work = torch.empty(self.max_numel, dtype=torch.float32)
@@ -169,7 +175,13 @@ class OuterRound:
         return OnDemand(numel, fill)
 
     def mean_buffer(self, numel: int) -> torch.Tensor:
-        """The mean's output for `Exchange.average(out=)`, `numel` long, reused."""
+        """The mean's output for `Exchange.average(out=)`, `numel` long: reused, or with `mean_per_round` a
+        fresh one each round, freed with the round. Then a node holds it only while its ranks wait for the round
+        (on demand: the synchronous loop), never while they train, which is when a node whose ranks train on the
+        host peaks: 4 bytes per parameter off that peak, for the page faults of writing it each round (1.4
+        ns/param, benchmarks/round_overhead.py `--mean-per-round`)."""
+        if self.mean_per_round:
+            return torch.empty(numel, dtype=torch.float32)
         if self._mean is None:
             self._mean = torch.empty(self.max_numel, dtype=torch.float32)
         return self._mean[:numel]

@@ -69,6 +69,13 @@ class OuterState:
         self.round.on_demand = (
             config.run.outer_update == "sync" and bool(self.codec.dense) and not config.node.island
         )
+        # Ranks that train in host memory peak while the agent waits for them: the mean is then allocated for
+        # each round and freed with it (off that peak). GPU ranks' host memory peaks in the round itself, and the
+        # buffer is kept across rounds there (no page faults in a round the GPUs wait for).
+        on_host = config.node.device == "cpu" or (
+            config.node.device == "auto" and not torch.cuda.is_available()
+        )
+        self.round.mean_per_round = self.round.on_demand and on_host
         # The DHT node is forked after this: theta and the strategy's state stay out of it (util/memory.py), or
         # their first writes (the first commit, the first contribution) pay a copy-on-write fault per page.
         exclude_from_fork(theta, *self.strategy.live_buffers().values())

@@ -3,7 +3,8 @@
 `parallelize` applies, in torchtitan's order: tensor parallelism on the `tp` dimension of a 2-D DeviceMesh
 (dp_shard x tp; tp ranks are consecutive, so they share the fastest links), activation checkpointing, per-block
 `torch.compile`, then FSDP2 (`fully_shard`) over the dp_shard dimension with an optional bf16
-`MixedPrecisionPolicy`. With tp = 1 the mesh is the 1-D mesh of plain FSDP2.
+`MixedPrecisionPolicy`. With tp = 1 the mesh is the 1-D mesh of plain FSDP2; a single rank computing in float32
+trains the plain module (`shards`).
 
 The tensor-parallel plan is Megatron's, written with `parallelize_module`: q/k/v and the MLP's w1/w3 column-wise,
 wo and w2 row-wise, so each block does one reduction per sub-layer; the blocks' norms are sequence-parallel (the
@@ -187,10 +188,21 @@ def parallelize(
             # compiled body, as torchtitan has them, and the names stay canonical (no `_orig_mod.` wrapper).
             unit.forward = torch.compile(unit.forward)
     dtype = compute_dtype(config, device)
+    if not shards(mesh, dtype):
+        return
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for unit in units:
         fully_shard(unit, mesh=mesh.dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh.dp_mesh, mp_policy=policy)
+
+
+def shards(mesh: NodeMesh, dtype: torch.dtype) -> bool:
+    """Whether `parallelize` wraps the model in FSDP2: not for one rank without tp computing in float32, where
+    FSDP2 would shard nothing and cast nothing and only copy each unit's weights into its all-gather buffers and
+    its gradients through a reduce-scatter of one, every step (time and a transient copy of the model's units).
+    That rank trains the plain module: the same arithmetic, with its weights where HostStaging can share them
+    with the agent."""
+    return not (mesh.dp_size == 1 and mesh.tp_mesh is None and dtype == torch.float32)
 
 
 def _checkpointed(forward: Any) -> Any:

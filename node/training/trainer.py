@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
 from farloco.node.config import Config, load_config
@@ -152,7 +153,10 @@ def run_rank(args: argparse.Namespace) -> None:
         held_out = held_out[mesh.dp_rank :: mesh.dp_size] or held_out[:1]
         precision = "bf16" if compute_dtype(config, device) == torch.bfloat16 else "fp32"
         handoff.mark_peak_flops(rank, device_peak_flops(device, precision, config.node.peak_tflops))
-        staging = HostStaging(views, device, region=handoff.mapped)
+        # On CPU in the synchronous loop the weights live in the hand-off's local region itself (the agent reads
+        # them only while we wait for the next theta): one copy of them on the host instead of two.
+        shared = handoff.local if device.type == "cpu" and config.run.outer_update == "sync" else None
+        staging = HostStaging(views, device, region=handoff.mapped, shared=shared)
         try:
             loop(handoff, spec, staging, optimizer, sampler, held_out, config, rank, device, args.agent_pid)
         finally:
@@ -314,7 +318,9 @@ def train_step(
     for index, (micro_inputs, micro_targets) in enumerate(
         zip(inputs.chunk(micro), targets.chunk(micro), strict=True)
     ):
-        if micro > 1:
+        if micro > 1 and hasattr(
+            model, "set_requires_gradient_sync"
+        ):  # FSDP2's; a plain module syncs nothing
             model.set_requires_gradient_sync(index == micro - 1)  # type: ignore[operator]
         loss = spec.compute_loss(micro_inputs, micro_targets)
         (loss / micro).backward()  # type: ignore[no-untyped-call]
@@ -337,14 +343,21 @@ class HostStaging:
     pinned staging buffer, and all of them do where the registration is refused."""
 
     def __init__(
-        self, views: list[ShardView], device: torch.device, region: torch.Tensor | None = None
+        self,
+        views: list[ShardView],
+        device: torch.device,
+        region: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
     ) -> None:
         self.views = views
         self.cuda = device.type == "cuda"
         self.region: torch.Tensor | None = None
         self.spans: list[tuple[int, int] | None] = []
         self.direct: list[tuple[int, int] | None] = []
+        self.shared: torch.Tensor | None = None
         if not self.cuda:
+            if shared is not None:
+                self.shared = share_weights(views, shared)
             return
         if region is not None and region.numel() and register_host_memory(region):
             self.region = region
@@ -369,6 +382,8 @@ class HostStaging:
 
     def load(self, flat: torch.Tensor) -> None:
         if not self.cuda:
+            if self.shared is not None and flat.data_ptr() == self.shared.data_ptr():
+                return  # the weights are there already
             for view in self.views:
                 view.load(flat)
             return
@@ -388,6 +403,8 @@ class HostStaging:
 
     def store(self, flat: torch.Tensor) -> None:
         if not self.cuda:
+            if self.shared is not None and flat.data_ptr() == self.shared.data_ptr():
+                return  # the weights live there
             for view in self.views:
                 view.store(flat)
             return
@@ -429,6 +446,23 @@ class HostStaging:
                 torch.cuda.cudart().cudaHostUnregister(region.data_ptr())  # type: ignore[no-untyped-call]
             except RuntimeError as exc:
                 log.warning("hand-off: unregistering its pages failed: %s", exc)
+
+
+def share_weights(views: list[ShardView], flat: torch.Tensor) -> torch.Tensor | None:
+    """Make each parameter's storage its place in `flat` (the hand-off's local region), so the rank trains in it
+    and `store` has nothing to copy; `flat` if done, None (nothing changed) where some parameter is not one whole
+    run of it (a sharded or split one: FSDP over several ranks, tp). The values are not copied over: the rank
+    loads theta before its first step, and until then `flat` may still hold what the agent reads."""
+    runs = []
+    for view in views:
+        run = None if isinstance(view.param, DTensor) else view.flat_range()
+        if run is None or run[1] - run[0] != view.param.numel():
+            return None
+        runs.append(run)
+    for view, (begin, end) in zip(views, runs, strict=True):
+        view.param.data = flat[begin:end].view(view.param.shape)
+        view.local = view.param.data
+    return flat
 
 
 def register_host_memory(region: torch.Tensor) -> bool:

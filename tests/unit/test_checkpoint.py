@@ -365,6 +365,39 @@ def test_inner_state_round_trips_inside_an_atomic_checkpoint(tmp_path: Path, one
             assert torch.equal(_full(loaded[key]), _full(state[key])), (name, key)
 
 
+@pytest.mark.parametrize("saved_by", ["sharded", "plain"])
+def test_inner_state_moves_between_a_sharded_and_a_plain_module(
+    tmp_path: Path, one_rank_group: None, saved_by: str
+) -> None:
+    """A single CPU rank trains the plain module (parallel.shards): its inner state loads where a sharded one was
+    saved (a checkpoint written before, or by a node of several ranks) and the other way round."""
+    from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
+    from farloco.node.training.model import build_model, lm_loss, model_config
+
+    def plain(steps: int = 0):  # type: ignore[no-untyped-def]
+        model = build_model(model_config("tiny"), seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            tokens = torch.randint(0, 256, (2, 17), generator=generator)
+            lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return model, optimizer
+
+    make_saved, make_loaded = (_sharded, plain) if saved_by == "sharded" else (plain, _sharded)
+    model, optimizer = make_saved(steps=3)
+    assert save_inner_state(tmp_path / "inner", model, optimizer)
+    fresh_model, fresh_optimizer = make_loaded()
+    assert load_inner_state(tmp_path / "inner", fresh_model, fresh_optimizer)
+    cpu = torch.device("cpu")
+    assert optimizer_fingerprint(fresh_optimizer, cpu) == optimizer_fingerprint(optimizer, cpu)
+    for (name, param), fresh_param in zip(model.named_parameters(), fresh_model.parameters(), strict=True):
+        state, loaded = optimizer.state[param], fresh_optimizer.state[fresh_param]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(loaded[key]), _full(state[key])), (name, key)
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 

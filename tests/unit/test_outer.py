@@ -272,6 +272,27 @@ def test_the_on_demand_round_matches_the_plain_strategy_api(
     assert fast._work is None and fast._sent is None
 
 
+@pytest.mark.parametrize("mean_per_round", [False, True])
+def test_the_mean_is_kept_across_rounds_or_made_for_each_round(mean_per_round: bool) -> None:
+    """On demand the round keeps only its mean: kept across rounds and written once ahead (prefault), or, with
+    `mean_per_round` (ranks training on the host), made for each round and never held between rounds."""
+    numel = 3 * (1 << 20)
+    codec = get_codec("int8")
+    outer = OuterRound(torch.zeros(numel), make_strategy("diloco", numel, codec), codec)
+    outer.on_demand, outer.mean_per_round = True, mean_per_round
+    outer.prefault(False)
+    assert outer._work is None and outer._sent is None
+    if mean_per_round:
+        assert outer._mean is None
+    else:
+        assert outer._mean is not None
+        assert _resident_pages(outer._mean) >= numel * 4 // mmap.PAGESIZE - 1
+    first, second = outer.mean_buffer(numel), outer.mean_buffer(numel // 2)
+    assert (first.numel(), second.numel()) == (numel, numel // 2)
+    assert (first.data_ptr() == second.data_ptr()) != mean_per_round
+    assert (outer._mean is None) == mean_per_round
+
+
 def test_an_on_demand_round_names_nonfinite_weights_and_a_refused_mean_leaves_the_state_whole() -> None:
     codec = get_codec("int8")
     outer = OuterRound(torch.zeros(NUMEL), make_strategy("diloco", NUMEL, codec), codec)

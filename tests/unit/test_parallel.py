@@ -108,3 +108,46 @@ def test_muon_trains_the_blocks_matrices_and_adamw_the_rest() -> None:
 def test_muon_refuses_what_is_not_a_matrix() -> None:
     with pytest.raises(ValueError, match=r"Muon takes 2-D matrices, got a parameter of shape \(4,\)"):
         MuonAdamW([torch.nn.Parameter(torch.ones(4))], [], lr=1e-3, weight_decay=0.0)
+
+
+def test_a_single_cpu_rank_trains_the_plain_module_in_the_handoffs_local_region(tmp_path: Path) -> None:
+    """One rank computing in float32 is not wrapped in FSDP2 (it would shard and cast nothing), and on CPU its
+    weights live in the hand-off's local region: loading theta writes them there, the optimizer trains them in
+    place, and storing them copies nothing."""
+    import dataclasses
+
+    from farloco.node.handoff import Handoff, flatten, layout_of
+    from farloco.node.training.model import build_model, lm_loss, model_config
+    from farloco.node.training.parallel import NodeMesh, ShardView, shards
+    from farloco.node.training.trainer import HostStaging
+
+    one = NodeMesh(None, None, None, 0, 1, 0, 1)  # type: ignore[arg-type]
+    assert not shards(one, torch.float32)
+    assert shards(one, torch.bfloat16) and shards(dataclasses.replace(one, dp_size=2), torch.float32)
+
+    model = build_model(model_config("tiny"), seed=0)
+    layout = layout_of(model)
+    handoff = Handoff.create(layout[-1].offset + layout[-1].numel, 1, directory=tmp_path)
+    try:
+        handoff.theta.copy_(flatten(model, layout).mul_(0.5))
+        params = dict(model.named_parameters())
+        staging = HostStaging(
+            [ShardView(params[s.name], s) for s in layout], torch.device("cpu"), shared=handoff.local
+        )
+        assert staging.shared is not None
+        for slot in layout:
+            assert params[slot.name].data_ptr() == handoff.local[slot.offset :].data_ptr(), slot.name
+        staging.load(handoff.theta)
+        assert torch.equal(handoff.local, handoff.theta)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        trained = flatten(model, layout)
+        assert torch.equal(handoff.local, trained) and not torch.equal(trained, handoff.theta)
+        staging.store(handoff.local)
+        assert torch.equal(handoff.local, trained)
+        staging.load(handoff.theta)  # the next round's start
+        assert torch.equal(flatten(model, layout), handoff.theta)
+    finally:
+        handoff.close()
