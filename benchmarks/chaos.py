@@ -2,6 +2,7 @@
 fresh local swarm of real `farloco join` processes on 127.0.0.1 (tiny preset, H = 8), and what each fault cost.
 
     python benchmarks/chaos.py --out benchmarks/results [--scenarios healthy sigkill-exchange ...]
+    python benchmarks/chaos.py --out /tmp/discard --scenarios sigstop-straggler --override run.late_work=discard
 
 Writes <out>/chaos.json and <out>/chaos.md (the table RELIABILITY.md carries) and prints the table. Exits 1 if
 any scenario broke an invariant or missed its expected outcome."""
@@ -9,6 +10,7 @@ any scenario broke an invariant or missed its expected outcome."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -38,6 +40,9 @@ def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | Non
         loss = f"{outcome.final_loss:.3f}"
         if healthy is not None and healthy.final_loss is not None and outcome is not healthy:
             loss += f" ({outcome.final_loss - healthy.final_loss:+.3f})"
+    steps = (
+        f"{outcome.steps_reached / outcome.steps_trained:.1%}" if outcome.steps_trained > 0 else "-"
+    )  # of the inner steps trained in rounds that closed, those in an outer update (run.late_work)
     held = "yes" if not problems else "**no**: " + "; ".join(problems)
     for split in outcome.splits:  # which way a partition went: who committed apart, who took whose state
         sides = " | ".join(",".join(side) for side in split["sides"])
@@ -53,7 +58,7 @@ def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | Non
     if not faults:
         lines.append(
             f"| {name} | {scenario.setup} | - | every round commits with all | {held} | - | "
-            f"{_seconds(outcome.round_period_s)} | - | 0 / 0 | {rejected} | {loss} | {outcome.memory_growth:+.0%} |"
+            f"{_seconds(outcome.round_period_s)} | - | 0 / 0 | {rejected} | {loss} | {outcome.memory_growth:+.0%} | {steps} |"
         )
     if len(faults) > SUMMARY_OVER:
         # A long timeline (churn): one line of its figures over all faults.
@@ -69,22 +74,23 @@ def row(name: str, outcome: Outcome, problems: list[str], healthy: Outcome | Non
             f"untouched node trains throughout | {held} | {spread([f.detection_s for f in figures_])} | "
             f"{spread([f.degraded_round_s for f in figures_])} | {spread([f.rejoin_s for f in figures_])} | "
             f"{sum(f.rounds_aborted for f in figures_)} / {sum(f.rounds_missed for f in figures_)} | {rejected} | "
-            f"{loss} | {outcome.memory_growth:+.0%} |"
+            f"{loss} | {outcome.memory_growth:+.0%} | {steps} |"
         )
         return lines
     for fault, figures in zip(faults, outcome.faults, strict=True):
         lines.append(
             f"| {name} | {scenario.setup} | {fault.name} | {fault.expected} | {held} | "
             f"{_seconds(figures.detection_s)} | {_seconds(figures.degraded_round_s)} | {_seconds(figures.rejoin_s)} | "
-            f"{figures.rounds_aborted} / {figures.rounds_missed} | {rejected} | {loss} | {outcome.memory_growth:+.0%} |"
+            f"{figures.rounds_aborted} / {figures.rounds_missed} | {rejected} | {loss} | {outcome.memory_growth:+.0%} | {steps} |"
         )
     return lines
 
 
 HEADER = [
     "| scenario | setup | fault | expected | held | detection | degraded round | rejoin | rounds aborted / missed "
-    "by the node | refused (survivors, by reason) | held-out loss (vs healthy) | memory growth |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "by the node | refused (survivors, by reason) | held-out loss (vs healthy) | memory growth | inner steps "
+    "in an update |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -113,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         "--render", action="store_true", help="only write chaos.md again from <out>/chaos.json (no run)"
     )
     parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config override for every scenario's swarm, after the scenario's own (e.g. run.late_work=discard)",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the other scenarios of an earlier <out>/chaos.json (its healthy run is the reference)",
@@ -139,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name in args.scenarios:
         started = time.monotonic()
-        outcome = run(SCENARIOS[name], work / name, progress=lambda line: print(line, flush=True))
+        scenario = SCENARIOS[name]
+        if args.override:
+            scenario = dataclasses.replace(scenario, overrides=(*scenario.overrides, *args.override))
+        outcome = run(scenario, work / name, progress=lambda line: print(line, flush=True))
         outcomes[name] = outcome
         healthy = outcomes.get("healthy")
         problems = verdict(SCENARIOS[name], outcome, healthy)

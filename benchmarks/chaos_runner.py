@@ -118,6 +118,10 @@ class Outcome:
     broken: list[str] = field(default_factory=list)  # invariants that did not hold
     events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     exchange_timeout_s: float = 60.0  # the swarm's timeouts.exchange_timeout (its data deadline is 60% of it)
+    # Inner steps, in rounds' worth, over every node: trained in a round that closed (committed, or closed
+    # without us while the swarm went on), and of those the ones that reached an outer update (run.late_work)
+    steps_trained: float = 0.0
+    steps_reached: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k not in ("events", "faults")}
@@ -713,6 +717,24 @@ def run(scenario: Scenario, work: Path, *, progress: Callable[[str], None] | Non
     return outcome
 
 
+def steps_accounted(events: dict[str, list[dict[str, Any]]]) -> tuple[float, float]:
+    """(trained, reached): inner steps, in rounds' worth, that the nodes trained in rounds that closed, and of
+    those the ones that reached an outer update. A committed round's `weight` reached it, `merged_weight` of it
+    trained in the round before (counted there); a round that went on without the node trained its `own`
+    (late_work: kept for the next round, or dropped). Not counted: the steps of a node that crashed or left mid
+    round, and of a round it sat out on its own weights (they stay in the ranks)."""
+    trained = reached = 0.0
+    for log in events.values():
+        for e in log:
+            if e["event"] == "round":
+                weight, merged = float(e.get("weight", 1.0)), float(e.get("merged_weight", 0.0))
+                trained += weight - merged
+                reached += weight
+            elif e["event"] == "late_work":
+                trained += float(e.get("own", 0.0))
+    return trained, reached
+
+
 def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     events = {f"p{i}": read_events(swarm.work / f"p{i}") for i in range(scenario.peers)}
     ids: dict[str, str] = {}
@@ -724,6 +746,7 @@ def _outcome(scenario: Scenario, swarm: ChaosSwarm) -> Outcome:
     outcome.exchange_timeout_s = load_config(swarm.config).timeouts.exchange_timeout
     outcome.exit_codes = {f"p{i}": codes for i, codes in sorted(swarm.exits.items())}
     rounds = {name: [e for e in log if e["event"] == "round"] for name, log in events.items()}
+    outcome.steps_trained, outcome.steps_reached = steps_accounted(events)
     # a probed node must not notice
     faulty = {f"p{f.peer}" for f in scenario.faults if f.signal not in PROBES}
     # Invariants.

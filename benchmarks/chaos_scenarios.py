@@ -121,6 +121,8 @@ SCENARIOS: dict[str, Scenario] = {
                 ),
             ),
             overrides=("timeouts.match_timeout=8",),
+            # The others must still be training when it is back: 15 s are 6-12 rounds at 1.2-2.6 s a round.
+            rounds=16,
         ),
         Scenario(
             "frozen-exchange",
@@ -235,6 +237,23 @@ SCENARIOS: dict[str, Scenario] = {
                     checks=("fired",),
                 ),
             ),
+        ),
+        Scenario(
+            "late-round",
+            "3 nodes, match_timeout 3 s, H = 40 (~7 s a round); node 2's agent stalls 6 s as round 3's "
+            "matchmaking starts, past the others' straggler wait",
+            (
+                Fault(
+                    "late for one round",
+                    2,
+                    3,
+                    plan="delay=6@match:3",
+                    expected="the others commit round 3 without it; it takes their state and brings its steps of "
+                    "round 3 into its next round (run.late_work = merge: none of them lost); no fork",
+                    checks=("fired", "left_out", "back"),
+                ),
+            ),
+            overrides=("timeouts.match_timeout=3", "timeouts.match_timeout_min=1", "run.inner_steps=40"),
         ),
         Scenario(
             "wrong-update-mean",

@@ -152,6 +152,12 @@ class RunConfig:
     inner_optimizer: Literal["adamw", "muon"] = "adamw"
     """`run.inner_optimizer` of every worker: AdamW, or Muon for the blocks' matrices and AdamW for the rest
     (MuLoCo, arXiv 2505.23725); the same lr either way (Muon's step is scaled to AdamW's RMS)."""
+    late_every: int = 0
+    """The last worker is late for every `late_every`-th round (0: never): the others commit it without it, and
+    it takes their state (theta_outer and the strategy's state, as a state sync does) before its next round."""
+    late_work: Literal["merge", "discard"] = "merge"
+    """`run.late_work` of the daemon: the late worker's steps of the missed round merged into its next
+    contribution, weighted by their steps (node/daemon/latework.py), or dropped."""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -166,6 +172,14 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig {self.name}: outer_update={self.outer_update} expects diloco or sparseloco with "
                 f"tau 0, got {self.strategy} tau={self.tau}"
+            )
+
+        if self.late_every and (
+            self.late_every < 2 or self.tau or self.outer_update != "sync" or self.strategy != "diloco"
+        ):
+            raise ValueError(
+                f"RunConfig {self.name}: late_every expects >= 2 with diloco, sync and tau 0, got "
+                f"late_every={self.late_every} {self.strategy} {self.outer_update} tau={self.tau}"
             )
 
     def make_codec(self) -> Codec:
@@ -229,6 +243,7 @@ def default_configs() -> list[RunConfig]:
         # Tuned (sweep_configs): sign-SGD wants ~1/3 of AdamW's lr, as Lion does; 3e-3 closed 37% of the gap.
         demo_config(k=12, chunk=1024, lr=1e-3, beta=0.999),
         *overlapped_configs(),
+        *late_configs(),
         *muon_configs(),
     ]
 
@@ -286,6 +301,26 @@ def overlapped_configs() -> list[RunConfig]:
             )
         )
     return rows
+
+
+def late_configs() -> list[RunConfig]:
+    """diloco H=10 int8 with one of the four workers late for every other round: its steps of the missed round
+    merged into its next contribution (run.late_work = merge) or thrown away (discard), beside the synchronous
+    row where nobody is late."""
+    return [
+        RunConfig(
+            f"diloco-h10-int8-late2-{mode}",
+            "outer",
+            "diloco",
+            "int8",
+            hparams={"lr": 0.5, "momentum": 0.9},
+            sync_every=10,
+            late_every=2,
+            late_work=mode,  # type: ignore[arg-type]
+            note=f"worker 4 late every other round, its steps {'merged' if mode == 'merge' else 'dropped'}",
+        )
+        for mode in ("merge", "discard")
+    ]
 
 
 def sweep_configs() -> list[RunConfig]:
@@ -532,6 +567,8 @@ class Bench:
             Learner(self.fresh_model(), self.setup, config.inner_optimizer) for _ in range(NUM_WORKERS)
         ]
         sent = 0
+        rounds_done = 0
+        kept: list[tuple[torch.Tensor, float] | None] = [None] * NUM_WORKERS  # late work: (d, its weight)
         in_flight: tuple[int, Exchanged] | None = None  # (step it lands at, the exchanged round)
         for step in range(1, self.setup.steps + 1):
             if sign_sgd:
@@ -554,7 +591,13 @@ class Bench:
                 # trained on for tau more steps since the sync point.
                 self._land(strategies, thetas, learners, in_flight[1], None)
                 in_flight = None
-            if step % config.sync_every == 0 or (step == self.setup.steps and not streaming):
+            if config.late_every and step % config.sync_every == 0:
+                rounds_done += 1
+                late = NUM_WORKERS - 1 if rounds_done % config.late_every == 0 else None
+                round_bytes = self._round_with_late(config, strategies, thetas, learners, late, kept)
+                sent += round_bytes
+                result.peak_bytes_per_sync = max(result.peak_bytes_per_sync, round_bytes)
+            elif step % config.sync_every == 0 or (step == self.setup.steps and not streaming):
                 exchanged = self._exchange(strategies, thetas, learners, locals_)
                 sent += exchanged.bytes_sent
                 result.peak_bytes_per_sync = max(result.peak_bytes_per_sync, exchanged.bytes_sent)
@@ -647,6 +690,53 @@ class Bench:
             averaged = codec.decode(codec.encode(averaged))
         sent = max(exchange_bytes(codec, len(p)) for p in payloads)
         return Exchanged(contributions, transmitted, averaged, sent)
+
+    def _round_with_late(
+        self,
+        config: RunConfig,
+        strategies: list[OuterStrategy],
+        thetas: list[torch.Tensor],
+        learners: list[Learner],
+        late: int | None,
+        kept: list[tuple[torch.Tensor, float] | None],
+    ) -> int:
+        """One synchronous round in which worker `late` (if any) is late, as the daemon runs it: the others
+        exchange and commit without it (a weighted mean: a worker that merged late work weighs 1 + its weight);
+        the late worker keeps its pseudo-gradient (merge), takes worker 0's state, and its next round's
+        contribution is made from theta - (s d_own + (1 - s) d_late), s = 1 / (1 + w_late). Returns the bytes
+        one worker sent."""
+        members = [w for w in range(NUM_WORKERS) if w != late]
+        locals_ = [flat_parameters(learner.model) for learner in learners]
+        weights = dict.fromkeys(members, 1.0)
+        for w in members:
+            if kept[w] is not None:
+                d_late, w_late = kept[w]  # type: ignore[misc]
+                s = 1.0 / (1.0 + w_late)
+                locals_[w] = thetas[w] - (s * (thetas[w] - locals_[w]) + (1.0 - s) * d_late)
+                weights[w] = 1.0 + w_late
+                kept[w] = None
+        contributions = {w: strategies[w].make_contribution(thetas[w], locals_[w]) for w in members}
+        codec = strategies[0].codec
+        payloads = {w: strategies[w].codec.encode(c) for w, c in contributions.items()}
+        transmitted = {w: codec.decode(p) for w, p in payloads.items()}
+        total = sum(weights.values())
+        averaged = sum(transmitted[w] * (weights[w] / total) for w in members)
+        assert isinstance(averaged, torch.Tensor)
+        if codec.dense and not codec.lossless:
+            averaged = codec.decode(codec.encode(averaged))
+        for w in members:
+            strategies[w].propose(contributions[w], transmitted[w])
+            strategies[w].apply(thetas[w], averaged)
+            strategies[w].commit()
+            strategies[w].merge_into_local(thetas[w], locals_[w])
+            load_flat(learners[w].model, locals_[w])
+        if late is not None:
+            if config.late_work == "merge":
+                kept[late] = (thetas[late] - locals_[late], 1.0)
+            thetas[late].copy_(thetas[0])  # the state sync: theta_outer and the strategy's state
+            strategies[late].load_state_dict(strategies[0].state_dict())
+            load_flat(learners[late].model, thetas[late])
+        return max(exchange_bytes(codec, len(p)) for p in payloads.values())
 
     def _land(
         self,

@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 
 
 OUTER_UPDATES = ("sync", "delayed", "eager")
+LATE_WORK = ("merge", "discard")
 SPARSE_CODECS = ("topk", "dct-topk")
 INNER_OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -113,6 +114,11 @@ class RunConfig:
     'eager': as delayed, and each node previews its own fresh update in the weights its ranks start from.
     A mean applied one round late is a stale step: with diloco's outer momentum 0.9 it oscillates; lower
     outer_momentum (0-0.5) for delayed and eager (BENCHMARKS.md, "Overlapped outer updates")."""
+    late_work: str = "merge"
+    """What a node late for a round (its group formed without it) does with the inner steps it trained for it.
+    'merge': keep their pseudo-gradient and add it, weighted by its steps, to its contribution to the next round
+    (one round stale at most; node/daemon/latework.py). 'discard': drop them. Only the synchronous loop merges
+    (the overlapped ones apply every mean a round late already; streaming-diloco keeps them in the weights)."""
     aggregator: str = "mean"
     """How a round's contributions are combined: 'mean' (weighted by samples, the default) or a robust rule that
     bounds what a minority of Byzantine members (valid but wrong updates) can do: 'trimmed_mean' (per
@@ -178,6 +184,8 @@ class RunConfig:
             )
         if self.outer_update not in OUTER_UPDATES:
             raise ConfigError(f"run.outer_update: expected one of {OUTER_UPDATES}, got {self.outer_update!r}")
+        if self.late_work not in LATE_WORK:
+            raise ConfigError(f"run.late_work: expected one of {LATE_WORK}, got {self.late_work!r}")
         if self.outer_update != "sync" and self.strategy not in ("diloco", "sparseloco"):
             raise ConfigError(
                 f"run.outer_update={self.outer_update!r}: expected strategy diloco or sparseloco (streaming-diloco "

@@ -195,6 +195,8 @@ class Prepared:
     weight: float = 1.0
     """The contribution's weight in the round's mean: its share of the round's inner steps (below 1 for a
     partial contribution, node.partial_contributions)."""
+    merged_weight: float = 0.0
+    """Of `weight`, the share carried by the work of the round we were late for, merged in (run.late_work)."""
     trained_from: str = ""
     """run.outer_update delayed/eager: the outer_hash of the theta_outer the ranks' sequence started from (with
     eager, the one their preview was built on); the round event reports it."""

@@ -34,6 +34,7 @@ from farloco.node.daemon.core import (
     log,
     overlap_steps,
 )
+from farloco.node.daemon.latework import LateWork
 from farloco.node.daemon.outer import Transmitted
 from farloco.node.daemon.outerstate import OuterState
 from farloco.node.daemon.ranks import Ranks
@@ -86,6 +87,15 @@ class RoundRunner:
         self._phases: dict[str, float] = {}  # the current round's phase times (`_round`)
         self._island_round: Any = (
             None  # the IslandRound of the round in progress, None when we exchange alone
+        )
+        # The work of a round we were late for, merged into the next one (run.late_work; the synchronous loop).
+        run = state.config.run
+        self.late_work: LateWork | None = (
+            LateWork(outer.num_params)
+            if run.late_work == "merge"
+            and run.outer_update == "sync"
+            and not outer.strategy.keeps_local_progress
+            else None
         )
 
     async def run(self) -> None:
@@ -298,15 +308,42 @@ class RoundRunner:
         if reports:
             self.ranks.read_reports(seq)
         theta_local = self.outer.round.read_local(self.ranks.handoff.local, copy=copy)
+        weight, merged_weight = self.ranks.seq_weight, 0.0
+        if self.late_work is not None and reference is None:
+            theta_local, merged_weight = self._merge_late_work(theta_local, weight)
+            weight += merged_weight
         contribution = self.outer.contribution(theta_local, reference)
         return Prepared(
             theta_local,
             contribution,
             fixed_reference=reference is not None,
             inner_step=self.ranks.seq_inner_step,
-            weight=self.ranks.seq_weight,
+            weight=weight,
+            merged_weight=merged_weight,
             seconds=time.monotonic() - started,
         )
+
+    def _merge_late_work(self, theta_local: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
+        """The weights this round's contribution is made from, with the work kept from the round we were late
+        for merged in, and the weight that work adds (0.0, and `theta_local` itself, when there is none)."""
+        late, round_id = self.late_work, self.outer.round_id
+        assert late is not None
+        stale = late.pending and round_id != late.round_id + 1
+        stale_weight, stale_round = late.weight, late.round_id
+        merged = late.merge(round_id, self.outer.theta, theta_local, weight)
+        if stale:  # a catch-up skipped rounds: the work is more than one round old
+            self.state.events.write(
+                "late_work",
+                round_id=round_id,
+                own=0.0,
+                kept=0.0,
+                dropped=stale_weight,
+                trained_for=stale_round,
+            )
+        if merged is None:
+            return theta_local, 0.0
+        local, total = merged
+        return local, total - weight
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
         """Exchange and apply round `self.outer.round_id` (its contribution `prepared` already, when the ranks train on
@@ -335,13 +372,13 @@ class RoundRunner:
             return over
         self._phases = {"prepare": prepared.seconds, "match": time.monotonic() - phase_started}
         if (decision := decide(facts)).action is not Action.GO_ON:
-            return await self._close(decision, island_out=True)
+            return await self._close(decision, prepared, island_out=True)
         phase_started = time.monotonic()
         await self._enter_phase("heal")
         facts = await self._heal(group, facts)
         self._phases["heal"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.GO_ON:
-            return await self._close(decision, island_out=True)
+            return await self._close(decision, prepared, island_out=True)
         if decision.redo_contribution:
             # We held a theta the group disagrees with and took the winning side's: redo our pseudo-gradient.
             prepared.contribution = self.outer.contribution(prepared.theta_local)
@@ -350,7 +387,7 @@ class RoundRunner:
         averaged, facts = await self._average(group, prepared.contribution, facts, prepared.weight)
         self._phases["exchange"] = time.monotonic() - phase_started
         if (decision := decide(facts)).action is not Action.COMMIT:
-            return await self._close(decision)
+            return await self._close(decision, prepared)
         assert averaged is not None
         await self._commit(group, prepared, averaged, started)
         await self._enter_phase("commit", self.outer.round_id - 1)
@@ -581,6 +618,8 @@ class RoundRunner:
             await self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
         finally:
             self.net.exchange.advance(self.outer.round_id)
+        if self.late_work is not None:
+            self.late_work.settle(committed=True)
         self._phases["commit"] = time.monotonic() - phase_started
         every = self.config.checkpoint.every_rounds
         last = bool(run.max_rounds) and self.outer.round_id == run.max_rounds  # the run's result: always kept
@@ -618,6 +657,7 @@ class RoundRunner:
             trained_from=prepared.trained_from,
             inner_step=prepared.inner_step,
             weight=prepared.weight,
+            merged_weight=prepared.merged_weight,  # of `weight`, the late round's work merged in
             # With an island: whether it went through this round together (our rank, its size, our slices).
             island=(
                 None
@@ -659,13 +699,14 @@ class RoundRunner:
             )
             log.info("round %d: %s left out (%s)", self.outer.round_id, peer_id, reason)
 
-    async def _close(self, decision: Decision, island_out: bool = False) -> bool:
+    async def _close(self, decision: Decision, prepared: Prepared, island_out: bool = False) -> bool:
         """Enact a round's decision other than committing (node/daemon/rules.py); returns `_round`'s value.
         `island_out`: the round closes before its exchange, which the nodes of our island learn at once."""
         if island_out and self.island is not None:
             self.island.post_out(self.outer.round_id)
         if decision.left_out is not None:
             self.swarm.left_out(decision.left_out)
+        await self._late_work_closed(decision, prepared)
         if decision.action is Action.ABORT:
             return self._abort(decision.reason, decision.num_peers)
         self.outer.round.rollback()  # the residual is not eaten
@@ -675,6 +716,29 @@ class RoundRunner:
         if decision.action is Action.ADVANCE:
             return self.swarm.advance_without_update(decision.reason)
         raise AssertionError(f"_close: {decision.action} is not a way to close a round")
+
+    async def _late_work_closed(self, decision: Decision, prepared: Prepared) -> None:
+        """The round closed without us in its update. If the swarm went on (we catch up), our steps of it are kept
+        for the next round (theta_outer is still the one they started from; the ranks wait, their weights in the
+        hand-off), or dropped (run.late_work = discard, the overlapped loops); otherwise work merged into this
+        round is dropped. The `late_work` event says which: `own` (this round's steps, as a share of a round),
+        `kept`, and `dropped` (any steps given up now, of this round or of the one merged into it)."""
+        round_id, late = self.outer.round_id, self.late_work
+        own = prepared.weight - prepared.merged_weight
+        if decision.action is Action.CATCH_UP:
+            if late is None:
+                self.state.events.write("late_work", round_id=round_id, own=own, kept=0.0, dropped=own)
+                return
+            dropped, cancelled = await self.outer.on_thread(
+                late.keep, round_id, self.outer.theta, self.ranks.handoff.local, own
+            )
+            self.state.events.write("late_work", round_id=round_id, own=own, kept=own, dropped=dropped)
+            if cancelled:
+                raise asyncio.CancelledError
+        elif late is not None and late.merged:
+            dropped = late.weight
+            late.settle(committed=False)
+            self.state.events.write("late_work", round_id=round_id, own=0.0, kept=0.0, dropped=dropped)
 
     def _abort(self, reason: str, num_peers: int) -> bool:
         self.state.counters.rounds_aborted += 1

@@ -223,10 +223,18 @@ def decide(
         if now < start:
             return Wait(start)
     if now >= plan.give_up_at:
-        return Late(
+        reason = (
             f"no group was published for round {round_id} by any of its {len(plan.candidates)} leader "
             f"candidates ({', '.join(plan.candidates)}) before {plan.give_up_at:.3f}"
         )
+        if view.ahead:
+            # Members past this round left it: its group formed without us and its record is gone (a DHT copy
+            # outlives a round by little), or nobody's theta changed; either way their state is the one to take.
+            return Late(
+                f"{reason}, and {len(view.ahead)} member(s) are past it ({', '.join(sorted(view.ahead))})",
+                group_formed=True,
+            )
+        return Late(reason)
     return Wait(plan.give_up_at)
 
 

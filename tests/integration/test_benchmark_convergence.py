@@ -7,6 +7,7 @@ round-trips into the same table, and DDP's loss at a given number of bytes is re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import sys
@@ -172,6 +173,42 @@ def test_delayed_and_eager_start_the_next_phase_before_the_mean_lands(
     assert all(torch.equal(thetas[0], theta) for theta in thetas[1:])
     with pytest.raises(ValueError, match="expects diloco or sparseloco"):
         bench.RunConfig("x", "outer", "demo", "int8", sync_every=1, outer_update="delayed")
+
+
+@pytest.mark.parametrize("mode", ["merge", "discard"])
+def test_a_late_workers_steps_reach_the_next_round_weighted_by_their_steps(
+    bench: ModuleType, cache_dir: Path, mode: str
+) -> None:
+    """The late rows as the daemon runs them: in round 1 worker 4 is late, the others commit without it and it
+    takes their state; in round 2 its contribution carries its round-1 steps too (merge), so the mean is
+    (d1 + d2 + d3 + d4 + d4_late) / 5, or they are gone (discard: / 4). fp32, lr 1, no momentum: theta moves by
+    exactly the mean."""
+    config = bench.RunConfig(
+        "late", "outer", "diloco", "fp32", hparams={"lr": 1.0, "momentum": 0.0}, sync_every=1, late_every=2
+    )
+    config = dataclasses.replace(config, late_work=mode)
+    runner, strategies, theta0, thetas, learners = one_step_of_every_worker(bench, cache_dir, config)
+    late = bench.NUM_WORKERS - 1
+    at_sync = [bench.flat_parameters(learner.model) for learner in learners]
+    kept: list[Any] = [None] * bench.NUM_WORKERS
+    runner._round_with_late(config, strategies, thetas, learners, late, kept)
+    mean = torch.stack([theta0 - local for local in at_sync[:late]]).mean(0)
+    assert torch.allclose(thetas[0], theta0 - mean, atol=1e-6)
+    assert all(torch.equal(thetas[0], theta) for theta in thetas[1:])  # the late one took their state
+    assert torch.equal(bench.flat_parameters(learners[late].model), thetas[0])
+    assert (kept[late] is None) == (mode == "discard")
+    theta1 = thetas[0].clone()
+    for learner, sampler in zip(learners, runner.samplers, strict=True):
+        learner.step(1, sampler.batch(1))
+    now = [bench.flat_parameters(learner.model) for learner in learners]
+    runner._round_with_late(config, strategies, thetas, learners, None, kept)
+    pseudo = [theta1 - local for local in now]
+    late_steps = [theta0 - at_sync[late]] if mode == "merge" else []
+    expected = sum(pseudo + late_steps) / len(pseudo + late_steps)
+    assert torch.allclose(thetas[0], theta1 - expected, atol=1e-6)
+    assert all(torch.equal(thetas[0], theta) for theta in thetas[1:]) and kept == [None] * bench.NUM_WORKERS
+    with pytest.raises(ValueError, match="late_every expects >= 2 with diloco, sync and tau 0"):
+        bench.RunConfig("x", "outer", "sparseloco", "topk", sync_every=10, late_every=2)
 
 
 def test_overlap_longer_than_the_sync_interval_is_refused(bench: ModuleType) -> None:

@@ -73,3 +73,54 @@ def test_a_slow_node_contributes_part_of_each_round_instead_of_stalling_the_swar
     times = [by_round[0][r]["time"] for r in range(1, rounds + 1)]
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     assert statistics.median(gaps) < 0.75 * INNER_STEPS * SLOW_STEP, gaps
+
+
+@pytest.mark.multiprocess
+@pytest.mark.dht
+def test_a_node_late_for_a_round_brings_its_steps_into_the_next_one(tmp_path: Path) -> None:
+    """3 real nodes; node `late`'s agent stalls 6 s as matchmaking starts in round 2 (FARLOCO_FAULTS
+    delay=6@match:2; the round whose commit is round event 3), past the others' straggler wait (match_timeout
+    3 s), so that round commits without it while it is still in it. It takes the swarm's state after that round,
+    keeps its pseudo-gradient of it (run.late_work = merge), and its next round carries it: that round's
+    contribution weighs its own share of the steps (cut short if the others wait for it) plus 1 for the late
+    ones; every node holds the same theta after every round, and nothing it trained is dropped."""
+    rounds = 5
+    config = tmp_path / "swarm.toml"
+    config.write_text(
+        demo_config(
+            rounds,
+            [
+                "run.inner_steps=40",  # ~7 s of training a round: the late node is back within the next one
+                "node.eval_batches=0",
+                "timeouts.match_timeout=3",
+                "timeouts.match_timeout_min=1",
+            ],
+        )
+    )
+    bootstrap, maddr = start_bootstrap(tmp_path)
+    peers = []
+    try:
+        for name in ("a", "b", "late"):
+            env = {"FARLOCO_FAULTS": "delay=6@match:2"} if name == "late" else None
+            peers.append(start_peer(name, tmp_path, config, maddr, 1, env=env))
+        deadline = time.monotonic() + 300
+        while any(p.process.poll() is None for p in peers):
+            assert time.monotonic() < deadline, f"3 nodes did not finish {rounds} rounds in 300 s"
+            time.sleep(0.5)
+        assert all(p.process.returncode == 0 for p in peers), [p.log_path.read_text()[-2000:] for p in peers]
+    finally:
+        stop_process(*(p.process for p in peers), bootstrap)
+    events = [read_events(p.run_dir) for p in peers]
+    by_round = [{e["round_id"]: e for e in log if e["event"] == "round"} for log in events]
+    assert sorted(by_round[0]) == sorted(by_round[1]) == list(range(1, rounds + 1)), by_round[:2]
+    assert sorted(by_round[2]) == [1, 2, 4, 5], sorted(by_round[2])
+    for round_id, event in by_round[2].items():
+        assert event["outer_hash"] == by_round[0][round_id]["outer_hash"], round_id
+    assert sorted(by_round[0][3]["contributors"]) == sorted(by_round[1][3]["contributors"])
+    assert len(by_round[0][3]["contributors"]) == 2
+    late = [e for e in events[2] if e["event"] == "late_work"]
+    assert [(e["round_id"], e["own"], e["kept"], e["dropped"]) for e in late] == [(2, 1.0, 1.0, 0.0)], late
+    assert by_round[2][4]["merged_weight"] == 1.0 and 1.0 < by_round[2][4]["weight"] <= 2.0, by_round[2][4]
+    assert len(by_round[0][4]["contributors"]) == 3, by_round[0][4]
+    assert all(by_round[2][r]["merged_weight"] == 0.0 for r in by_round[2] if r != 4)
+    assert all(e["merged_weight"] == 0.0 for log in by_round[:2] for e in log.values())

@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -266,6 +266,18 @@ def test_late_comers_are_not_candidates_and_give_up_when_no_group_forms() -> Non
     assert run("p9", view(10.0 + M + 0.1, seen, expected)) == Wait(10.0 + M + L)
     gave_up = run("p9", view(10.0 + M + L, seen, expected))
     assert isinstance(gave_up, Late) and "no group was published" in gave_up.reason
+    assert not gave_up.group_formed  # nobody's theta changed: everyone moves on with the same one
+
+
+def test_a_peer_that_finds_no_group_while_others_are_past_the_round_takes_their_state() -> None:
+    """Back from a stall longer than the group record lives: no record of the round's group any more, but
+    members whose record says a later round left it, so a group formed without us (or none did and their theta
+    is ours): late with group_formed, which takes their state, never an advance on our own theta."""
+    seen = {"p1": 10.0, "p9": 10.0 + M - L / 4}
+    stale = replace(view(10.0 + M + L, seen, {"p9"}), ahead=frozenset({"p1", "p5"}))
+    gave_up = run("p9", stale)
+    assert isinstance(gave_up, Late) and gave_up.group_formed
+    assert "2 member(s) are past it (p1, p5)" in gave_up.reason
 
 
 # ------------------------------------------------------------------------------------------- the one-hop freeze

@@ -50,7 +50,12 @@ def _solo(tmp_path: Path, live: list[str], departed: list[str], policy: str = ""
     async def form_group(round_id: int, member: GroupMember, **_: Any) -> Group:
         return Group(round_id=round_id, group_id="g", members=(member,))  # they vanished meanwhile: us alone
 
-    outer = SimpleNamespace(round_id=7, outer_hash="h", strategy=SimpleNamespace(num_rounds=7))
+    outer = SimpleNamespace(
+        round_id=7,
+        outer_hash="h",
+        num_params=4,
+        strategy=SimpleNamespace(num_rounds=7, keeps_local_progress=False),
+    )
     net = SimpleNamespace(matchmaker=SimpleNamespace(form_group=form_group), island=None)
     swarm = _Swarm(state, live, departed, policy)
     runner = RoundRunner(state, outer, None, None, swarm, net)  # type: ignore[arg-type]
