@@ -312,16 +312,26 @@ def one_rank_group(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
 
 def _sharded(model_overrides: dict[str, int] | None = None, steps: int = 0, lr: float = 1e-3):  # type: ignore[no-untyped-def]
     """The tiny model sharded with FSDP2 like a trainer rank does, and an AdamW that ran `steps` steps."""
+    return _trained(model_overrides, steps, lr, sharded=True)
+
+
+def _plain(steps: int = 0):  # type: ignore[no-untyped-def]
+    """The tiny model as a single CPU rank trains it (the plain module), and an AdamW that ran `steps` steps."""
+    return _trained(None, steps, 1e-3, sharded=False)
+
+
+def _trained(model_overrides: dict[str, int] | None, steps: int, lr: float, *, sharded: bool):  # type: ignore[no-untyped-def]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from farloco.node.training.model import build_model, lm_loss, model_config
 
     model = build_model(model_config("tiny", **(model_overrides or {})), seed=0)
-    mesh = init_device_mesh("cpu", (1,))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if sharded:
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -372,20 +382,8 @@ def test_inner_state_moves_between_a_sharded_and_a_plain_module(
     """A single CPU rank trains the plain module (parallel.shards): its inner state loads where a sharded one was
     saved (a checkpoint written before, or by a node of several ranks) and the other way round."""
     from farloco.node.checkpoint import load_inner_state, optimizer_fingerprint, save_inner_state
-    from farloco.node.training.model import build_model, lm_loss, model_config
 
-    def plain(steps: int = 0):  # type: ignore[no-untyped-def]
-        model = build_model(model_config("tiny"), seed=0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        generator = torch.Generator().manual_seed(1)
-        for _ in range(steps):
-            tokens = torch.randint(0, 256, (2, 17), generator=generator)
-            lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return model, optimizer
-
-    make_saved, make_loaded = (_sharded, plain) if saved_by == "sharded" else (plain, _sharded)
+    make_saved, make_loaded = (_sharded, _plain) if saved_by == "sharded" else (_plain, _sharded)
     model, optimizer = make_saved(steps=3)
     assert save_inner_state(tmp_path / "inner", model, optimizer)
     fresh_model, fresh_optimizer = make_loaded()
