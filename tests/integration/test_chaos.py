@@ -14,7 +14,7 @@ from helpers.scripts import BENCHMARKS
 sys.path.insert(
     0, str(BENCHMARKS)
 )  # the chaos runner and its scenarios are benchmark modules, not the package's
-from chaos_runner import Fault, Scenario, run, verdict
+from chaos_runner import Fault, Scenario, run, steps_accounted, verdict
 from chaos_scenarios import SCENARIOS
 
 # Five faults one after the other in one swarm of 3 (each a few rounds after the last, so their figures do not
@@ -50,6 +50,24 @@ TIMELINE = Scenario(
     rounds=17,
     timeout=360,
 )
+
+
+def test_inner_steps_are_accounted_from_the_round_and_late_work_events() -> None:
+    """The chaos table's 'inner steps in an update': a committed round's weight reached an update (its
+    merged_weight was trained in the round before, counted there); a round that went on without the node trained
+    its `own`, kept or dropped."""
+    events = {
+        "p0": [{"event": "round", "weight": 1.0, "merged_weight": 0.0}] * 3,
+        "p1": [
+            {"event": "round", "weight": 1.0, "merged_weight": 0.0},
+            {"event": "late_work", "own": 0.75, "kept": 0.75, "dropped": 0.0},  # merged next round
+            {"event": "round", "weight": 1.75, "merged_weight": 0.75},
+            {"event": "late_work", "own": 1.0, "kept": 0.0, "dropped": 1.0},  # discarded
+            {"event": "round", "weight": 0.5},  # a partial contribution, from before merged_weight existed
+        ],
+    }
+    trained, reached = steps_accounted(events)
+    assert (trained, reached) == (3.0 + 1.0 + 0.75 + 1.0 + 1.0 + 0.5, 3.0 + 1.0 + 1.75 + 0.5)
 
 
 @pytest.mark.multiprocess
