@@ -25,24 +25,15 @@ local' is written over the kept d, in place, so nothing more is allocated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from farloco.optim.ranges import run_chunked
 
 
-@dataclass
-class LateTally:
-    """Inner steps, in rounds' worth (a full sequence is 1.0), that went each way: for the events and metrics."""
-
-    kept: float = 0.0
-    merged: float = 0.0
-    dropped: float = 0.0
-
-
 class LateWork:
-    """The work a late node kept (at most one round's), and its merge into the next round's contribution."""
+    """The work a late node kept (at most one round's), and its merge into the next round's contribution. Weights
+    are inner steps in rounds' worth (a full sequence is 1.0); each call returns what it dropped, for the events."""
 
     def __init__(self, num_params: int) -> None:
         self.num_params = num_params
@@ -50,7 +41,6 @@ class LateWork:
         self.round_id = -1  # the round the kept work was trained for
         self.weight = 0.0
         self.merged = False  # the buffer holds the merged local' of the round in flight
-        self.tally = LateTally()
 
     @property
     def pending(self) -> bool:
@@ -64,7 +54,6 @@ class LateWork:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"late work: expected a weight > 0, got {weight}")
         dropped = self.weight if self._buffer is not None else 0.0  # older work: its buffer is reused
-        self.tally.dropped += dropped
         if self._buffer is None:
             self._buffer = torch.empty(self.num_params, dtype=torch.float32)
         buffer = self._buffer
@@ -74,26 +63,22 @@ class LateWork:
 
         run_chunked(difference, self.num_params, 12)
         self.round_id, self.weight, self.merged = round_id, weight, False
-        self.tally.kept += weight
         return dropped
 
     def merge(
         self, round_id: int, theta: torch.Tensor, local: torch.Tensor, weight: float
-    ) -> tuple[torch.Tensor, float] | None:
-        """The weights to make round `round_id`'s contribution from, and its weight, with the kept work merged:
-        (local', weight + w_late), local' = theta - (s (theta - local) + (1 - s) d). None when nothing is kept
-        for this round (kept work for an older round is dropped here). `local` is not written."""
-        if self.merged:  # merged into a round that ended without settling (isolation, an error): gone
-            self._drop()
+    ) -> tuple[torch.Tensor | None, float, float]:
+        """(local', w_late, dropped): the weights to make round `round_id`'s contribution from with the kept
+        work merged, local' = theta - (s (theta - local) + (1 - s) d), and the weight that work adds; (None, 0.0,
+        dropped) when nothing is kept for this round. Work kept for an older round, or merged into a round that
+        ended without settling (isolation, an error), is dropped here (`dropped`). `local` is not written."""
+        if self.merged or (self._buffer is not None and round_id != self.round_id + 1):
+            return None, 0.0, self._drop()
         if self._buffer is None:
-            return None
-        if round_id != self.round_id + 1:
-            self._drop()
-            return None
+            return None, 0.0, 0.0
         self._check(theta, local)
-        assert self._buffer is not None
-        buffer, total = self._buffer, weight + self.weight
-        s = weight / total
+        buffer, late = self._buffer, self.weight
+        s = weight / (weight + late)
 
         def blend(part: slice, scratch: torch.Tensor) -> None:
             d = scratch[: part.stop - part.start]
@@ -104,31 +89,18 @@ class LateWork:
 
         run_chunked(blend, self.num_params, 12)
         self.merged = True
-        return buffer, total
+        return buffer, late, 0.0
 
-    def settle(self, committed: bool) -> float:
-        """The round in flight closed: merged work reached the model (`committed`) or is dropped. Returns the
-        weight that reached it. Work kept (not merged) stays for the next round."""
-        if not self.merged:
-            return 0.0
-        weight = self.weight
-        if committed:
-            self.tally.merged += weight
-            self._release()
-            return weight
-        self._drop()
-        return 0.0
+    def round_closed(self) -> float:
+        """The round in flight closed: work merged into it reached the model (the round committed) or is lost
+        with it; either way it is gone, and its weight is returned (0.0 when none was merged). Work kept, not
+        merged yet, stays for the next round."""
+        return self._drop() if self.merged else 0.0
 
     def _drop(self) -> float:
-        if self._buffer is None:
-            return 0.0
-        weight = self.weight
-        self.tally.dropped += weight
-        self._release()
-        return weight
-
-    def _release(self) -> None:
+        weight = self.weight if self._buffer is not None else 0.0
         self._buffer, self.round_id, self.weight, self.merged = None, -1, 0.0, False
+        return weight
 
     def _check(self, theta: torch.Tensor, local: torch.Tensor) -> None:
         for name, tensor in (("theta", theta), ("local", local)):

@@ -17,8 +17,8 @@ model's size is written for the contribution at all: `contribution` checks it ch
 its state range by range (`OuterStrategy.stage_in_place`). That leaves the strategy's state and the mean: 12 bytes
 per parameter with int8 and error feedback (momentum, residual, mean) instead of 22; with `mean_per_round` (ranks
 training on the host) the mean is allocated for the round and freed with it, so while the ranks train the agent
-holds 8. It needs the round's inputs to stay
-put until the commit: theta_outer, the ranks' weights (they wait for us, or we read a copy) and the state.
+holds 8. It needs the round's inputs to stay put until the commit: theta_outer, the ranks' weights (they wait
+for us, or we read a copy) and the state.
 
 Otherwise nothing of the model's size is allocated per round: the contribution is written into a work buffer that the
 strategy turns into the new error-feedback state and swaps in at commit (handing back the buffer it replaced),
@@ -178,8 +178,8 @@ class OuterRound:
         """The mean's output for `Exchange.average(out=)`, `numel` long: reused, or with `mean_per_round` a
         fresh one each round, freed with the round. Then a node holds it only while its ranks wait for the round
         (on demand: the synchronous loop), never while they train, which is when a node whose ranks train on the
-        host peaks: 4 bytes per parameter off that peak, for the page faults of writing it each round (1.4
-        ns/param, benchmarks/round_overhead.py `--mean-per-round`)."""
+        host peaks: 4 bytes per parameter off that peak, for the page faults of writing it each round (1.1-1.2
+        ns/param at 128M, benchmarks/round_overhead.py `--mean-per-round`)."""
         if self.mean_per_round:
             return torch.empty(numel, dtype=torch.float32)
         if self._mean is None:

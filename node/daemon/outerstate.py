@@ -27,7 +27,7 @@ from farloco.node.handoff import flatten, layout_of
 from farloco.node.schedule import outer_lr_factor
 from farloco.node.training.model import num_parameters
 from farloco.node.training.models import build_spec
-from farloco.node.training.parallel import check_node_layout
+from farloco.node.training.parallel import check_node_layout, ranks_use_cuda
 from farloco.optim.strategies import StrategyError
 from farloco.protocol.exchange import OnDemand
 from farloco.util.memory import exclude_from_fork
@@ -72,10 +72,7 @@ class OuterState:
         # Ranks that train in host memory peak while the agent waits for them: the mean is then allocated for
         # each round and freed with it (off that peak). GPU ranks' host memory peaks in the round itself, and the
         # buffer is kept across rounds there (no page faults in a round the GPUs wait for).
-        on_host = config.node.device == "cpu" or (
-            config.node.device == "auto" and not torch.cuda.is_available()
-        )
-        self.round.mean_per_round = self.round.on_demand and on_host
+        self.round.mean_per_round = self.round.on_demand and not ranks_use_cuda(config)
         # The DHT node is forked after this: theta and the strategy's state stay out of it (util/memory.py), or
         # their first writes (the first commit, the first contribution) pay a copy-on-write fault per page.
         exclude_from_fork(theta, *self.strategy.live_buffers().values())

@@ -326,24 +326,14 @@ class RoundRunner:
     def _merge_late_work(self, theta_local: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
         """The weights this round's contribution is made from, with the work kept from the round we were late
         for merged in, and the weight that work adds (0.0, and `theta_local` itself, when there is none)."""
-        late, round_id = self.late_work, self.outer.round_id
-        assert late is not None
-        stale = late.pending and round_id != late.round_id + 1
-        stale_weight, stale_round = late.weight, late.round_id
-        merged = late.merge(round_id, self.outer.theta, theta_local, weight)
-        if stale:  # a catch-up skipped rounds: the work is more than one round old
+        assert self.late_work is not None
+        round_id, trained_for = self.outer.round_id, self.late_work.round_id
+        local, merged, dropped = self.late_work.merge(round_id, self.outer.theta, theta_local, weight)
+        if dropped:  # a catch-up skipped rounds: the work is more than one round old
             self.state.events.write(
-                "late_work",
-                round_id=round_id,
-                own=0.0,
-                kept=0.0,
-                dropped=stale_weight,
-                trained_for=stale_round,
+                "late_work", round_id=round_id, own=0.0, kept=0.0, dropped=dropped, trained_for=trained_for
             )
-        if merged is None:
-            return theta_local, 0.0
-        local, total = merged
-        return local, total - weight
+        return (theta_local, 0.0) if local is None else (local, merged)
 
     async def _round(self, seq: int, prepared: Prepared | None = None) -> bool:
         """Exchange and apply round `self.outer.round_id` (its contribution `prepared` already, when the ranks train on
@@ -619,7 +609,7 @@ class RoundRunner:
         finally:
             self.net.exchange.advance(self.outer.round_id)
         if self.late_work is not None:
-            self.late_work.settle(committed=True)
+            self.late_work.round_closed()  # merged work, if any, is in this commit (the event's merged_weight)
         self._phases["commit"] = time.monotonic() - phase_started
         every = self.config.checkpoint.every_rounds
         last = bool(run.max_rounds) and self.outer.round_id == run.max_rounds  # the run's result: always kept
@@ -735,9 +725,7 @@ class RoundRunner:
             self.state.events.write("late_work", round_id=round_id, own=own, kept=own, dropped=dropped)
             if cancelled:
                 raise asyncio.CancelledError
-        elif late is not None and late.merged:
-            dropped = late.weight
-            late.settle(committed=False)
+        elif late is not None and (dropped := late.round_closed()):
             self.state.events.write("late_work", round_id=round_id, own=0.0, kept=0.0, dropped=dropped)
 
     def _abort(self, reason: str, num_peers: int) -> bool:

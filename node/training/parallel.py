@@ -77,6 +77,11 @@ def check_node_layout(config: Config) -> None:
     check_tensor_parallel(model, config.node.tp)
 
 
+def ranks_use_cuda(config: Config) -> bool:
+    """node.device resolved: whether the ranks train on CUDA ('auto': where a GPU is there)."""
+    return config.node.device == "cuda" or (config.node.device == "auto" and torch.cuda.is_available())
+
+
 def compute_dtype(config: Config, device: torch.device) -> torch.dtype:
     """node.precision resolved: 'auto' is bf16 on cuda and fp32 on cpu."""
     precision = config.node.precision

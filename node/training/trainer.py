@@ -51,7 +51,14 @@ from farloco.node.training.data import BatchSampler, eval_batches, open_dataset
 from farloco.node.training.flops import device_peak_flops
 from farloco.node.training.models import ModelSpec, as_spec, build_spec
 from farloco.node.training.muon import build_inner_optimizer
-from farloco.node.training.parallel import ShardView, clip_grad_norm, compute_dtype, node_mesh, parallelize
+from farloco.node.training.parallel import (
+    ShardView,
+    clip_grad_norm,
+    compute_dtype,
+    node_mesh,
+    parallelize,
+    ranks_use_cuda,
+)
 
 log = logging.getLogger("farloco.trainer")
 
@@ -61,7 +68,7 @@ COMPILE_WARMUP_STEPS = 3
 
 
 def resolve_device(config: Config) -> torch.device:
-    if config.node.device == "cuda" or (config.node.device == "auto" and torch.cuda.is_available()):
+    if ranks_use_cuda(config):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -318,9 +325,8 @@ def train_step(
     for index, (micro_inputs, micro_targets) in enumerate(
         zip(inputs.chunk(micro), targets.chunk(micro), strict=True)
     ):
-        if micro > 1 and hasattr(
-            model, "set_requires_gradient_sync"
-        ):  # FSDP2's; a plain module syncs nothing
+        # FSDP2's gradient sync; a plain module (one float32 rank: parallel.shards) has none to hold back.
+        if micro > 1 and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(index == micro - 1)  # type: ignore[operator]
         loss = spec.compute_loss(micro_inputs, micro_targets)
         (loss / micro).backward()  # type: ignore[no-untyped-call]

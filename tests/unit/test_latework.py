@@ -28,10 +28,9 @@ def test_kept_work_merges_into_the_next_round_weighted_by_its_steps() -> None:
     assert late.pending and late.round_id == 2
     theta, local = _vectors(1)  # the swarm's state after round 2, and what the ranks trained from it
     theta_before, local_before = theta.clone(), local.clone()
-    merged = late.merge(3, theta, local, 1.0)
-    assert merged is not None
-    local_merged, weight = merged
-    assert weight == 1.5
+    local_merged, late_weight, dropped = late.merge(3, theta, local, 1.0)
+    assert local_merged is not None and (late_weight, dropped) == (0.5, 0.0)
+    weight = 1.0 + late_weight
     assert torch.equal(theta, theta_before) and torch.equal(local, local_before)  # inputs not written
     expected = (1.0 * (theta - local) + 0.5 * (start - local_late)) / 1.5
     torch.testing.assert_close(theta - local_merged, expected, rtol=0, atol=1e-6)
@@ -45,39 +44,42 @@ def test_kept_work_merges_into_the_next_round_weighted_by_its_steps() -> None:
     by_steps = (other + (theta - local) + 0.5 * (start - local_late)) / 2.5
     torch.testing.assert_close(mean, by_steps, rtol=0, atol=1e-6)
 
-    assert late.settle(committed=True) == 0.5
+    assert late.round_closed() == 0.5
     assert late._buffer is None and not late.pending  # the buffer goes with the round
-    assert (late.tally.kept, late.tally.merged, late.tally.dropped) == (0.5, 0.5, 0.0)
+    assert late.round_closed() == 0.0
 
 
 def test_staleness_is_bounded_at_one_round() -> None:
     late = LateWork(N)
     start, local = _vectors(0)
     late.keep(4, start, local, 1.0)
-    assert late.merge(6, start, local, 1.0) is None  # a catch-up skipped round 5: two rounds stale
-    assert late._buffer is None and late.tally.dropped == 1.0
+    assert late.merge(6, start, local, 1.0) == (
+        None,
+        0.0,
+        1.0,
+    )  # a catch-up skipped round 5: two rounds stale
+    assert late._buffer is None
 
     # Late twice in a row: the merged round's work is dropped, the newer round's kept.
     late.keep(7, start, local, 1.0)
-    assert late.merge(8, start, local, 0.25) is not None
+    assert late.merge(8, start, local, 0.25)[0] is not None
     assert late.keep(8, start, local, 0.25) == 1.0
     assert late.round_id == 8 and late.weight == 0.25 and late.pending
-    # A round that merged and then closed without an update (aborted, no group) drops what it merged.
-    assert late.merge(9, start, local, 1.0) is not None
-    assert late.settle(committed=False) == 0.0
+    # A round that merged and then closed without an update (aborted, no group) loses what it merged.
+    assert late.merge(9, start, local, 1.0)[1] == 0.25
+    assert late.round_closed() == 0.25
     assert late._buffer is None
-    assert (late.tally.kept, late.tally.merged, late.tally.dropped) == (2.25, 0.0, 2.25)
-    # Merged into a round that never settled (it ended by another path): dropped at the next merge.
+    # Merged into a round that never closed (it ended by another path): dropped at the next merge.
     late.keep(10, start, local, 1.0)
     late.merge(11, start, local, 1.0)
-    assert late.merge(12, start, local, 1.0) is None and late._buffer is None
+    assert late.merge(12, start, local, 1.0) == (None, 0.0, 1.0) and late._buffer is None
 
 
 def test_nothing_kept_changes_nothing() -> None:
     late = LateWork(N)
     theta, local = _vectors(0)
-    assert late.merge(1, theta, local, 1.0) is None
-    assert late.settle(committed=True) == 0.0
+    assert late.merge(1, theta, local, 1.0) == (None, 0.0, 0.0)
+    assert late.round_closed() == 0.0
     assert late._buffer is None
 
 
@@ -106,7 +108,7 @@ def test_bad_input_is_refused_and_keeps_nothing(
     late = LateWork(N)
     with pytest.raises(ValueError, match=message):
         late.keep(1, theta, local, weight)
-    assert late._buffer is None and late.tally.kept == 0.0
+    assert late._buffer is None and not late.pending
 
 
 def test_run_late_work_is_checked() -> None:
