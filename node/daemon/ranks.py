@@ -157,10 +157,13 @@ class Ranks:
             monitor_interval=0.2,
             start_method="spawn",
             local_addr="127.0.0.1",
-            # The ranks' output always lands in logs/trainer/; echoed on stderr only for text logs (a JSON
-            # stderr must hold JSON lines only).
+            # The ranks' output always lands in logs/trainer/ (redirects); echoed on stderr only for text logs
+            # (a JSON stderr must hold JSON lines only). Without the redirect torchelastic hands the ranks the
+            # agent's own stderr, and a rank's last words (a traceback, "the agent is gone") broke the JSON.
             logs_specs=DefaultLogsSpecs(
-                log_dir=str(log_dir), tee=Std.ALL if console_format() == "text" else Std.NONE
+                log_dir=str(log_dir),
+                redirects=Std.ALL,
+                tee=Std.ALL if console_format() == "text" else Std.NONE,
             ),
         )
         args = (
