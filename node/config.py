@@ -503,7 +503,9 @@ class TimeoutConfig:
     """Time limits of the round protocol, in seconds."""
 
     heartbeat_interval: float = 1.0
-    """How often the member record is refreshed on the DHT."""
+    """How often the member record is refreshed on the DHT (straight to the members key's replicas, which a full
+    store finds again once per `member_ttl`). The member table is read every `member_ttl / 4` (at most once a
+    heartbeat): a read carries every member's record."""
     member_ttl: float = 8.0
     """A member whose record is older than this is considered gone."""
     match_timeout: float = 30.0

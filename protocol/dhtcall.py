@@ -46,6 +46,13 @@ MAX_DELAY = 4.0
 LOG_EVERY = 10.0
 
 
+# How many of the key's nearest nodes a read (`get(..., latest=True)`) keeps in its walk: hivemind's default is its
+# bucket size (20), and every node visited answers with the whole value, so a read of a dictionary of N records cost
+# up to 20 N. A store puts its copies on the `num_replicas` (5) nearest nodes; 8 reads those and a few more for
+# a storer whose view of the nearest differed.
+READ_BEAM = 8
+
+
 class DHTRefusedError(Exception):
     """A DHT operation kept failing until its deadline; the message names the key, attempts and time spent."""
 
@@ -179,3 +186,93 @@ async def retry(
         # The last try comes at the deadline itself.
         await asyncio.sleep(min(delay * random.uniform(0.8, 1.2), deadline - now))
         delay = min(2 * delay, MAX_DELAY)
+
+
+# --------------------------------------------------------------------------------------------- stores near
+
+
+# In the DHT's process: (node, key) -> (when the replicas were found, monotonic; the nodes that hold the key's
+# copies, nearest first). The DHT process is the agent's own fork, so this table lives as long as its node.
+_REPLICAS: dict[tuple[int, bytes], tuple[float, list[Any]]] = {}
+_IN_FLIGHT: set[asyncio.Future[Any]] = set()
+# How long a store near the key waits for its replicas' answers (the rest are not waited for).
+STORE_NEAR_WAIT = 2.0
+
+
+async def store_near(
+    _dht: Any,
+    node: Any,
+    *,
+    key: str,
+    value: Any,
+    expiration: float,
+    subkey: Any,
+    replan_every: float,
+) -> bool:
+    """Store `value` under (`key`, `subkey`) on the nodes that hold the key: run in the DHT's process
+    (`dht.run_coroutine(functools.partial(store_near, key=..., ...))`, `node` is its hivemind DHTNode).
+
+    hivemind's store walks the DHT to the key's nearest nodes every time, and every node asked on the way answers
+    with the whole value it holds there: for a key whose value is a dictionary of every member's record (the
+    member table), each store pulled the table from several nodes, validating every entry's signature, so a
+    heartbeat cost grew with the swarm. Here a full store (with its walk) runs once per `replan_every` seconds
+    and finds the key's replicas; the stores in between go straight to those replicas (and to our own storage
+    when we are one of them): a heartbeat costs one record per replica, whatever the swarm's size. A plan older
+    than `replan_every`, or one whose replicas mostly did not answer, is made again by a full store: a node that
+    joined nearer the key is found within one `replan_every`. Returns whether a replica took the entry (hivemind's
+    store reports the last replica's answer; any one is enough for the record to be read)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    key_id = DHTID.generate(source=key)
+    slot = (id(node), key_id.to_bytes())
+    now = time.monotonic()
+    plan = _REPLICAS.get(slot)
+    if plan is None or now - plan[0] >= replan_every:
+        ok = bool(await node.store(key, value, expiration, subkey=subkey))
+        mine = node.protocol.routing_table.get_nearest_neighbors(
+            key_id, k=node.num_replicas, exclude=node.node_id
+        )
+        # the replicas as hivemind's walk chose them: the num_replicas nearest of what we know, ourselves included
+        ranked = sorted([*mine, (node.node_id, None)], key=lambda item: key_id.xor_distance(item[0]))
+        _REPLICAS[slot] = (now, ranked[: node.num_replicas])
+        return ok
+    protocol = node.protocol
+    serializer = protocol.serializer
+    record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), serializer.dumps(value), expiration)
+    if protocol.record_validator is not None:
+        record = DHTRecord(
+            record.key, record.subkey, protocol.record_validator.sign_value(record), expiration
+        )
+    stored = False
+    remote = []
+    for node_id, peer_id in plan[1]:
+        if node_id == node.node_id:
+            if protocol.record_validator is None or protocol.record_validator.validate(record):
+                stored = (
+                    bool(protocol.storage.store(key_id, record.value, expiration, subkey=subkey)) or stored
+                )
+        else:
+            remote.append(peer_id)
+    tasks = [
+        asyncio.ensure_future(protocol.call_store(peer, [key_id], [record.value], expiration, [subkey]))
+        for peer in remote
+    ]
+    done: set[asyncio.Future[Any]] = set()
+    if tasks:
+        # A replica that is gone costs hivemind's wait_timeout (8 s in farloco's nodes): the heartbeat does not
+        # wait for it. What is still pending runs on, held here so that it is not collected mid-flight.
+        done, pending = await asyncio.wait(tasks, timeout=STORE_NEAR_WAIT)
+        for task in pending:
+            _IN_FLIGHT.add(task)
+            task.add_done_callback(_IN_FLIGHT.discard)
+    answered = [task.result() for task in done if not task.cancelled() and task.exception() is None]
+    answered = [answer for answer in answered if answer is not None]
+    if 2 * len(answered) < len(remote):
+        _REPLICAS.pop(slot, None)  # most replicas did not answer: the next store walks the DHT again
+    return stored or any(bool(answer and answer[0]) for answer in answered)
+
+
+def forget_replicas() -> None:
+    """Drop every remembered replica set (tests; a DHT process restarted in place)."""
+    _REPLICAS.clear()

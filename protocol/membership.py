@@ -30,11 +30,14 @@ the run-mismatch diagnostics, never the member list.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
 import re
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -240,11 +243,15 @@ class MembersValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind s
 
     def __init__(self, run_name: str) -> None:
         self._keys = {DHTID.generate(source=members_key(run_name)).to_bytes(): members_key(run_name)}
+        self.memo = VerdictMemo()
 
     def validate(self, record: DHTRecord) -> bool:
         key = self._keys.get(record.key)
         if key is None:
             return True
+        return self.memo.judge(record, lambda entry: self._judge(entry, key))
+
+    def _judge(self, record: DHTRecord, key: str) -> bool:
         if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
             logger.debug("refusing an entry under %s: not under a member's sub-key", key)
             return False
@@ -271,16 +278,61 @@ class MembersValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind s
         return True
 
 
+class VerdictMemo:
+    """The verdicts of the last `size` distinct records a validator judged, keyed by a digest of the record's
+    bytes: the same bytes always get the same verdict, so each is worked out once.
+
+    A read of the member table walks several DHT nodes and every one answers with the whole table, so hivemind
+    validates each record once per node that holds a copy (up to its beam of 20), and again at the next read if
+    it did not change: at 16 peers on 2 cores, RSA signature checks and record decoding of those copies took half
+    of a peer's DHT CPU (`benchmarks/protocol_scale.py`). Bounded (least recently used first out), so a flood of
+    distinct records costs memory of `size` digests at most."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._verdicts: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
+        self.hits = 0
+
+    def judge(self, record: DHTRecord, decide: Callable[[DHTRecord], bool]) -> bool:
+        digest = hashlib.blake2b(digest_size=20)
+        for part in (record.key, record.subkey, record.value, struct.pack("<d", record.expiration_time)):
+            digest.update(len(part).to_bytes(4, "little"))
+            digest.update(part)
+        key = digest.digest()
+        verdict = self._verdicts.get(key)
+        if verdict is not None:
+            self.hits += 1
+            self._verdicts.move_to_end(key)
+            return verdict
+        verdict = bool(decide(record))
+        self._verdicts[key] = verdict
+        if len(self._verdicts) > self.size:
+            self._verdicts.popitem(last=False)
+        return verdict
+
+
+class MemoSignatureValidator(RSASignatureValidator):  # type: ignore[misc]  # hivemind ships no type hints
+    """hivemind's `RSASignatureValidator`, each distinct record's signature checked once (`VerdictMemo`)."""
+
+    def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
+        super().__init__(private_key)
+        self.memo = VerdictMemo()
+
+    def validate(self, record: DHTRecord) -> bool:
+        return self.memo.judge(record, super().validate)
+
+
 def make_record_validators(
     run_name: str, *, private_key: RSAPrivateKey | None = None
 ) -> list[RecordValidatorBase]:
     """Validators the agent passes to `hivemind.DHT(record_validators=...)` for this run.
 
     The signature validator signs records whose sub-key holds our public key (and refuses unsigned or
-    forged ones); `MembersValidator` checks the members key. `private_key` defaults to hivemind's
-    process-wide key; tests running several DHTs in one process pass one key per peer.
+    forged ones); `MembersValidator` checks the members key. Both judge each distinct record once
+    (`VerdictMemo`). `private_key` defaults to hivemind's process-wide key; tests running several DHTs in one
+    process pass one key per peer.
     """
-    return [RSASignatureValidator(private_key), MembersValidator(run_name)]
+    return [MemoSignatureValidator(private_key), MembersValidator(run_name)]
 
 
 def bootstrap_record_validators(run_names: Sequence[str] = ()) -> list[RecordValidatorBase]:
@@ -288,7 +340,7 @@ def bootstrap_record_validators(run_names: Sequence[str] = ()) -> list[RecordVal
     keys lie near its own id like any other node: it refuses what a member's DHT node refuses. The signature check
     needs no run (an entry under a sub-key holding a public key must be signed by that key's owner); the members
     key's schema needs the run's name, one `MembersValidator` per run that uses this bootstrap."""
-    return [RSASignatureValidator(), *(MembersValidator(name) for name in run_names)]
+    return [MemoSignatureValidator(), *(MembersValidator(name) for name in run_names)]
 
 
 # --------------------------------------------------------------------------------------------- sans-IO core
@@ -518,6 +570,36 @@ def _unwrap_entries(result: Any, where: str) -> dict[bytes, MemberRecord | Depar
     return entries
 
 
+def table_read_interval(heartbeat_interval: float, ttl: float) -> float:
+    """How often a member's heartbeat reads the whole member table: a quarter of the member ttl, never more
+    often than it stores its record. A read costs every member's record (it grows with the swarm); a store
+    costs one. A live member's record, stored every heartbeat, is at most one read interval plus one heartbeat
+    old when we read it, so it never expires in our view between two reads while `ttl/4 + heartbeat < ttl`
+    (the constructor's check `heartbeat < ttl` leaves room). The round's own reads (the matchmaker's, when a
+    record it does not know appears) are not paced."""
+    return max(heartbeat_interval, ttl / 4)
+
+
+class HeartbeatPacer:
+    """Whether this beat reads the member table (`table_read_interval`), on a monotonic clock."""
+
+    def __init__(self, heartbeat_interval: float, ttl: float, *, read_interval: float | None = None) -> None:
+        self.read_interval = (
+            table_read_interval(heartbeat_interval, ttl) if read_interval is None else read_interval
+        )
+        if not 0 <= self.read_interval < ttl:
+            raise ValueError(f"read_interval must be in [0, ttl={ttl}), got {self.read_interval}")
+        self._last = -math.inf
+
+    def read_due(self, now: float) -> bool:
+        """True (and counted as read) when at least `read_interval` has passed since the last read; a small
+        slack (a tenth of a beat's jitter) keeps a read from slipping a whole beat late."""
+        if now - self._last < self.read_interval * 0.95:
+            return False
+        self._last = now
+        return True
+
+
 class DHTMembership:
     """Our membership in a run, on a running `hivemind.DHT` (the agent owns the DHT and its validators)."""
 
@@ -537,6 +619,7 @@ class DHTMembership:
         claim_settle: float = 0.5,
         auth: MemberAuth | None = None,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
+        replan_every: float = 0.0,
     ) -> None:
         if not 0 < heartbeat_interval < ttl:
             raise ValueError(
@@ -551,12 +634,19 @@ class DHTMembership:
         if not retry_seconds >= 0:
             raise ValueError(f"retry_seconds must be >= 0, got {retry_seconds}")
         self.retry_seconds = retry_seconds
+        # > 0: our record goes straight to the members key's replicas, found again by a full store every this
+        # many seconds (`dhtcall.store_near`); 0: every store walks the DHT (hivemind's store).
+        if not replan_every >= 0:
+            raise ValueError(f"replan_every must be >= 0, got {replan_every}")
+        self.replan_every = replan_every
         self.clock: Clock = clock if clock is not None else DHTClock()
         # Sub-key = our public key: the signature validator signs what we store under it.
         self.public_key = public_key if public_key is not None else RSASignatureValidator().local_public_key
         self._record: MemberRecord | None = None
         self._last_expiration = -math.inf  # the latest expiration of any entry we sent (it may have landed)
         self._heartbeat_task: asyncio.Task[None] | None = None
+        # "stores" (our record, each attempt) and "reads" (whole-table reads): what the benchmarks weigh per peer.
+        self.counters: Counter[str] = Counter()
 
     @property
     def record(self) -> MemberRecord | None:
@@ -564,7 +654,12 @@ class DHTMembership:
         return self._record
 
     async def _store(
-        self, make: Callable[[], tuple[dict[str, Any], float]], what: str, retry_seconds: float
+        self,
+        make: Callable[[], tuple[dict[str, Any], float]],
+        what: str,
+        retry_seconds: float,
+        *,
+        near: bool = False,
     ) -> None:
         """Store `make()`'s (value, expiration) under our sub-key, retried with back-off for `retry_seconds`
         (real time); `make` is called afresh for each attempt, so a retry never sends an expired entry.
@@ -577,6 +672,17 @@ class DHTMembership:
             # a tombstone stamped in the same instant as a heartbeat whose answer was lost had its exact
             # expiration and was refused for the whole retry window (seen under a CPU hog).
             self._last_expiration = max(self._last_expiration, expiration)
+            self.counters["stores"] += 1
+            if near:
+                store = functools.partial(
+                    dhtcall.store_near,
+                    key=self.key,
+                    value=value,
+                    expiration=expiration,
+                    subkey=self.public_key,
+                    replan_every=self.replan_every,
+                )
+                return bool(await dhtcall.call(self.dht.run_coroutine, store, timeout=timeout))
             ok = bool(
                 await dhtcall.call(
                     self.dht.store, self.key, value, expiration, subkey=self.public_key, timeout=timeout
@@ -618,15 +724,16 @@ class DHTMembership:
             return stamped.to_wire(), stamped.heartbeat + self.core.ttl
 
         seconds = self.retry_seconds if retry_seconds is None else retry_seconds
-        await self._store(make, "our member record", seconds)
+        await self._store(make, "our member record", seconds, near=self.replan_every > 0)
         self._record = stamped
         self.core.observe(self.public_key, stamped)
         return stamped
 
     async def refresh(self) -> None:
         """Read the whole members dictionary (latest=True merges the sub-keys held by every replica)."""
+        self.counters["reads"] += 1
         try:
-            result = await dhtcall.call(self.dht.get, self.key, latest=True)
+            result = await dhtcall.call(self.dht.get, self.key, latest=True, beam_size=dhtcall.READ_BEAM)
         except TimeoutError:
             # Reads are advisory: keep the last view (pruned below) and read again next time.
             logger.warning(

@@ -440,6 +440,9 @@ class RpcClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         # gRPC address -> the peer's data-plane port, or None where it has none (then streams ride gRPC).
         self._data_ports: dict[str, int | None] = {}
+        # method -> bytes of our unary calls (request, its auth metadata, the answer): the control traffic, which
+        # the benchmarks weigh per peer (gRPC's own framing and the streams' payloads are not counted).
+        self.unary_bytes: Counter[str] = Counter()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         _check_dialable(address)
@@ -492,10 +495,13 @@ class RpcClient:
                 f"{method} request of {len(request)} bytes exceeds max_message_bytes={self.max_message_bytes}",
             )
         call = self._channel(address).unary_unary(f"/{SERVICE}/{method}")
+        metadata = self.auth.metadata(method, round_id)
+        self.unary_bytes[method] += len(request) + sum(len(k) + len(v) for k, v in metadata)
         try:
-            response = await call(request, timeout=timeout, metadata=self.auth.metadata(method, round_id))
+            response = await call(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise _to_rpc_error(exc, address, method) from None
+        self.unary_bytes[method] += len(response)
         return self._decode(response, address, method)
 
     async def stream(

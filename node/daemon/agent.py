@@ -290,6 +290,8 @@ class Agent:
             heartbeat_interval=self.config.timeouts.heartbeat_interval,
             auth=auth,  # binds our peer id to our DHT key; records of keys without the run secret are ignored
             retry_seconds=self.config.timeouts.dht_retry,
+            # heartbeats go straight to the members key's replicas, found again once per member_ttl
+            replan_every=self.config.timeouts.member_ttl,
         )
         # Ready and group messages travel over the members' gRPC links; the DHT is the fallback.
         matchmaker = DHTMatchmaker(dht, run.name, membership, server=server, client=client)

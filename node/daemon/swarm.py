@@ -157,11 +157,20 @@ class Swarm:
         return list(members)
 
     async def heartbeat_loop(self) -> None:
+        """Store our record every `timeouts.heartbeat_interval`; read the member table (the status view, the
+        isolation verdict) at the pacer's interval, a quarter of `member_ttl` (`table_read_interval`): a read
+        carries every member's record, a store one. The round reads the table itself when it meets a member it
+        does not know."""
+        from farloco.protocol.membership import HeartbeatPacer
+
+        timeouts = self.config.timeouts
+        pacer = HeartbeatPacer(timeouts.heartbeat_interval, timeouts.member_ttl)
         while True:
-            await asyncio.sleep(self.config.timeouts.heartbeat_interval)
+            await asyncio.sleep(timeouts.heartbeat_interval)
             try:
                 await self.publish()
-                await self.refresh_peers()
+                if pacer.read_due(time.monotonic()):
+                    await self.refresh_peers()
             except Exception as exc:  # the DHT may hiccup; the next beat retries
                 log.warning("heartbeat failed: %s", exc)
 

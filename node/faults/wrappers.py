@@ -6,6 +6,7 @@ object as it is."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import struct
@@ -16,6 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+
+from farloco.protocol import dhtcall
 
 log = logging.getLogger("farloco.agent")
 
@@ -53,6 +56,25 @@ class FlakyDHT:
         return self.silent_after is not None and time.monotonic() - self._started >= self.silent_after
 
     def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        return self._store(
+            lambda: self._dht.store(*args, return_future=return_future, **kwargs), return_future
+        )
+
+    def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
+        """A store near the key (`dhtcall.store_near`, how member records are stored) is a store like any other;
+        other coroutines pass, unless the DHT is silent."""
+
+        def call() -> Any:
+            return self._dht.run_coroutine(coro, return_future=return_future)
+
+        if isinstance(coro, functools.partial) and coro.func is dhtcall.store_near:
+            return self._store(call, return_future)
+        if self._silent():
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            return future if return_future else future.result()
+        return call()
+
+    def _store(self, call: Any, return_future: bool) -> Any:
         with self._lock:
             self.stores += 1
             if self._silent():
@@ -62,7 +84,7 @@ class FlakyDHT:
                 self.refused += 1
                 refused = False
             else:
-                return self._dht.store(*args, return_future=return_future, **kwargs)
+                return call()
         if refused is None:
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             return future if return_future else future.result()

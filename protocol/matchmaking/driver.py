@@ -490,7 +490,7 @@ class DHTMatchmaker:
 
     async def _get(self, key: str) -> dict[bytes, Any]:
         try:
-            result = await dhtcall.call(self.dht.get, key, latest=True)
+            result = await dhtcall.call(self.dht.get, key, latest=True, beam_size=dhtcall.READ_BEAM)
         except TimeoutError as exc:
             # No view of the round to decide on: the agent catches up from the others (as for a refused store).
             raise MatchmakingError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
 from typing import Any
@@ -146,14 +147,28 @@ def test_flaky_dht_refuses_the_stores_it_is_told_to_and_passes_the_rest_through(
         def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
             return "got"
 
+        def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
+            return self.store(return_future=return_future) if coro.func is dhtcall.store_near else "ran"
+
         peer_id = "me"
 
     flaky = FlakyDHT(Real(), **parse_dht_faults("corrupt-theta@2, dht-refuse-stores=2"))
     results = [flaky.store("k", 1, 2.0, return_future=True).result() for _ in range(4)]
     assert results == [False, False, True, True] and flaky.refused == 2 and flaky.stores == 4
+    # a member record stored near its key (`store_near`, in the DHT's process) is a store like any other
+    near = functools.partial(
+        dhtcall.store_near, key="k", value=1, expiration=2.0, subkey=b"me", replan_every=8
+    )
+    other = functools.partial(print, "not a store")
+    refusing = FlakyDHT(Real(), **parse_dht_faults("dht-refuse-stores=1"))
+    assert refusing.run_coroutine(near, return_future=True).result() is False
+    assert refusing.run_coroutine(near, return_future=True).result() is True
+    assert refusing.run_coroutine(other, return_future=True) == "ran" and refusing.stores == 2
     assert flaky.peer_id == "me" and flaky.get("k", return_future=True) == "got"
     silent = FlakyDHT(Real(), **parse_dht_faults("dht-silent-after=0"))
     assert not silent.store("k", 1, 2.0, return_future=True).done()
+    assert not silent.run_coroutine(near, return_future=True).done()
+    assert not silent.run_coroutine(other, return_future=True).done()
     assert not silent.get("k", return_future=True).done()
     timed = FlakyDHT(Real(), **parse_dht_faults("dht-refuse-stores-for=60"))
     assert timed.store("k", 1, 2.0, return_future=True).result() is False
@@ -194,3 +209,66 @@ def test_a_cancellation_arriving_as_the_answer_does_is_never_swallowed() -> None
         assert inner.cancelled()
 
     asyncio.run(slow())
+
+
+@pytest.mark.dht
+def test_a_store_near_the_key_walks_the_dht_once_per_plan_then_goes_straight_to_the_replicas() -> None:
+    """Real hivemind DHT nodes in this process: the first store walks the DHT (and finds the replicas), the next
+    ones are signed, sent to those replicas only and read back elsewhere; a plan whose replicas are gone, or that
+    is older than replan_every, is made again by a walk."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.node import DHTNode
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.timed_storage import get_dht_time
+
+    async def main() -> None:
+        signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
+        nodes: list[Any] = []
+        for signer in signers:
+            initial = [str(m) for m in await nodes[0].p2p.get_visible_maddrs()] if nodes else []
+            nodes.append(
+                await DHTNode.create(
+                    initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=signer
+                )
+            )
+        walks: list[str] = []
+        a, owner = nodes[0], signers[0].local_public_key
+        real_store = a.store
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            walks.append("walk")
+            return await real_store(*args, **kwargs)
+
+        a.store = counted
+
+        async def store(value: int, replan_every: float = 60.0) -> bool:
+            return await dhtcall.store_near(
+                None, a, key="farloco/t/members", value={"v": value}, expiration=get_dht_time() + 60,
+                subkey=owner, replan_every=replan_every,
+            )  # fmt: skip
+
+        try:
+            assert await store(1) and len(walks) == 1
+            for value in (2, 3, 4):
+                assert await store(value)
+            assert len(walks) == 1  # straight to the replicas
+            read = await nodes[2].get("farloco/t/members", latest=True)
+            assert read is not None and read.value[owner].value == {"v": 4}  # signed: the reader validated it
+            assert await store(5, replan_every=0.0) and len(walks) == 2  # a plan older than replan_every
+            while len(nodes) > 1:
+                await nodes.pop().shutdown()
+            assert await store(6)  # ourselves still a replica; the others did not answer...
+            assert len(walks) == 2
+            assert await store(7) and len(walks) == 3  # ...so the next store walks the DHT again
+        finally:
+            dhtcall.forget_replicas()
+            for node in nodes:
+                await node.shutdown()
+            await asyncio.sleep(0.1)  # the stores that were not waited for end with their replicas' shutdown
+            # hivemind's DHTNode leaves one bare asyncio.sleep task behind after its shutdown (a timer of its
+            # walks, plain hivemind does it too): its own, cancelled so the hygiene check sees what farloco left
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                if task.get_coro().__qualname__ == "sleep":  # type: ignore[union-attr]
+                    task.cancel()
+
+    asyncio.run(main())

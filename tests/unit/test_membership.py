@@ -22,17 +22,21 @@ from farloco.protocol.membership import (
     NO_SLOT,
     Departure,
     DHTMembership,
+    HeartbeatPacer,
     MemberRecord,
     Membership,
     MembershipError,
     MembersValidator,
+    MemoSignatureValidator,
     RunMismatchError,
     SlotsExhaustedError,
+    VerdictMemo,
     bootstrap_record_validators,
     config_differences,
     make_record_validators,
     members_key,
     parse_entry,
+    table_read_interval,
 )
 from farloco.util.clock import FakeClock
 
@@ -93,6 +97,50 @@ def test_slot_rule_lowest_free_slot_and_lower_peer_id_keeps_a_collided_slot() ->
         table.free_slot("e", 0, 100.0)
 
 
+def test_the_heartbeat_reads_the_table_at_a_quarter_of_the_ttl_and_stores_every_beat() -> None:
+    # a read carries every member's record: paced by member_ttl, never more often than a beat
+    assert table_read_interval(1.0, 8.0) == 2.0
+    assert table_read_interval(3.0, 8.0) == 3.0
+    assert table_read_interval(0.5, 60.0) == 15.0
+    pacer = HeartbeatPacer(1.0, 8.0)
+    beats = [t for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0) if pacer.read_due(t)]
+    assert beats == [1.0, 3.0, 5.0, 7.0, 9.0]
+    # a beat that comes a little early (the loop's jitter) still reads, so reads never slip a whole beat
+    jittery = HeartbeatPacer(1.0, 8.0)
+    assert [t for t in (1.0, 2.0, 2.95, 4.0, 4.93) if jittery.read_due(t)] == [1.0, 2.95, 4.93]
+    # a live member's record is never older than ttl in our view between two reads
+    assert table_read_interval(1.0, 8.0) + 1.0 < 8.0
+    every_beat = HeartbeatPacer(1.0, 8.0, read_interval=0.0)
+    assert all(every_beat.read_due(t) for t in (1.0, 1.0, 2.0))
+    with pytest.raises(ValueError, match="read_interval must be in"):
+        HeartbeatPacer(1.0, 8.0, read_interval=8.0)
+
+
+def test_each_distinct_record_is_judged_once_and_a_forgery_stays_refused() -> None:
+    """The copies of one record that a table read gets from several DHT nodes cost one signature check."""
+    signer = MemoSignatureValidator(RSAPrivateKey())
+    owner = signer.local_public_key
+    key = DHTID.generate(source=members_key("memo")).to_bytes()
+    unsigned = DHTRecord(key, DHTProtocol.serializer.dumps(owner), b"\x81\xa1a\x01", 100.0)
+    signed = DHTRecord(key, unsigned.subkey, signer.sign_value(unsigned), 100.0)
+    forged = DHTRecord(key, unsigned.subkey, signed.value.replace(b"\xa1a\x01", b"\xa1a\x02"), 100.0)
+    assert all(signer.validate(signed) for _ in range(5)) and signer.memo.hits == 4
+    assert not any(signer.validate(forged) for _ in range(3)) and signer.memo.hits == 6
+    # another expiration is another record: judged afresh
+    assert not signer.validate(DHTRecord(key, signed.subkey, signed.value, 101.0)) and signer.memo.hits == 6
+    memo = VerdictMemo(size=2)
+    calls: list[bytes] = []
+
+    def decide(record: DHTRecord) -> bool:
+        calls.append(record.value)
+        return record.value != b"bad"
+
+    records = [DHTRecord(key, b"s", value, 1.0) for value in (b"x", b"bad", b"y")]
+    assert [memo.judge(r, decide) for r in records] == [True, False, True]
+    assert memo.judge(records[2], decide) and not memo.judge(records[1], decide) and memo.hits == 2
+    assert memo.judge(records[0], decide) and calls == [b"x", b"bad", b"y", b"x"]  # the oldest went out
+
+
 def test_config_differences_tell_types_apart() -> None:
     assert config_differences({"a": 1}, {"a": 1.0}) == ["a: expected=1 got=1.0"]
     assert config_differences({"a": 1}, {"a": True}) == ["a: expected=1 got=True"]
@@ -147,6 +195,8 @@ def test_published_records_are_seen_by_other_peers_and_removed_at_once(dht_swarm
         seen = await c.membership.members()
         assert sorted(r.peer_id for r in seen) == sorted([a.me.peer_id, b.me.peer_id])
         assert {r.peer_id: r.slot for r in seen}[a.me.peer_id] == 0
+        # what each call cost is counted: one store per publish, one read per table read
+        assert a.membership.counters == {"stores": 1} and c.membership.counters == {"reads": 1}
         await a.membership.remove()
         assert [r.peer_id for r in await c.membership.members()] == [b.me.peer_id]
         # a leaves and rejoins: its new record replaces the tombstone

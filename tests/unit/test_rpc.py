@@ -90,6 +90,10 @@ def test_unary_and_stream_round_trip() -> None:
             )
             assert answer.header == {"sender": "client", "round": 3, "method": "Echo", "k": "v"}
             assert bytes(answer.payload) == b"\x01" * 1000
+            # the control traffic is counted per method: the request and answer frames and the auth metadata
+            request, reply = encode_frame(Frame({"k": "v"}, b"\x01" * 1000)), encode_frame(answer)
+            metadata = sum(len(k) + len(v) for k, v in client.auth.metadata("Echo", 3))
+            assert client.unary_bytes == {"Echo": len(request) + metadata + len(reply)}
 
             async def frames() -> AsyncIterator[Frame]:
                 for i in range(20):

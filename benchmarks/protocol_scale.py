@@ -1,0 +1,417 @@
+"""Many protocol peers on one machine: farloco's real protocol stacks (a hivemind DHT node, the gRPC server and
+client, DHTMembership with its heartbeats, DHTMatchmaker, Exchange), several peers per process, synthetic
+contributions instead of trainer ranks (as hivemind's averaging benchmark runs many averagers per process).
+
+    python benchmarks/protocol_scale.py --peers 8 16 32 64 --per-process 8 --work 1.0 --seconds 120
+    python benchmarks/protocol_scale.py --peers 64 --per-process 8 --markdown
+
+Each peer is what an agent runs minus its ranks: a DHT node of its own (hivemind's DHTNode with its own libp2p
+daemon and its own signing key, in the worker's event loop rather than in a forked child), its own gRPC server and
+client, membership records under its own key, the matchmaker and the exchange. Every round each peer works `work`
+seconds (+-20%), forms the round's group, and averages a 4 KiB fp32 tensor with it. Heartbeats run as the daemon's
+do (`farloco.protocol.membership.HeartbeatPacer`): a record stored every `heartbeat_interval`, the member table
+read at the pacer's interval.
+
+Reported per swarm size:
+- `all_share`: rounds whose group held every peer, and each of them in the exchange's contributors;
+- `match_p50_ms` / `match_p99_ms`: from the last member ready to the group known by all;
+- `dht_bytes_per_peer_s`: what each peer's libp2p daemon sent per second (the DHT: records, heartbeats, table
+  reads; farloco's round messages and exchange never go through it);
+- `control_bytes_per_peer_s`: the request and answer bytes of each peer's unary RPCs (ready, group, "at"
+  announcements, data-plane addresses): the round's control traffic; the exchange's streams are not counted;
+- `table_reads_per_peer_s`, `heartbeats_per_peer_s`.
+
+Peers talk to the driver through stdin/stdout JSON only; nothing is pickled across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from exchange import read_peer, receive, send, write_peer  # benchmarks/exchange.py: the same stdio protocol
+from matchmaking import summarize  # benchmarks/matchmaking.py: the same per-round reading of the logs
+
+RUN = "bench-scale"
+# --read-every-beat: the table read at every heartbeat (the cadence before HeartbeatPacer), else the pacer's
+READ_INTERVAL: float | None = (
+    float(os.environ["BENCH_READ_INTERVAL"]) if os.environ.get("BENCH_READ_INTERVAL") else None
+)
+# --walk-every-store: every member-record store walks the DHT (before store_near), else the agent's replan_every
+REPLAN_EVERY: float | None = (
+    float(os.environ["BENCH_REPLAN_EVERY"]) if os.environ.get("BENCH_REPLAN_EVERY") else None
+)
+NUMEL = 1024  # 4 KiB of fp32: the protocol is measured, not the exchange's bandwidth
+
+
+class InProcessDHT:
+    """A hivemind DHTNode in this process's event loop, with the calls farloco's protocol makes of a `hivemind.DHT`
+    (`store`, `get` with `return_future=True`, `peer_id`): many peers fit in one process without a forked
+    DHT child each. Its futures are asyncio futures of the running loop, which `dhtcall` awaits like hivemind's."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.peer_id = node.peer_id
+        # "store near members", "get round", ...: what each peer asks of the DHT
+        self.calls: Counter[str] = Counter()
+
+    @staticmethod
+    def _kind(key: str) -> str:
+        parts = key.split("/")
+        return parts[2] if len(parts) > 2 and parts[2] == "members" else "/".join(["round", *parts[4:]])
+
+    @classmethod
+    async def create(cls, *, host: str, initial_peers: list[str], run: str, private_key: Any) -> InProcessDHT:
+        from hivemind.dht.node import DHTNode
+        from hivemind.dht.validation import CompositeValidator
+
+        from farloco.protocol.membership import make_record_validators
+
+        node = await DHTNode.create(
+            initial_peers=initial_peers,
+            host_maddrs=[f"/ip4/{host}/tcp/0"],
+            record_validator=CompositeValidator(make_record_validators(run, private_key=private_key)),
+            wait_timeout=8.0,
+            num_workers=4,
+            **json.loads(os.environ.get("BENCH_DHT_KWARGS", "{}")),
+        )
+        return cls(node)
+
+    def store(
+        self, key: str, value: Any, expiration: float, *, subkey: Any = None, return_future: bool
+    ) -> Any:
+        assert return_future
+        self.calls[f"store {self._kind(key)}"] += 1
+        return asyncio.ensure_future(self.node.store(key, value, expiration, subkey=subkey))
+
+    def get(self, key: str, *, latest: bool = False, return_future: bool, **kwargs: Any) -> Any:
+        assert return_future
+        self.calls[f"get {self._kind(key)}"] += 1
+        return asyncio.ensure_future(self.node.get(key, latest=latest, **kwargs))
+
+    def run_coroutine(self, coro: Any, *, return_future: bool) -> Any:
+        assert return_future
+        self.calls["store near members"] += 1  # the only coroutine farloco's membership runs in the DHT
+        return asyncio.ensure_future(coro(self, self.node))
+
+    async def maddrs(self) -> list[str]:
+        return [str(m) for m in await self.node.p2p.get_visible_maddrs()]
+
+    def p2pd_pid(self) -> int:
+        child = getattr(self.node.p2p, "_child", None)
+        return int(child.pid) if child is not None else 0
+
+    async def shutdown(self) -> None:
+        await self.node.shutdown()
+
+
+def p2pd_bytes_sent(pids: set[int]) -> int:
+    """Bytes the libp2p daemons `pids` have sent on their open TCP connections (`ss -tinp`)."""
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    total, owned = 0, False
+    for line in out.splitlines():
+        if not line.startswith(("\t", " ")):
+            owned = any(f"pid={pid}," in line for pid in pids)
+        elif owned:
+            for field in line.split():
+                if field.startswith("bytes_sent:"):
+                    total += int(field.split(":", 1)[1])
+    return total
+
+
+class Peer:
+    """One peer's protocol stack."""
+
+    def __init__(self, index: int, host: str, heartbeat: float, ttl: float) -> None:
+        self.index = index
+        self.host = host
+        self.heartbeat = heartbeat
+        self.ttl = ttl
+        self.rng = random.Random(index)
+        self.log: list[dict[str, Any]] = []
+        self.round = 0
+
+    async def start(self, initial: list[str]) -> None:
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        from farloco.protocol.auth import Authenticator
+        from farloco.protocol.exchange import Exchange
+        from farloco.protocol.matchmaking import DHTMatchmaker
+        from farloco.protocol.membership import DHTMembership, HeartbeatPacer
+        from farloco.protocol.rpc import RpcClient, RpcServer
+        from farloco.protocol.types import GroupMember
+
+        key = RSAPrivateKey()
+        self.dht = await InProcessDHT.create(host=self.host, initial_peers=initial, run=RUN, private_key=key)
+        self.peer_id = self.dht.peer_id.to_base58()
+        auth = Authenticator(f"{RUN}:h", b"bench-secret-of-the-scale-run", self.peer_id)
+        self.server, self.client = RpcServer(auth, host=self.host), RpcClient(auth)
+        self.exchange = Exchange(self.server, self.client, self.peer_id)
+        self.membership = DHTMembership(
+            self.dht,
+            RUN,
+            "h",
+            {},
+            ttl=self.ttl,
+            heartbeat_interval=self.heartbeat,
+            auth=auth,
+            public_key=RSASignatureValidator(key).local_public_key,
+            replan_every=REPLAN_EVERY if REPLAN_EVERY is not None else self.ttl,
+        )
+        self.pacer = HeartbeatPacer(self.heartbeat, self.ttl, read_interval=READ_INTERVAL)
+        self.matchmaker = DHTMatchmaker(
+            self.dht, RUN, self.membership, server=self.server, client=self.client
+        )
+        self.address = await self.server.start()
+        self.me = GroupMember(self.peer_id, self.address)
+        await self.membership.publish(self.record())
+        self.beats = asyncio.create_task(self.heartbeats())
+
+    def record(self) -> Any:
+        from farloco.protocol.membership import MemberRecord
+
+        return MemberRecord(
+            peer_id=self.peer_id, address=self.address, state="training", round_id=self.round, inner_step=0,
+            slot=self.index, run_hash="h", run_config={}, outer_hash="", loss=0.0, heartbeat=0.0, maddrs=(),
+            version="bench",
+        )  # fmt: skip
+
+    async def heartbeats(self) -> None:
+        """What the agent's heartbeat loop does: store the record every beat, read the table when the pacer says."""
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            try:
+                await self.membership.publish(self.record(), retry_seconds=0.0)
+                if self.pacer.read_due(time.monotonic()):
+                    await self.membership.refresh()
+            except Exception:  # a missed beat; the next one retries (as the daemon does)
+                pass
+
+    async def run_round(self, round_id: int, work: float) -> None:
+        from farloco.optim.registry import get_codec
+        from farloco.protocol.exchange import ExchangeAborted
+        from farloco.protocol.matchmaking import LateForRound, MatchmakingError
+
+        self.round = round_id
+        self.matchmaker.announce(round_id, self.peer_id)
+        await asyncio.sleep(work * self.rng.uniform(0.8, 1.2))
+        entry: dict[str, Any] = {"round": round_id, "ready": time.time()}
+        try:
+            group = await self.matchmaker.form_group(
+                round_id, self.me, match_timeout=30.0, leader_timeout=5.0, match_timeout_min=2.0
+            )
+            entry.update(known=time.time(), group=group.group_id, members=[m.peer_id for m in group.members])
+            if len(group.members) > 1:
+                tensor = torch.full((NUMEL,), float(self.index))
+                result = await self.exchange.average(group, tensor, get_codec("fp32"), timeout=60.0)
+                entry["contributors"] = list(result.contributors)
+            else:
+                entry["contributors"] = [self.peer_id]
+        except LateForRound as exc:
+            entry.update(late=exc.reason)
+        except (MatchmakingError, ExchangeAborted) as exc:
+            entry.update(failed=str(exc)[:300])
+        self.log.append(entry)
+
+    async def stop(self) -> None:
+        self.beats.cancel()
+        await self.matchmaker.close()
+        await self.server.stop(0.5)
+        await self.dht.shutdown()
+
+
+async def worker(
+    first: int, count: int, peers: int, work: float, seconds: float, host: str, ttl: float
+) -> None:
+    initial = [] if first == 0 else receive()["maddrs"]
+    local: list[Peer] = []
+    for index in range(first, first + count):
+        peer = Peer(index, host, heartbeat=1.0, ttl=ttl)
+        await peer.start(initial)
+        if os.environ.get("BENCH_VERBOSE"):
+            print(f"peer {index} started", file=sys.stderr, flush=True)
+        if index == 0:
+            initial = await peer.dht.maddrs()
+            send({"maddrs": initial})
+        local.append(peer)
+    # everyone in each local peer's table before round 0
+    waited = time.monotonic()
+    while True:
+        counts = [len(await p.membership.members()) for p in local]
+        if min(counts) >= peers:
+            break
+        if time.monotonic() - waited > 30:
+            print(f"worker {first}: tables hold {counts} of {peers} members", file=sys.stderr, flush=True)
+            waited = time.monotonic()
+        await asyncio.sleep(0.5)
+    send({"ready": True})
+    # On a thread: this loop serves the local peers' DHT nodes, which the other workers' peers are reading from
+    start_at = (await asyncio.to_thread(receive))["start_at"]
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    pids = {p.dht.p2pd_pid() for p in local}
+    dht_sent, started = p2pd_bytes_sent(pids), time.monotonic()
+    for peer in local:
+        peer.client.unary_bytes.clear()
+        peer.membership.counters.clear()
+        peer.dht.calls.clear()
+
+    async def run(peer: Peer) -> None:
+        for round_id in range(1_000_000):
+            if time.time() > start_at + seconds:
+                break
+            await peer.run_round(round_id, work)
+
+    await asyncio.gather(*(run(p) for p in local))
+    elapsed = time.monotonic() - started
+    dht_sent = p2pd_bytes_sent(pids) - dht_sent
+    reports = [
+        {
+            "peer": p.peer_id,
+            "log": p.log,
+            "control_bytes": sum(p.client.unary_bytes.values()),
+            "reads": p.membership.counters["reads"],
+            "beats": p.membership.counters["stores"],
+            "dht_calls": dict(p.dht.calls),
+        }
+        for p in local
+    ]
+    send({"reports": reports, "dht_sent": dht_sent, "elapsed": elapsed})
+    for peer in local:
+        await peer.stop()
+
+
+def worker_main(argv: list[str]) -> None:
+    first, count, peers, work, seconds, host, ttl = argv
+    if os.environ.get("BENCH_DEBUG"):
+        import logging
+
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("nowhere")
+        logging.basicConfig(level=logging.DEBUG, format=f"w{first} %(name)s %(message)s")
+    torch.set_num_threads(1)
+    asyncio.run(worker(int(first), int(count), int(peers), float(work), float(seconds), host, float(ttl)))
+
+
+def run_swarm(peers: int, per_process: int, work: float, seconds: float, ttl: float) -> dict[str, Any]:
+    script = os.path.abspath(__file__)
+    starts = list(range(0, peers, per_process))
+
+    def command(first: int) -> list[str]:
+        count = min(per_process, peers - first)
+        return [sys.executable, script, "--worker", str(first), str(count), str(peers), str(work), str(seconds),
+                "127.0.0.1", str(ttl)]  # fmt: skip
+
+    procs = [
+        subprocess.Popen(command(first), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for first in starts
+    ]
+    try:
+        maddrs = read_peer(procs[0], "scale")["maddrs"]
+        for proc in procs[1:]:
+            write_peer(proc, {"maddrs": maddrs})
+        for proc in procs:
+            read_peer(proc, "scale")  # ready
+        start_at = time.time() + 2.0
+        for proc in procs:
+            write_peer(proc, {"start_at": start_at})
+        answers = [read_peer(proc, "scale") for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    reports = [r for a in answers for r in a["reports"]]
+    if os.environ.get("BENCH_DUMP"):  # every peer's round log, for a closer look
+        with open(f"{os.environ['BENCH_DUMP']}-{peers}.json", "w") as f:
+            json.dump(reports, f)
+    elapsed = max(a["elapsed"] for a in answers)
+    per_peer_s = peers * elapsed
+    return {
+        "peers": peers,
+        "per_process": per_process,
+        "work_s": work,
+        "ttl_s": ttl,
+        **summarize(reports, peers, work),
+        "dht_bytes_per_peer_s": round(sum(a["dht_sent"] for a in answers) / per_peer_s),
+        "control_bytes_per_peer_s": round(sum(r["control_bytes"] for r in reports) / per_peer_s),
+        "table_reads_per_peer_s": round(sum(r["reads"] for r in reports) / per_peer_s, 3),
+        "heartbeats_per_peer_s": round(sum(r["beats"] for r in reports) / per_peer_s, 3),
+        "dht_calls_per_peer_s": {
+            kind: round(sum(r["dht_calls"].get(kind, 0) for r in reports) / per_peer_s, 3)
+            for kind in sorted({k for r in reports for k in r["dht_calls"]})
+        },
+        "seconds": round(elapsed, 1),
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| peers | rounds | all | p50 ms | p99 ms | split | DHT B/peer/s | control B/peer/s | reads/peer/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['peers']} | {r['rounds']} | {100 * r['all_share']:.1f}% | {r['match_p50_ms']} | "
+            f"{r['match_p99_ms']} | {r['split_rounds']} | {r['dht_bytes_per_peer_s']} | "
+            f"{r['control_bytes_per_peer_s']} | {r['table_reads_per_peer_s']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, nargs="*", default=[8, 16, 32, 64])
+    parser.add_argument("--per-process", type=int, default=8, help="peers per worker process")
+    parser.add_argument("--work", type=float, default=1.0, help="seconds of 'training' per round (+-20%%)")
+    parser.add_argument("--seconds", type=float, default=120.0, help="rounds are started for this long")
+    parser.add_argument("--ttl", type=float, default=8.0, help="member_ttl (the daemon's default: 8 s)")
+    parser.add_argument(
+        "--read-every-beat",
+        action="store_true",
+        help="read the member table at every heartbeat (the cadence before the pacer) instead of the pacer's",
+    )
+    parser.add_argument(
+        "--walk-every-store",
+        action="store_true",
+        help="every member-record store walks the DHT (hivemind's store) instead of going to the replicas",
+    )
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    if args.walk_every_store:
+        os.environ["BENCH_REPLAN_EVERY"] = "0"
+    if args.read_every_beat:
+        os.environ["BENCH_READ_INTERVAL"] = "0"  # the workers inherit it
+    print(f"# load before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores", flush=True)
+    rows = []
+    for peers in args.peers:
+        started = time.time()
+        row = run_swarm(peers, args.per_process, args.work, args.seconds, args.ttl)
+        row["wall_s"] = round(time.time() - started, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.markdown:
+        print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
