@@ -114,7 +114,12 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
     from farloco.protocol.auth import Authenticator
     from farloco.protocol.exchange import Exchange, ExchangeAborted
     from farloco.protocol.matchmaking import DHTMatchmaker, LateForRound, MatchmakingError
-    from farloco.protocol.membership import DHTMembership, MemberRecord, make_record_validators
+    from farloco.protocol.membership import (
+        DHTMembership,
+        HeartbeatPacer,
+        MemberRecord,
+        make_record_validators,
+    )
     from farloco.protocol.rpc import RpcClient, RpcServer
     from farloco.protocol.types import GroupMember
 
@@ -134,7 +139,11 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
         auth = Authenticator(f"{RUN}:h", b"bench-secret", peer_id)
         server, client = RpcServer(auth, host=host), RpcClient(auth)
         exchange = Exchange(server, client, peer_id)
-        membership = DHTMembership(dht, RUN, "h", {}, ttl=8.0, heartbeat_interval=1.0, auth=auth)
+        # as the agent's: records stored near the members key, the table read every member_ttl/4
+        membership = DHTMembership(
+            dht, RUN, "h", {}, ttl=8.0, heartbeat_interval=1.0, auth=auth, replan_every=8.0
+        )
+        pacer = HeartbeatPacer(1.0, 8.0)
         matchmaker = DHTMatchmaker(dht, RUN, membership, server=server, client=client)
         address = await server.start()
         me = GroupMember(peer_id, address)
@@ -152,7 +161,8 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
                 await asyncio.sleep(1.0)
                 try:
                     await membership.publish(record(), retry_seconds=0.0)
-                    await membership.refresh()
+                    if pacer.read_due(time.monotonic()):
+                        await membership.refresh()
                 except Exception:
                     pass
 
