@@ -76,17 +76,19 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def p2pd_bytes_sent() -> int:
-    """Bytes this peer's libp2p daemon (p2pd, hivemind's DHT transport) has sent on its open TCP connections.
+def p2pd_bytes_sent(pids: set[int] | None = None) -> int:
+    """Bytes the libp2p daemons `pids` (default: this peer's p2pd, hivemind's DHT transport) have sent on their
+    open TCP connections.
 
     farloco's own round traffic goes over its gRPC and TCP sockets, never through p2pd, so for a farloco peer this
     is its DHT traffic (member records, heartbeats, matchmaking fallbacks); a hivemind peer's averager sends all
     of its matchmaking and all-reduce through p2pd too. Read with `ss -tinp` in this peer's network namespace;
     connections closed in between are not counted (libp2p keeps its connections open).
     """
-    pids = {pid for pid in _descendants(os.getpid()) if _comm(pid) == "p2pd"}
+    if pids is None:
+        pids = {pid for pid in _descendants(os.getpid()) if _comm(pid) == "p2pd"}
     try:
-        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return 0
     total, owned = 0, False
@@ -334,6 +336,29 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
     }
 
 
+def drive(procs: list[subprocess.Popen[str]], what: str) -> list[dict[str, Any]]:
+    """The driver's side of a run: the first process's DHT addresses to the others, everyone ready, one shared
+    start two seconds out, then each process's last answer; every process is stopped whatever happens."""
+    try:
+        maddrs = read_peer(procs[0], what)["maddrs"]
+        for proc in procs[1:]:
+            write_peer(proc, {"maddrs": maddrs})
+        for proc in procs:
+            read_peer(proc, what)  # ready
+        start_at = time.time() + 2.0
+        for proc in procs:
+            write_peer(proc, {"start_at": start_at})
+        return [read_peer(proc, what) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def run_config(
     impl: str, peers: int, rounds: int, work: float, wan: NamespaceWAN | None = None
 ) -> dict[str, Any]:
@@ -358,30 +383,7 @@ def run_config(
         subprocess.Popen(command(rank), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for rank in range(peers)
     ]
-
-    def read(proc: subprocess.Popen[str]) -> dict[str, Any]:
-        return read_peer(proc, impl)
-
-    write = write_peer
-
-    try:
-        maddrs = read(procs[0])["maddrs"]
-        for proc in procs[1:]:
-            write(proc, {"maddrs": maddrs})
-        for proc in procs:
-            read(proc)  # ready
-        start_at = time.time() + 2.0
-        for proc in procs:
-            write(proc, {"start_at": start_at})
-        reports = [read(proc)["report"] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    reports = [answer["report"] for answer in drive(procs, impl)]
     # bytes each peer's p2pd sent per round it took part in (farloco: its DHT traffic; hivemind: everything)
     per_round = [r["p2pd_sent"] / max(1, len(r["log"])) for r in reports]
     return {

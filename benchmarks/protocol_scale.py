@@ -38,8 +38,8 @@ from collections import Counter
 from typing import Any
 
 import torch
-from exchange import read_peer, receive, send, write_peer  # benchmarks/exchange.py: the same stdio protocol
-from matchmaking import summarize  # benchmarks/matchmaking.py: the same per-round reading of the logs
+from exchange import receive, send  # benchmarks/exchange.py: the same stdio protocol
+from matchmaking import drive, p2pd_bytes_sent, summarize  # benchmarks/matchmaking.py: driver, bytes, logs
 
 RUN = "bench-scale"
 # --read-every-beat: the table read at every heartbeat (the cadence before HeartbeatPacer), else the pacer's
@@ -112,23 +112,6 @@ class InProcessDHT:
 
     async def shutdown(self) -> None:
         await self.node.shutdown()
-
-
-def p2pd_bytes_sent(pids: set[int]) -> int:
-    """Bytes the libp2p daemons `pids` have sent on their open TCP connections (`ss -tinp`)."""
-    try:
-        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    total, owned = 0, False
-    for line in out.splitlines():
-        if not line.startswith(("\t", " ")):
-            owned = any(f"pid={pid}," in line for pid in pids)
-        elif owned:
-            for field in line.split():
-                if field.startswith("bytes_sent:"):
-                    total += int(field.split(":", 1)[1])
-    return total
 
 
 class Peer:
@@ -319,24 +302,7 @@ def run_swarm(peers: int, per_process: int, work: float, seconds: float, ttl: fl
         subprocess.Popen(command(first), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for first in starts
     ]
-    try:
-        maddrs = read_peer(procs[0], "scale")["maddrs"]
-        for proc in procs[1:]:
-            write_peer(proc, {"maddrs": maddrs})
-        for proc in procs:
-            read_peer(proc, "scale")  # ready
-        start_at = time.time() + 2.0
-        for proc in procs:
-            write_peer(proc, {"start_at": start_at})
-        answers = [read_peer(proc, "scale") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    answers = drive(procs, "scale")
     reports = [r for a in answers for r in a["reports"]]
     if os.environ.get("BENCH_DUMP"):  # every peer's round log, for a closer look
         with open(f"{os.environ['BENCH_DUMP']}-{peers}.json", "w") as f:

@@ -118,3 +118,15 @@ def test_swarm_scale_and_node_memory_benchmarks_run_real_nodes(tmp_path: Path) -
     )
     (side,) = [r for r in json_lines(proc.stdout) if r.get("side") == "farloco"]
     assert side["peak_pss"] > 0 and side["peak_rss"] >= side["peak_pss"] and side["processes"]
+
+
+def test_protocol_scale_benchmark_runs_several_peers_per_process() -> None:
+    """4 protocol stacks in 2 processes (its DHT nodes in the workers' loops, reached across processes): every
+    size asked for has its row, with the DHT calls each peer made."""
+    proc = run_script(
+        "protocol_scale.py", "--peers", "4", "--per-process", "2", "--work", "0.3", "--seconds", "4",
+        timeout=180,
+    )  # fmt: skip
+    [row] = json_lines(proc.stdout)
+    assert row["peers"] == 4 and row["per_process"] == 2 and row["rounds"] >= 1
+    assert row["dht_calls_per_peer_s"].get("store near members", 0) > 0  # the agent's way of storing records
