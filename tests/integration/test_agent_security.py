@@ -471,6 +471,14 @@ def test_records_of_a_foreign_dht_node_are_ignored_by_running_agents(swarm: Swar
     # the fake record says round current+1: the agents' round after that is one it would have stalled
     swarm.wait(lambda: bool(swarm.rounds_together(current + 1)), 120, "a round of both agents after it")
     timeouts = load_config(swarm.config_path).timeouts
+    # The forged member record is counted when an agent's heartbeat reads the table, every member_ttl/4: a round
+    # that forms in a second can end before that read.
+    proof = ("farloco_ignored_dht_records_total", "BAD_MEMBER_PROOF")
+    swarm.wait(
+        lambda: all(agent.metrics().get(proof, 0) >= 1 for agent in swarm.agents),
+        4 * timeouts.member_ttl,
+        "each agent's table read to count the forged member record",
+    )
     for agent in swarm.agents:
         counts = agent.metrics()
         assert counts.get(("farloco_ignored_dht_records_total", "BAD_MEMBER_PROOF"), 0) >= 1, counts
