@@ -19,6 +19,10 @@ farloco's `match_timeout_min`). Reported per configuration:
   (farloco: max over members of group-known time minus max over members of ready time; hivemind: the same with
   the step's start and end, matchmaking and its 4 KiB all-reduce together);
 - `split_rounds`: round ids in which two different groups formed (farloco only: hivemind's steps carry no id);
+- `one_hop_share`, `push_first_p50_ms`, `push_last_p50_ms` (farloco only): the share of rounds frozen in one hop,
+  and when the last member's pushed ready record was filed at the first and at the last other member, after it
+  was ready (where the freeze's milliseconds go); `--no-ready-dht-copy` keeps ready records out of the DHT, an
+  unsafe ablation that shows what their stores cost the freeze;
 - `p2pd_bytes_per_round`: bytes each peer's libp2p daemon sent per round (farloco: its DHT traffic, since its
   round messages and exchange go over its own gRPC/TCP sockets; hivemind: all of its traffic, matchmaking and
   all-reduce included).
@@ -125,6 +129,24 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
     from farloco.protocol.rpc import RpcClient, RpcServer
     from farloco.protocol.types import GroupMember
 
+    no_ready_copy = bool(os.environ.get("BENCH_NO_READY_DHT_COPY"))
+
+    class TimedMatchmaker(DHTMatchmaker):
+        """The daemon's driver, plus the time each pushed ready record was filed here; with
+        --no-ready-dht-copy, an ablation that keeps our ready record out of the DHT (unsafe: measurement only)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.arrivals: dict[tuple[int, str], float] = {}
+
+        async def _on_ready(self, ctx: Any, frame: Any) -> Any:
+            answer = await super()._on_ready(ctx, frame)
+            self.arrivals[ctx.round_id, ctx.sender] = time.time()
+            return answer
+
+        async def _store_ready(self, key: str, mine: Any, expiration: float) -> bool:
+            return True if no_ready_copy else await super()._store_ready(key, mine, expiration)
+
     initial = [] if rank == 0 else receive()["maddrs"]
     dht = make_dht(
         host_maddrs=[f"/ip4/{host}/tcp/0"],
@@ -146,7 +168,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
             dht, RUN, "h", {}, ttl=8.0, heartbeat_interval=1.0, auth=auth, replan_every=8.0
         )
         pacer = HeartbeatPacer(1.0, 8.0)
-        matchmaker = DHTMatchmaker(dht, RUN, membership, server=server, client=client)
+        matchmaker = TimedMatchmaker(dht, RUN, membership, server=server, client=client)
         address = await server.start()
         me = GroupMember(peer_id, address)
         state = {"round": 0}
@@ -198,6 +220,12 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
                     entry.update(
                         known=time.time(), group=group.group_id, members=[m.peer_id for m in group.members]
                     )
+                    entry["one_hop"] = matchmaker.last_one_hop
+                    # when each member's pushed ready record was filed here (the freeze's breakdown)
+                    entry["arrivals"] = {
+                        p: t for (r, p), t in matchmaker.arrivals.items() if r == round_id
+                    }  # fmt: skip
+                    matchmaker.arrivals = {k: t for k, t in matchmaker.arrivals.items() if k[0] > round_id}
                     if len(group.members) > 1:
                         result = await exchange.average(group, tensor, codec, timeout=60.0)
                         entry["contributors"] = list(result.contributors)
@@ -295,6 +323,9 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
             by_round.setdefault(entry["round"], {})[report["peer"]] = entry
     everyone = {report["peer"] for report in reports}
     full, splits, latencies = 0, 0, []
+    one_hop: list[bool] = []
+    push_first: list[float] = []
+    push_last: list[float] = []
     outside: dict[str, int] = dict.fromkeys(everyone, 0)
     longest = 0
     for _, entries in sorted(by_round.items()):
@@ -316,14 +347,19 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
         members = [entries[p] for p in biggest if p in entries and "known" in entries[p]]
         if len(members) == len(biggest) and members:
             latencies.append(max(e["known"] for e in members) - max(e["ready"] for e in members))
+            if all("one_hop" in e for e in members):  # farloco's
+                one_hop.append(all(e["one_hop"] for e in members))
+            # the last member ready: when its pushed record was filed at the first and at the last other member
+            last = max(biggest, key=lambda p: entries[p]["ready"])
+            filed = [entries[p]["arrivals"][last] for p in biggest if last in entries[p].get("arrivals", {})]
+            if len(filed) == len(biggest) - 1 and filed:
+                push_first.append(min(filed) - entries[last]["ready"])
+                push_last.append(max(filed) - entries[last]["ready"])
     latencies.sort()
 
-    def q(p: float) -> float | None:
-        return (
-            round(1000 * latencies[min(len(latencies) - 1, int(p * len(latencies)))], 1)
-            if latencies
-            else None
-        )
+    def q(p: float, values: list[float] = latencies) -> float | None:
+        values = sorted(values)
+        return round(1000 * values[min(len(values) - 1, int(p * len(values)))], 1) if values else None
 
     return {
         "rounds": len(by_round),
@@ -333,6 +369,11 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
         "match_p50_ms": q(0.5),
         "match_p99_ms": q(0.99),
         "split_rounds": splits,
+        # farloco only: the share of rounds frozen in one hop, and when the last member's pushed ready record
+        # was filed at the first and the last other member (p50, ms after it was ready)
+        "one_hop_share": round(sum(one_hop) / len(one_hop), 3) if one_hop else None,
+        "push_first_p50_ms": q(0.5, push_first),
+        "push_last_p50_ms": q(0.5, push_last),
     }
 
 
@@ -430,12 +471,20 @@ def main() -> None:
     )
     parser.add_argument("--hog", action="store_true", help="a busy process on every core during each run")
     parser.add_argument(
+        "--no-ready-dht-copy",
+        action="store_true",
+        help="ablation (unsafe, measurement only): farloco keeps its ready records out of the DHT, to show what "
+        "their stores cost the freeze",
+    )
+    parser.add_argument(
         "--netns",
         metavar="RATE",
         help="each peer in a network namespace of its own, on a bridge whose links tc tbf shapes to RATE "
         "(e.g. 100mbit; needs root)",
     )
     args = parser.parse_args()
+    if args.no_ready_dht_copy:
+        os.environ["BENCH_NO_READY_DHT_COPY"] = "1"  # read by the workers, which inherit it
     impls = ["farloco", "hivemind"] if args.impl == "both" else [args.impl]
     if args.netns and (why := netns.unavailable()):
         parser.error(f"--netns: {why}")

@@ -18,8 +18,10 @@ from typing import Any
 from helpers import ROOT
 
 
-def run_script(name: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_script(
+    name: str, *args: str, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / name), *args],
         cwd=ROOT,
@@ -130,3 +132,20 @@ def test_protocol_scale_benchmark_runs_several_peers_per_process() -> None:
     [row] = json_lines(proc.stdout)
     assert row["peers"] == 4 and row["per_process"] == 2 and row["rounds"] >= 1
     assert row["dht_calls_per_peer_s"].get("store near members", 0) > 0  # the agent's way of storing records
+
+
+def test_matchmaking_and_fanout_benchmarks_break_the_freeze_down() -> None:
+    """2 farloco peers for a few rounds (with the ready-record ablation, so that path runs too), then one gRPC and
+    one TCP fan-out to 2 receivers: each row has what BENCHMARKS.md quotes."""
+    proc = run_script(
+        "matchmaking.py", "--impl", "farloco", "--peers", "2", "--work", "0.1", "--rounds", "30",
+        "--no-ready-dht-copy", timeout=180, env={"BENCH_MAX_SECONDS": "4"},
+    )  # fmt: skip
+    [row] = json_lines(proc.stdout)
+    assert row["impl"] == "farloco" and row["peers"] == 2 and row["rounds"] >= 1
+    assert row["match_p50_ms"] is not None and row["push_last_p50_ms"] is not None
+    assert 0.0 <= row["one_hop_share"] <= 1.0
+    rows = json_lines(run_script("fanout.py", "--receivers", "2", "--calls", "3", "--gaps", "0").stdout)
+    assert {r["transport"] for r in rows} == {"grpc", "tcp"}
+    for r in rows:
+        assert r["receivers"] == 2 and 0 < r["first_ms"]["p50"] <= r["last_ms"]["p50"] <= r["all_ms"]["p90"]
