@@ -447,6 +447,18 @@ class Swarm:
                 raise SwarmGone(target_round)
             if ahead:
                 newest = max(rounds[m.peer_id] for m in ahead)
+                if await self.matchmaker.frozen_without(newest, self.state.peer_id):
+                    # Round `newest` froze its group without us: with the state it started from we could only be
+                    # late for it, train it for nothing and fetch again. Take the next round's state instead,
+                    # once a member is there (16 nodes at load 50: a restarted node fetched two such rounds in a
+                    # row and was in no round before the run ended).
+                    log.info(
+                        "round %d's group froze without us: waiting for round %d's state", newest, newest + 1
+                    )
+                    self.state.events.write("catch_up_skipped", round_id=newest, why=why)
+                    target_round = newest + 1
+                    await asyncio.sleep(0.2)
+                    continue
                 try:
                     await self.sync_from(
                         [m.address for m in ahead if rounds[m.peer_id] == newest], why, self.vouched(members)

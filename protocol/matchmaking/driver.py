@@ -498,6 +498,21 @@ class DHTMatchmaker:
             ) from exc
         return dht_entries(result)
 
+    async def frozen_without(self, round_id: int, peer_id: str) -> bool:
+        """Whether the DHT holds a group of round `round_id` (stored by one of its members) that leaves `peer_id`
+        out: a node about to fetch the state that round started from asks it, since with that state it could
+        only be late for the round. False when the DHT does not answer (the fetch goes ahead, as without it)."""
+        key = round_key(self.run_name, round_id)
+        try:
+            group_raw, ready_raw = await asyncio.gather(self._get(f"{key}/group"), self._get(key))
+        except MatchmakingError as exc:
+            logger.info("round %d: could not read its group (%s)", round_id, exc)
+            return False
+        now = self.clock.now()
+        _, owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
+        groups = parse_groups(self._from_members(group_raw, f"{key}/group", now), round_id, owners)
+        return any(peer_id not in {m.peer_id for m in g.group.members} for g in groups)
+
     def _from_members(self, raw: Mapping[bytes, Any], key: str, now: float) -> dict[bytes, Any]:
         """The entries of `raw` signed by a current member's key and speaking for that member's peer id."""
         core = self.membership.core

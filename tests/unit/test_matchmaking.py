@@ -627,6 +627,13 @@ def test_three_peers_form_groups_on_a_real_dht(dht_swarm: Any) -> None:  # noqa:
             await makers[2].form_group(4, peers[2].me, match_timeout=1.0, leader_timeout=1.0)
         two = await on_time
         assert len({g.group_id for g in two}) == 1 and len(two[0].members) == 2
+        # What a node catching up asks before fetching a round's state: round 4 froze without the third peer
+        # (it may read that from any peer's DHT), with the first two; round 5 has no group yet.
+        left_out, member = peers[2].me.peer_id, peers[0].me.peer_id
+        assert await makers[2].frozen_without(4, left_out)
+        assert await makers[1].frozen_without(4, left_out)
+        assert not await makers[0].frozen_without(4, member)
+        assert not await makers[2].frozen_without(5, left_out)
         return durations
 
     durations = asyncio.run(main())
