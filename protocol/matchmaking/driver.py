@@ -55,6 +55,7 @@ T = TypeVar("T")
 STORE_ATTEMPTS = 4
 KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
 KNOCK_TIMEOUT = 2.0  # a knock that has no answer by then says nothing
+FROZEN_READ_TIMEOUT = 5.0  # `frozen_without` is an optimisation: a catch-up never waits longer on it
 # Rounds of pushed messages kept around the one we are in: behind it (a relay or a duplicate arriving late) and
 # ahead of it (peers that finished their local work before us).
 _INBOX_BEHIND = 2
@@ -488,23 +489,26 @@ class DHTMatchmaker:
             await asyncio.sleep(0.25 * 2**attempt)  # real time: the DHT's own speed
         return False
 
-    async def _get(self, key: str) -> dict[bytes, Any]:
+    async def _get(self, key: str, timeout: float = dhtcall.DHT_CALL_TIMEOUT) -> dict[bytes, Any]:
         try:
-            result = await dhtcall.call(self.dht.get, key, latest=True, beam_size=dhtcall.READ_BEAM)
+            result = await dhtcall.call(
+                self.dht.get, key, latest=True, beam_size=dhtcall.READ_BEAM, timeout=timeout
+            )
         except TimeoutError as exc:
             # No view of the round to decide on: the agent catches up from the others (as for a refused store).
-            raise MatchmakingError(
-                f"the DHT did not answer a read of {key} within {dhtcall.DHT_CALL_TIMEOUT:.0f} s"
-            ) from exc
+            raise MatchmakingError(f"the DHT did not answer a read of {key} within {timeout:.0f} s") from exc
         return dht_entries(result)
 
     async def frozen_without(self, round_id: int, peer_id: str) -> bool:
         """Whether the DHT holds a group of round `round_id` (stored by one of its members) that leaves `peer_id`
         out: a node about to fetch the state that round started from asks it, since with that state it could
-        only be late for the round. False when the DHT does not answer (the fetch goes ahead, as without it)."""
+        only be late for the round. False when the DHT does not answer within FROZEN_READ_TIMEOUT (the fetch
+        goes ahead, as without the question)."""
         key = round_key(self.run_name, round_id)
         try:
-            group_raw, ready_raw = await asyncio.gather(self._get(f"{key}/group"), self._get(key))
+            group_raw, ready_raw = await asyncio.gather(
+                self._get(f"{key}/group", FROZEN_READ_TIMEOUT), self._get(key, FROZEN_READ_TIMEOUT)
+            )
         except MatchmakingError as exc:
             logger.info("round %d: could not read its group (%s)", round_id, exc)
             return False
