@@ -489,7 +489,8 @@ class DHTMatchmaker:
             await asyncio.sleep(0.25 * 2**attempt)  # real time: the DHT's own speed
         return False
 
-    async def _get(self, key: str, timeout: float = dhtcall.DHT_CALL_TIMEOUT) -> dict[bytes, Any]:
+    async def _get(self, key: str, timeout: float | None = None) -> dict[bytes, Any]:
+        timeout = dhtcall.DHT_CALL_TIMEOUT if timeout is None else timeout
         try:
             result = await dhtcall.call(
                 self.dht.get, key, latest=True, beam_size=dhtcall.READ_BEAM, timeout=timeout
