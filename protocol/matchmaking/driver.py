@@ -513,10 +513,19 @@ class DHTMatchmaker:
         except MatchmakingError as exc:
             logger.info("round %d: could not read its group (%s)", round_id, exc)
             return False
-        now = self.clock.now()
-        _, owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
-        groups = parse_groups(self._from_members(group_raw, f"{key}/group", now), round_id, owners)
+        _, _, groups = self._parse_round(round_id, ready_raw, group_raw)
         return any(peer_id not in {m.peer_id for m in g.group.members} for g in groups)
+
+    def _parse_round(
+        self, round_id: int, ready_raw: Mapping[bytes, Any], group_raw: Mapping[bytes, Any]
+    ) -> tuple[dict[str, ReadyRecord], dict[str, bytes], list[GroupRecord]]:
+        """Round `round_id`'s ready records (with each peer id's owner key) and group records, as read from the
+        DHT, kept only where a current member's key wrote them for itself (`_from_members`)."""
+        key = round_key(self.run_name, round_id)
+        now = self.clock.now()
+        ready, owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
+        groups = parse_groups(self._from_members(group_raw, f"{key}/group", now), round_id, owners)
+        return ready, owners, groups
 
     def _from_members(self, raw: Mapping[bytes, Any], key: str, now: float) -> dict[bytes, Any]:
         """The entries of `raw` signed by a current member's key and speaking for that member's peer id."""
@@ -572,11 +581,7 @@ class DHTMatchmaker:
                     return
                 logger.warning("round %d: %s (the members' links carry on)", round_id, exc)
             else:
-                now = self.clock.now()
-                view.ready, view.owners = parse_ready(self._from_members(ready_raw, key, now), round_id)
-                view.groups = parse_groups(
-                    self._from_members(group_raw, group_key, now), round_id, view.owners
-                )
+                view.ready, view.owners, view.groups = self._parse_round(round_id, ready_raw, group_raw)
                 view.polls += 1
                 wake.set()
             await self.clock.sleep(interval)
