@@ -148,7 +148,9 @@ class Voter:
         attempt.votes_in[ctx.sender] = request.vote
         attempt.voted.set()
         assert attempt.status is not None
-        vote = await attempt.status
+        # Shielded: when the asker's deadline passes, gRPC cancels this handler, and a bare await would cancel
+        # the vote's future with it: our own vote could then not be cast (vote_phase), nor read by the others.
+        vote = await asyncio.shield(attempt.status)
         return Frame(vote.encode() | relay_header(attempt.votes_in, ctx.sender))
 
 

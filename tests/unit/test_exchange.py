@@ -18,6 +18,7 @@ from helpers.exchange import (
     Fp32Codec,
     Node,
     RawFp32Codec,
+    SlowCodec,
     TopKCodec,
     make_input,
     run,
@@ -227,6 +228,38 @@ def test_a_member_that_moved_on_to_a_later_round_is_not_waited_for() -> None:
             for node in nodes:
                 await node.stop()
         assert all(r.contributors == ("peer-0", "peer-2") for r in results)
+        assert torch.equal(results[0].averaged, results[1].averaged)
+
+    run(body())
+
+
+def test_a_vote_call_that_times_out_before_we_vote_leaves_our_vote_to_cast() -> None:
+    """A member asks for our vote while we are still in the data phase, and its call's deadline passes (a loaded
+    machine): gRPC cancels the handler waiting for our vote, and that must not cancel the vote itself. It did:
+    the handler awaited the vote's future bare, so our own vote could no longer be cast and the exchange
+    failed with InvalidStateError instead of averaging (seen with 64 protocol peers on 2 cores)."""
+    from farloco.protocol.exchange.wire import VOTE_METHOD, AttemptRef, Vote, VoteRequest
+    from farloco.protocol.rpc import Frame, RpcError
+
+    numel = 16 * CHUNK // 4  # 16 chunks a part: 0.1 s each to encode (SlowCodec), so the data phase lasts
+
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            inputs = [make_input(i, numel) for i in range(2)]
+            slow = asyncio.ensure_future(nodes[0].exchange.average(group, inputs[0], SlowCodec(), timeout=60))
+            await asyncio.sleep(0.3)  # node 0 is encoding
+            early = VoteRequest(AttemptRef(group.group_id, 0), Vote(True, (), numel, SlowCodec().name))
+            with pytest.raises(RpcError):
+                await nodes[1].client.unary(
+                    nodes[0].address, VOTE_METHOD, Frame(early.encode()), round_id=group.round_id, timeout=0.2
+                )
+            other = nodes[1].exchange.average(group, inputs[1], SlowCodec(), timeout=60)
+            results = await asyncio.gather(slow, other)
+        finally:
+            for node in nodes:
+                await node.stop()
+        assert all(r.contributors == ("peer-0", "peer-1") for r in results)
         assert torch.equal(results[0].averaged, results[1].averaged)
 
     run(body())
