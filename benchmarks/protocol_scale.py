@@ -74,15 +74,18 @@ class InProcessDHT:
         from hivemind.dht.node import DHTNode
         from hivemind.dht.validation import CompositeValidator
 
+        from farloco.protocol.dhtcall import DHT_NODE_OPTIONS
         from farloco.protocol.membership import make_record_validators
 
+        # the agent's DHT options (make_dht's), unless BENCH_DHT_KWARGS says otherwise
+        options = {**DHT_NODE_OPTIONS, **json.loads(os.environ.get("BENCH_DHT_KWARGS", "{}"))}
         node = await DHTNode.create(
             initial_peers=initial_peers,
             host_maddrs=[f"/ip4/{host}/tcp/0"],
             record_validator=CompositeValidator(make_record_validators(run, private_key=private_key)),
             wait_timeout=8.0,
             num_workers=4,
-            **json.loads(os.environ.get("BENCH_DHT_KWARGS", "{}")),
+            **options,
         )
         return cls(node)
 
@@ -100,7 +103,9 @@ class InProcessDHT:
 
     def run_coroutine(self, coro: Any, *, return_future: bool) -> Any:
         assert return_future
-        self.calls["store near members"] += 1  # the only coroutine farloco's membership runs in the DHT
+        # farloco's membership runs two coroutines in the DHT: stores and reads near the members key
+        name = getattr(getattr(coro, "func", coro), "__name__", "coroutine")
+        self.calls[{"store_near": "store near members", "get_near": "get near members"}.get(name, name)] += 1
         return asyncio.ensure_future(coro(self, self.node))
 
     async def maddrs(self) -> list[str]:
@@ -153,6 +158,7 @@ class Peer:
             auth=auth,
             public_key=RSASignatureValidator(key).local_public_key,
             replan_every=REPLAN_EVERY if REPLAN_EVERY is not None else self.ttl,
+            read_near=not os.environ.get("BENCH_READ_WALK"),
         )
         self.pacer = HeartbeatPacer(self.heartbeat, self.ttl, read_interval=READ_INTERVAL)
         self.matchmaker = DHTMatchmaker(
@@ -217,12 +223,12 @@ class Peer:
 
 
 async def worker(
-    first: int, count: int, peers: int, work: float, seconds: float, host: str, ttl: float
+    first: int, count: int, peers: int, work: float, seconds: float, host: str, ttl: float, heartbeat: float
 ) -> None:
     initial = [] if first == 0 else receive()["maddrs"]
     local: list[Peer] = []
     for index in range(first, first + count):
-        peer = Peer(index, host, heartbeat=1.0, ttl=ttl)
+        peer = Peer(index, host, heartbeat=heartbeat or ttl / 4, ttl=ttl)
         await peer.start(initial)
         if os.environ.get("BENCH_VERBOSE"):
             print(f"peer {index} started", file=sys.stderr, flush=True)
@@ -277,7 +283,7 @@ async def worker(
 
 
 def worker_main(argv: list[str]) -> None:
-    first, count, peers, work, seconds, host, ttl = argv
+    first, count, peers, work, seconds, host, ttl, heartbeat = argv
     if os.environ.get("BENCH_DEBUG"):
         import logging
 
@@ -286,17 +292,22 @@ def worker_main(argv: list[str]) -> None:
         use_hivemind_log_handler("nowhere")
         logging.basicConfig(level=logging.DEBUG, format=f"w{first} %(name)s %(message)s")
     torch.set_num_threads(1)
-    asyncio.run(worker(int(first), int(count), int(peers), float(work), float(seconds), host, float(ttl)))
+    numbers = [float(v) for v in (work, seconds, ttl, heartbeat)]
+    asyncio.run(
+        worker(int(first), int(count), int(peers), numbers[0], numbers[1], host, numbers[2], numbers[3])
+    )
 
 
-def run_swarm(peers: int, per_process: int, work: float, seconds: float, ttl: float) -> dict[str, Any]:
+def run_swarm(
+    peers: int, per_process: int, work: float, seconds: float, ttl: float, heartbeat: float = 0.0
+) -> dict[str, Any]:
     script = os.path.abspath(__file__)
     starts = list(range(0, peers, per_process))
 
     def command(first: int) -> list[str]:
         count = min(per_process, peers - first)
         return [sys.executable, script, "--worker", str(first), str(count), str(peers), str(work), str(seconds),
-                "127.0.0.1", str(ttl)]  # fmt: skip
+                "127.0.0.1", str(ttl), str(heartbeat)]  # fmt: skip
 
     procs = [
         subprocess.Popen(command(first), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -314,6 +325,7 @@ def run_swarm(peers: int, per_process: int, work: float, seconds: float, ttl: fl
         "per_process": per_process,
         "work_s": work,
         "ttl_s": ttl,
+        "heartbeat_s": heartbeat or ttl / 4,
         **summarize(reports, peers, work),
         "dht_bytes_per_peer_s": round(sum(a["dht_sent"] for a in answers) / per_peer_s),
         "control_bytes_per_peer_s": round(sum(r["control_bytes"] for r in reports) / per_peer_s),
@@ -352,6 +364,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="rounds are started for this long")
     parser.add_argument("--ttl", type=float, default=8.0, help="member_ttl (the daemon's default: 8 s)")
     parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=0.0,
+        help="seconds between member-record stores (0, the daemon's default: ttl/4)",
+    )
+    parser.add_argument(
         "--read-every-beat",
         action="store_true",
         help="read the member table at every heartbeat (the cadence before the pacer) instead of the pacer's",
@@ -361,8 +379,22 @@ def main() -> None:
         action="store_true",
         help="every member-record store walks the DHT (hivemind's store) instead of going to the replicas",
     )
+    parser.add_argument(
+        "--read-walks",
+        action="store_true",
+        help="read the member table with a walk of the DHT (before dhtcall.get_near) instead of from its replicas",
+    )
+    parser.add_argument(
+        "--hivemind-caching",
+        action="store_true",
+        help="keep hivemind's background cache refresh and cache_nearest (before dhtcall.DHT_NODE_OPTIONS)",
+    )
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    if args.read_walks:
+        os.environ["BENCH_READ_WALK"] = "1"
+    if args.hivemind_caching:
+        os.environ["BENCH_DHT_KWARGS"] = json.dumps({"cache_refresh_before_expiry": 5, "cache_nearest": 1})
     if args.walk_every_store:
         os.environ["BENCH_REPLAN_EVERY"] = "0"
     if args.read_every_beat:
@@ -371,7 +403,7 @@ def main() -> None:
     rows = []
     for peers in args.peers:
         started = time.time()
-        row = run_swarm(peers, args.per_process, args.work, args.seconds, args.ttl)
+        row = run_swarm(peers, args.per_process, args.work, args.seconds, args.ttl, args.heartbeat)
         row["wall_s"] = round(time.time() - started, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)

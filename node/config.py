@@ -502,10 +502,13 @@ def transport_tls(config: Config, secret: bytes, run_id: str, name: str) -> Any:
 class TimeoutConfig:
     """Time limits of the round protocol, in seconds."""
 
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 0.0
     """How often the member record is refreshed on the DHT (straight to the members key's replicas, which a full
-    store finds again once per `member_ttl`). The member table is read every `member_ttl / 4` (at most once a
-    heartbeat): a read carries every member's record."""
+    store finds again once per `member_ttl`). 0: `member_ttl / 4`, four chances to refresh before the record
+    expires, whatever the ttl. The member table is read every `member_ttl / 4` (at most once a heartbeat): a read
+    carries every member's record. The round itself never waits for either (its records travel over the
+    members' links); what a faster beat buys is a fresher status view (inner step, loss), at a DHT store per
+    beat on each of the key's replicas."""
     member_ttl: float = 8.0
     """A member whose record is older than this is considered gone."""
     match_timeout: float = 30.0
@@ -537,12 +540,23 @@ class TimeoutConfig:
     stopped and the node exits, each step bounded."""
 
     def __post_init__(self) -> None:
-        _positive(self, *[f.name for f in dataclasses.fields(self)])
+        _positive(self, *[f.name for f in dataclasses.fields(self) if f.name != "heartbeat_interval"])
+        _non_negative(self, "heartbeat_interval")
+        if self.heartbeat_interval >= self.member_ttl:
+            raise ConfigError(
+                f"timeouts.heartbeat_interval must be shorter than timeouts.member_ttl ({self.member_ttl}), or a "
+                f"live member's record expires between beats: got {self.heartbeat_interval}"
+            )
         if self.match_timeout_min > self.match_timeout:
             raise ConfigError(
                 f"timeouts.match_timeout_min must be <= timeouts.match_timeout: expected at most "
                 f"{self.match_timeout}, got {self.match_timeout_min}"
             )
+
+    @property
+    def heartbeat(self) -> float:
+        """Seconds between two stores of the member record: `heartbeat_interval`, or `member_ttl / 4` for 0."""
+        return self.heartbeat_interval or self.member_ttl / 4
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,17 @@ LOG_EVERY = 10.0
 # a storer whose view of the nearest differed.
 READ_BEAM = 8
 
+# What farloco's DHT nodes turn off of hivemind's caching (keyword arguments of `DHTNode.create`, which
+# `hivemind.DHT` passes on). farloco reads its keys itself, on its own schedule (the member table every
+# member_ttl/4, a round's records while it forms), always with latest=True, so neither pays:
+# - cache_refresh_before_expiry (hivemind: 5 s): a node that read a key reads it again in the background before
+#   the earliest of its cached entries expires. The member table's entries are renewed every heartbeat, so each
+#   node walked the DHT for the whole table every few seconds, and again for every round key it had read.
+# - cache_nearest (hivemind: 1): after a read, the value found (the whole dictionary) is stored on the nearest
+#   node that did not hold it, one more store of every record per read.
+# At 32 protocol peers on 2 cores (benchmarks/protocol_scale.py) a round took about half the time without them.
+DHT_NODE_OPTIONS: dict[str, Any] = {"cache_refresh_before_expiry": 0, "cache_nearest": 0}
+
 
 class DHTRefusedError(Exception):
     """A DHT operation kept failing until its deadline; the message names the key, attempts and time spent."""
@@ -230,12 +241,7 @@ async def store_near(
     plan = _REPLICAS.get(slot)
     if plan is None or now - plan[0] >= replan_every:
         ok = bool(await node.store(key, value, expiration, subkey=subkey))
-        mine = node.protocol.routing_table.get_nearest_neighbors(
-            key_id, k=node.num_replicas, exclude=node.node_id
-        )
-        # the replicas as hivemind's walk chose them: the num_replicas nearest of what we know, ourselves included
-        ranked = sorted([*mine, (node.node_id, None)], key=lambda item: key_id.xor_distance(item[0]))
-        _REPLICAS[slot] = (now, ranked[: node.num_replicas])
+        _REPLICAS[slot] = (now, _nearest(node, key_id))
         return ok
     protocol = node.protocol
     serializer = protocol.serializer
@@ -271,6 +277,88 @@ async def store_near(
     if 2 * len(answered) < len(remote):
         _REPLICAS.pop(slot, None)  # most replicas did not answer: the next store walks the DHT again
     return stored or any(bool(answer and answer[0]) for answer in answered)
+
+
+# How many of the key's replicas a read near the key asks (besides our own storage when we are one of them).
+READ_NEAR_REPLICAS = 2
+
+
+async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> Any:
+    """Read the dictionary under `key` from the nodes that hold it: run in the DHT's process, like `store_near`
+    (whose plan of the key's replicas it shares). Returns what `node.get(key, latest=True)` returns.
+
+    A read with latest=True walks the DHT to the key's nearest nodes, READ_BEAM of them, and every node asked on
+    the way answers with the whole dictionary it holds: for the member table, each read cost N records from
+    each of up to 8 nodes and the walk's extra hops. Every member stores its record on each of the key's
+    replicas (`store_near`), so any one of them holds nearly the whole table: this asks the READ_NEAR_REPLICAS
+    nearest of the plan (and our own storage when we are a replica) and merges what they hold, newest entry per
+    sub-key, as hivemind's read does. Without a plan younger than `replan_every`, or when fewer than one of the
+    replicas asked answers, it reads with the full walk (which finds the replicas again)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    key_id = DHTID.generate(source=key)
+    slot = (id(node), key_id.to_bytes())
+    plan = _REPLICAS.get(slot)
+
+    async def walk() -> Any:
+        result = await node.get(key, latest=True, beam_size=READ_BEAM)
+        _REPLICAS[slot] = (time.monotonic(), _nearest(node, key_id))
+        return result
+
+    if plan is None or time.monotonic() - plan[0] >= replan_every:
+        return await walk()
+    protocol = node.protocol
+    merged = DictionaryDHTValue()
+    found = False
+
+    def take(value: Any) -> None:
+        nonlocal found
+        if isinstance(value, DictionaryDHTValue):
+            found = True
+            for subkey, entry in value.items():
+                merged.store(subkey, entry.value, entry.expiration_time)
+
+    remote = [peer_id for node_id, peer_id in plan[1] if node_id != node.node_id][:READ_NEAR_REPLICAS]
+    if any(node_id == node.node_id for node_id, _ in plan[1]):
+        local = protocol.storage.get(key_id)
+        take(local.value if local is not None else None)
+    tasks = [asyncio.ensure_future(protocol.call_find(peer, [key_id])) for peer in remote]
+    done: set[asyncio.Future[Any]] = set()
+    if tasks:
+        done, pending = await asyncio.wait(tasks, timeout=STORE_NEAR_WAIT)
+        for task in pending:
+            task.cancel()
+    answers = [task.result() for task in done if not task.cancelled() and task.exception() is None]
+    answers = [answer for answer in answers if answer is not None]
+    if remote and not answers:
+        _REPLICAS.pop(slot, None)  # no replica answered: walk, and find them again
+        return await walk()
+    for answer in answers:
+        found_value = answer.get(key_id, (None, {}))[0]
+        take(found_value.value if found_value is not None else None)
+    if not found or len(merged) == 0:
+        return None
+    serializer = protocol.serializer
+    entries = {}
+    for subkey, (value_bytes, expiration) in merged.items():
+        if protocol.record_validator is not None:
+            record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration)
+            value_bytes = protocol.record_validator.strip_value(record)
+        entries[subkey] = ValueWithExpiration(serializer.loads(value_bytes), expiration)
+    return ValueWithExpiration(entries, merged.latest_expiration_time)
+
+
+def _nearest(node: Any, key_id: Any) -> list[Any]:
+    """The key's replicas as hivemind's walk chose them: the num_replicas nearest of what `node` knows,
+    itself included, nearest first."""
+    mine = node.protocol.routing_table.get_nearest_neighbors(
+        key_id, k=node.num_replicas, exclude=node.node_id
+    )
+    ranked = sorted([*mine, (node.node_id, None)], key=lambda item: key_id.xor_distance(item[0]))
+    return ranked[: node.num_replicas]
 
 
 def forget_replicas() -> None:

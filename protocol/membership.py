@@ -620,6 +620,7 @@ class DHTMembership:
         auth: MemberAuth | None = None,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
         replan_every: float = 0.0,
+        read_near: bool = True,
     ) -> None:
         if not 0 < heartbeat_interval < ttl:
             raise ValueError(
@@ -639,6 +640,8 @@ class DHTMembership:
         if not replan_every >= 0:
             raise ValueError(f"replan_every must be >= 0, got {replan_every}")
         self.replan_every = replan_every
+        # With stores near the key: read the table from a few of its replicas (`dhtcall.get_near`) instead of a walk.
+        self.read_near = read_near and replan_every > 0
         self.clock: Clock = clock if clock is not None else DHTClock()
         # Sub-key = our public key: the signature validator signs what we store under it.
         self.public_key = public_key if public_key is not None else RSASignatureValidator().local_public_key
@@ -730,10 +733,15 @@ class DHTMembership:
         return stamped
 
     async def refresh(self) -> None:
-        """Read the whole members dictionary (latest=True merges the sub-keys held by every replica)."""
+        """Read the whole members dictionary: from a few of the key's replicas (`dhtcall.get_near`, when our
+        stores go near the key too), else with a full walk (latest=True merges the sub-keys of every replica)."""
         self.counters["reads"] += 1
         try:
-            result = await dhtcall.call(self.dht.get, self.key, latest=True, beam_size=dhtcall.READ_BEAM)
+            if self.read_near:
+                read = functools.partial(dhtcall.get_near, key=self.key, replan_every=self.replan_every)
+                result = await dhtcall.call(self.dht.run_coroutine, read)
+            else:
+                result = await dhtcall.call(self.dht.get, self.key, latest=True, beam_size=dhtcall.READ_BEAM)
         except TimeoutError:
             # Reads are advisory: keep the last view (pruned below) and read again next time.
             logger.warning(

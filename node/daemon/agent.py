@@ -287,7 +287,7 @@ class Agent:
             state.run_hash,
             run_section(self.config),
             ttl=self.config.timeouts.member_ttl,
-            heartbeat_interval=self.config.timeouts.heartbeat_interval,
+            heartbeat_interval=self.config.timeouts.heartbeat,
             auth=auth,  # binds our peer id to our DHT key; records of keys without the run secret are ignored
             retry_seconds=self.config.timeouts.dht_retry,
             # heartbeats go straight to the members key's replicas, found again once per member_ttl

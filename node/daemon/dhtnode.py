@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from farloco.protocol import dhtcall
+
 logger = logging.getLogger(__name__)
 
 
@@ -118,6 +120,8 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
     # hivemind waits 3 s for a peer's answer; on a loaded machine a store then fails for want of replies, so
     # give DHT requests more room (a dead peer still costs at most this long per request).
     kwargs.setdefault("wait_timeout", 8.0)
+    for option, value in dhtcall.DHT_NODE_OPTIONS.items():
+        kwargs.setdefault(option, value)
     start = bool(kwargs.pop("start", False))
     if not start:
         return _DHT(start=False, **kwargs)

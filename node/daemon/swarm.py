@@ -157,16 +157,16 @@ class Swarm:
         return list(members)
 
     async def heartbeat_loop(self) -> None:
-        """Store our record every `timeouts.heartbeat_interval`; read the member table (the status view, the
-        isolation verdict) at the pacer's interval, a quarter of `member_ttl` (`table_read_interval`): a read
-        carries every member's record, a store one. The round reads the table itself when it meets a member it
+        """Store our record every `timeouts.heartbeat` (heartbeat_interval, or member_ttl/4); read the member
+        table (the status view, the isolation verdict) at the pacer's interval, a quarter of `member_ttl`
+        (`table_read_interval`): a read carries every member's record, a store one. The round reads the table itself when it meets a member it
         does not know."""
         from farloco.protocol.membership import HeartbeatPacer
 
         timeouts = self.config.timeouts
-        pacer = HeartbeatPacer(timeouts.heartbeat_interval, timeouts.member_ttl)
+        pacer = HeartbeatPacer(timeouts.heartbeat, timeouts.member_ttl)
         while True:
-            await asyncio.sleep(timeouts.heartbeat_interval)
+            await asyncio.sleep(timeouts.heartbeat)
             try:
                 await self.publish()
                 if pacer.read_due(time.monotonic()):
@@ -396,7 +396,7 @@ class Swarm:
                 watch.forget()
                 self.state.status = Status.EXCHANGING
                 return None
-            await asyncio.sleep(min(max(2 * timeouts.heartbeat_interval, 1.0), max(limit - waited, 0.0)))
+            await asyncio.sleep(min(max(2 * timeouts.heartbeat, 1.0), max(limit - waited, 0.0)))
 
     async def _reach_swarm(self) -> None:
         """Dial the initial peers and the vanished peers' last addresses from the DHT node (bounded)."""

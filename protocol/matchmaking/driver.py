@@ -91,10 +91,13 @@ class DHTMatchmaker:
 
     DHT polling starts at `min_poll_interval` and doubles up to `poll_interval`, each poll reading the round's
     ready and group records and the member table. With links the first read waits `poll_interval` (most rounds
-    freeze over the links before it: no DHT read at all) and polls leave the member table to the heartbeat's
-    reads, since the links carry the round and the DHT only backs them up (reading it every few ms cost each
-    peer three DHT traversals per poll, CPU the round's critical path competes for). A member behind NAT, which
-    nobody pushes to, reads at once.
+    freeze over the links before it: no DHT read at all), the reads after it back off, doubling up to
+    `leader_timeout / 8` (with 32 peers on 2 cores each read is a walk of the DHT whose answers carry every ready
+    record, and a round that waited seconds for its leader read it a dozen times; a record a link missed still
+    reaches us well within the `leader_timeout / 2` the agreement argument needs), and polls leave the member
+    table to the heartbeat's reads, since the links carry the round and the DHT only backs them up (reading it
+    every few ms cost each peer three DHT traversals per poll, CPU the round's critical path competes for). A
+    member behind NAT, which nobody pushes to, reads at once and every `poll_interval`.
     Reads use `latest=True` (a full traversal merging every replica's sub-keys); a plain get stops at the first
     copy it finds, often our own partial one, and would miss other peers' records.
     """
@@ -553,13 +556,19 @@ class DHTMatchmaker:
                 kept[owner] = value
         return kept
 
-    async def _poll(self, round_id: int, view: _DHTView, wake: asyncio.Event, *, pushed_to: bool) -> None:
+    async def _poll(
+        self, round_id: int, view: _DHTView, wake: asyncio.Event, *, pushed_to: bool, leader_timeout: float
+    ) -> None:
         """Read the round's ready and group records (and without links the member table), again and again, into
-        `view`. `pushed_to`: the members' links reach us, so the first read can wait (class docstring)."""
+        `view`. `pushed_to`: the members' links reach us, so the first read can wait, and the reads after it
+        back off, doubling up to `leader_timeout / 8` (class docstring)."""
         key = round_key(self.run_name, round_id)
         group_key = f"{key}/group"
         linked = self.client is not None
         interval = self.poll_interval if linked else self.min_poll_interval
+        ceiling = self.poll_interval
+        if linked and pushed_to:
+            ceiling = max(self.poll_interval, leader_timeout / 8)
         rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
         if linked and pushed_to:
             await self.clock.sleep(self.poll_interval)
@@ -585,7 +594,7 @@ class DHTMatchmaker:
                 view.polls += 1
                 wake.set()
             await self.clock.sleep(interval)
-            interval = min(interval * 2, self.poll_interval)
+            interval = min(interval * 2, ceiling)
 
     # -- one round ----------------------------------------------------------------------------------------
 
@@ -669,7 +678,9 @@ class DHTMatchmaker:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
         pushed: set[str] = {me.peer_id}  # peers our ready record went to (or that we gave up on)
         dht = _DHTView({}, {}, [])
-        poller = asyncio.ensure_future(self._poll(round_id, dht, wake, pushed_to=me.dialable))
+        poller = asyncio.ensure_future(
+            self._poll(round_id, dht, wake, pushed_to=me.dialable, leader_timeout=leader_timeout)
+        )
         try:
             while True:
                 wake.clear()

@@ -53,6 +53,11 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ("node.data_slot=8", "node.data_slot=8: expected -1 (any) or a slot below run.data_slots=8"),
         ("run.name=a/b", "run.name: expected a non-empty name without '/'"),
         ("inner_steps", "expected section.key=value"),
+        ("timeouts.heartbeat_interval=-1", "timeouts.heartbeat_interval: expected a number >= 0, got -1"),
+        (
+            "timeouts.heartbeat_interval=8",
+            "timeouts.heartbeat_interval must be shorter than timeouts.member_ttl",
+        ),
     ],
 )
 def test_bad_values_name_key_value_and_expectation(override: str, message: str) -> None:
@@ -197,3 +202,11 @@ def test_the_agent_takes_the_cores_its_ranks_leave_unless_told() -> None:
     assert agent_threads(gpu) == max(
         1, cores - 1
     )  # a GPU rank takes one core, whatever threads_per_rank says
+
+
+def test_the_heartbeat_follows_the_member_ttl_unless_set() -> None:
+    """A quarter of member_ttl by default (four stores before a record expires, whatever the ttl); a value set
+    is kept."""
+    assert load_config(None).timeouts.heartbeat == 2.0
+    assert load_config(None, ["timeouts.member_ttl=30"]).timeouts.heartbeat == 7.5
+    assert load_config(None, ["timeouts.heartbeat_interval=0.5"]).timeouts.heartbeat == 0.5

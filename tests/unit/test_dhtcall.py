@@ -272,3 +272,75 @@ def test_a_store_near_the_key_walks_the_dht_once_per_plan_then_goes_straight_to_
                     task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_read_near_the_key_asks_a_few_replicas_and_merges_their_entries_without_a_walk() -> None:
+    """Real hivemind DHT nodes in this process, each storing its own signed entry under one key near it: a node
+    whose plan is fresh reads the whole dictionary from READ_NEAR_REPLICAS replicas (and its own storage)
+    without walking the DHT, each entry validated and stripped of its signature as hivemind's read returns it,
+    the newest one per sub-key; a stale plan, or replicas that do not answer, mean a walk."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.node import DHTNode
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.timed_storage import get_dht_time
+
+    key = "farloco/t/members"
+
+    async def main() -> None:
+        signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(4)]
+        nodes: list[Any] = []
+        for signer in signers:
+            initial = [str(m) for m in await nodes[0].p2p.get_visible_maddrs()] if nodes else []
+            nodes.append(
+                await DHTNode.create(
+                    initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=signer
+                )
+            )
+        a = nodes[0]
+        walks: list[str] = []
+        real_get = a.get
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            walks.append("walk")
+            return await real_get(*args, **kwargs)
+
+        a.get = counted
+
+        async def store(index: int, value: int) -> bool:
+            return await dhtcall.store_near(
+                None, nodes[index], key=key, value={"v": value}, expiration=get_dht_time() + 60,
+                subkey=signers[index].local_public_key, replan_every=60.0,
+            )  # fmt: skip
+
+        def values(result: Any) -> dict[bytes, Any]:
+            return {subkey: item.value for subkey, item in result.value.items()}
+
+        try:
+            for index in range(4):
+                assert await store(index, index)
+            expected = {s.local_public_key: {"v": i} for i, s in enumerate(signers)}
+            read = await dhtcall.get_near(None, a, key=key, replan_every=60.0)
+            assert walks == [] and values(read) == expected  # the plan of a's store: no walk
+            assert await store(2, 20) and await store(2, 21)  # a newer entry of node 2's: the newest wins
+            read = await dhtcall.get_near(None, a, key=key, replan_every=60.0)
+            assert values(read)[signers[2].local_public_key] == {"v": 21} and walks == []
+            # a plan older than replan_every
+            read = await dhtcall.get_near(None, a, key=key, replan_every=0.0)
+            assert walks == ["walk"] and values(read) == {**expected, signers[2].local_public_key: {"v": 21}}
+            never = await dhtcall.get_near(None, a, key="farloco/t/nothing", replan_every=60.0)
+            assert never is None and len(walks) == 2  # no plan for that key: a walk, which found nothing
+            while len(nodes) > 1:
+                await nodes.pop().shutdown()
+            read = await dhtcall.get_near(None, a, key=key, replan_every=60.0)
+            assert len(walks) == 3  # the replicas asked did not answer: a walk (a's own copy is what is left)
+            assert read is not None and signers[0].local_public_key in values(read)
+        finally:
+            dhtcall.forget_replicas()
+            for node in nodes:
+                await node.shutdown()
+            await asyncio.sleep(0.1)
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                if task.get_coro().__qualname__ == "sleep":  # type: ignore[union-attr]
+                    task.cancel()
+
+    asyncio.run(main())
