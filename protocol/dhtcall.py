@@ -99,10 +99,11 @@ def _detach(future: Any) -> None:
         future._aio_event = _AlreadySet()
 
 
-async def await_future(future: concurrent.futures.Future[T], timeout: float) -> T:
+async def await_future(future: concurrent.futures.Future[T], timeout: float, *, cancel: bool = True) -> T:
     """Wait at most `timeout` seconds for a future resolved by another thread; TimeoutError after that.
 
-    The wait is cancellable at any point, and an unfinished `future` is cancelled when the wait ends early.
+    The wait is cancellable at any point, and an unfinished `future` is cancelled when the wait ends early (with
+    `cancel`; without, it is left to finish unheard).
     """
     _detach(future)
     loop = asyncio.get_running_loop()
@@ -135,7 +136,7 @@ async def await_future(future: concurrent.futures.Future[T], timeout: float) -> 
         return await waiter
     finally:
         timer.cancel()
-        if not future.done():
+        if cancel and not future.done():
             future.cancel()
 
 
@@ -144,6 +145,18 @@ async def call(method: Callable[..., Any], *args: Any, timeout: float | None = N
     seconds (default DHT_CALL_TIMEOUT); TimeoutError after that."""
     future = method(*args, **kwargs, return_future=True)
     return await await_future(future, DHT_CALL_TIMEOUT if timeout is None else timeout)
+
+
+async def run_in_dht(dht: Any, coroutine: Callable[..., Any], *, timeout: float | None = None) -> Any:
+    """`dht.run_coroutine(coroutine)` (run in the DHT's process: `store_near`, `get_near`, `reach_peers`),
+    awaited for at most `timeout` seconds (default DHT_CALL_TIMEOUT); TimeoutError after that.
+
+    A wait that ends early does not cancel the coroutine's future: hivemind's DHT process sets its result
+    without checking, and a cancelled one made it log a traceback (InvalidStateError) whenever a node left while
+    a store or read near a key was in flight. Each such coroutine is bounded on its own (STORE_NEAR_WAIT,
+    hivemind's wait_timeout), so it ends unheard."""
+    future = dht.run_coroutine(coroutine, return_future=True)
+    return await await_future(future, DHT_CALL_TIMEOUT if timeout is None else timeout, cancel=False)
 
 
 async def retry(

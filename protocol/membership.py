@@ -685,7 +685,7 @@ class DHTMembership:
                     subkey=self.public_key,
                     replan_every=self.replan_every,
                 )
-                return bool(await dhtcall.call(self.dht.run_coroutine, store, timeout=timeout))
+                return bool(await dhtcall.run_in_dht(self.dht, store, timeout=timeout))
             ok = bool(
                 await dhtcall.call(
                     self.dht.store, self.key, value, expiration, subkey=self.public_key, timeout=timeout
@@ -739,7 +739,7 @@ class DHTMembership:
         try:
             if self.read_near:
                 read = functools.partial(dhtcall.get_near, key=self.key, replan_every=self.replan_every)
-                result = await dhtcall.call(self.dht.run_coroutine, read)
+                result = await dhtcall.run_in_dht(self.dht, read)
             else:
                 result = await dhtcall.call(self.dht.get, self.key, latest=True, beam_size=dhtcall.READ_BEAM)
         except TimeoutError:

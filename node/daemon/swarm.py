@@ -411,9 +411,7 @@ class Swarm:
         if not maddrs:
             return
         try:
-            answered = await dhtcall.call(
-                self.net.dht.run_coroutine, partial(reach_peers, maddrs=tuple(maddrs))
-            )
+            answered = await dhtcall.run_in_dht(self.net.dht, partial(reach_peers, maddrs=tuple(maddrs)))
         except Exception as exc:  # unreachable is what we expect while isolated; the next pass tries again
             log.info("reaching the swarm: %s", exc or type(exc).__name__)
         else:
