@@ -50,6 +50,8 @@ READ_INTERVAL: float | None = (
 REPLAN_EVERY: float | None = (
     float(os.environ["BENCH_REPLAN_EVERY"]) if os.environ.get("BENCH_REPLAN_EVERY") else None
 )
+# --leader-timeout: the matchmaking's leader_timeout (the daemon's default, 5 s, unless set)
+LEADER_TIMEOUT = float(os.environ.get("BENCH_LEADER_TIMEOUT", "5.0"))
 NUMEL = 1024  # 4 KiB of fp32: the protocol is measured, not the exchange's bandwidth
 
 
@@ -200,7 +202,11 @@ class Peer:
         entry: dict[str, Any] = {"round": round_id, "ready": time.time()}
         try:
             group = await self.matchmaker.form_group(
-                round_id, self.me, match_timeout=30.0, leader_timeout=5.0, match_timeout_min=2.0
+                round_id,
+                self.me,
+                match_timeout=max(30.0, LEADER_TIMEOUT),
+                leader_timeout=LEADER_TIMEOUT,
+                match_timeout_min=2.0,
             )
             entry.update(known=time.time(), group=group.group_id, members=[m.peer_id for m in group.members])
             if len(group.members) > 1:
@@ -326,6 +332,7 @@ def run_swarm(
         "work_s": work,
         "ttl_s": ttl,
         "heartbeat_s": heartbeat or ttl / 4,
+        "leader_timeout_s": LEADER_TIMEOUT,
         **summarize(reports, peers, work),
         "dht_bytes_per_peer_s": round(sum(a["dht_sent"] for a in answers) / per_peer_s),
         "control_bytes_per_peer_s": round(sum(r["control_bytes"] for r in reports) / per_peer_s),
@@ -380,6 +387,12 @@ def main() -> None:
         help="every member-record store walks the DHT (hivemind's store) instead of going to the replicas",
     )
     parser.add_argument(
+        "--leader-timeout",
+        type=float,
+        default=5.0,
+        help="matchmaking's leader_timeout (the daemon's default: 5 s); records must reach every peer within half",
+    )
+    parser.add_argument(
         "--read-walks",
         action="store_true",
         help="read the member table with a walk of the DHT (before dhtcall.get_near) instead of from its replicas",
@@ -391,6 +404,9 @@ def main() -> None:
     )
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    os.environ["BENCH_LEADER_TIMEOUT"] = str(args.leader_timeout)
+    global LEADER_TIMEOUT
+    LEADER_TIMEOUT = args.leader_timeout
     if args.read_walks:
         os.environ["BENCH_READ_WALK"] = "1"
     if args.hivemind_caching:
