@@ -212,25 +212,46 @@ def test_a_cancellation_arriving_as_the_answer_does_is_never_swallowed() -> None
 
 
 @pytest.mark.dht
+async def signed_nodes(count: int) -> tuple[list[Any], list[Any]]:
+    """`count` real hivemind DHT nodes in this process on 127.0.0.1, each signing with a key of its own: (signers,
+    nodes)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.node import DHTNode
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(count)]
+    nodes: list[Any] = []
+    for signer in signers:
+        initial = [str(m) for m in await nodes[0].p2p.get_visible_maddrs()] if nodes else []
+        nodes.append(
+            await DHTNode.create(
+                initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=signer
+            )
+        )
+    return signers, nodes
+
+
+async def shut_down(nodes: list[Any]) -> None:
+    """Forget the replica plans and stop `nodes`, leaving no task of farloco's behind."""
+    dhtcall.forget_replicas()
+    for node in nodes:
+        await node.shutdown()
+    await asyncio.sleep(0.1)  # the stores that were not waited for end with their replicas' shutdown
+    # hivemind's DHTNode leaves one bare asyncio.sleep task behind after its shutdown (a timer of its walks, plain
+    # hivemind does it too): its own, cancelled so the hygiene check sees what farloco left
+    for task in asyncio.all_tasks() - {asyncio.current_task()}:
+        if task.get_coro().__qualname__ == "sleep":  # type: ignore[union-attr]
+            task.cancel()
+
+
 def test_a_store_near_the_key_walks_the_dht_once_per_plan_then_goes_straight_to_the_replicas() -> None:
     """Real hivemind DHT nodes in this process: the first store walks the DHT (and finds the replicas), the next
     ones are signed, sent to those replicas only and read back elsewhere; a plan whose replicas are gone, or that
     is older than replan_every, is made again by a walk."""
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.dht.node import DHTNode
-    from hivemind.utils.crypto import RSAPrivateKey
     from hivemind.utils.timed_storage import get_dht_time
 
     async def main() -> None:
-        signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
-        nodes: list[Any] = []
-        for signer in signers:
-            initial = [str(m) for m in await nodes[0].p2p.get_visible_maddrs()] if nodes else []
-            nodes.append(
-                await DHTNode.create(
-                    initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=signer
-                )
-            )
+        signers, nodes = await signed_nodes(3)
         walks: list[str] = []
         a, owner = nodes[0], signers[0].local_public_key
         real_store = a.store
@@ -261,15 +282,7 @@ def test_a_store_near_the_key_walks_the_dht_once_per_plan_then_goes_straight_to_
             assert len(walks) == 2
             assert await store(7) and len(walks) == 3  # ...so the next store walks the DHT again
         finally:
-            dhtcall.forget_replicas()
-            for node in nodes:
-                await node.shutdown()
-            await asyncio.sleep(0.1)  # the stores that were not waited for end with their replicas' shutdown
-            # hivemind's DHTNode leaves one bare asyncio.sleep task behind after its shutdown (a timer of its
-            # walks, plain hivemind does it too): its own, cancelled so the hygiene check sees what farloco left
-            for task in asyncio.all_tasks() - {asyncio.current_task()}:
-                if task.get_coro().__qualname__ == "sleep":  # type: ignore[union-attr]
-                    task.cancel()
+            await shut_down(nodes)
 
     asyncio.run(main())
 
@@ -279,23 +292,12 @@ def test_a_read_near_the_key_asks_a_few_replicas_and_merges_their_entries_withou
     whose plan is fresh reads the whole dictionary from READ_NEAR_REPLICAS replicas (and its own storage)
     without walking the DHT, each entry validated and stripped of its signature as hivemind's read returns it,
     the newest one per sub-key; a stale plan, or replicas that do not answer, mean a walk."""
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.dht.node import DHTNode
-    from hivemind.utils.crypto import RSAPrivateKey
     from hivemind.utils.timed_storage import get_dht_time
 
     key = "farloco/t/members"
 
     async def main() -> None:
-        signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(4)]
-        nodes: list[Any] = []
-        for signer in signers:
-            initial = [str(m) for m in await nodes[0].p2p.get_visible_maddrs()] if nodes else []
-            nodes.append(
-                await DHTNode.create(
-                    initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=signer
-                )
-            )
+        signers, nodes = await signed_nodes(4)
         a = nodes[0]
         walks: list[str] = []
         real_get = a.get
@@ -335,13 +337,7 @@ def test_a_read_near_the_key_asks_a_few_replicas_and_merges_their_entries_withou
             assert len(walks) == 3  # the replicas asked did not answer: a walk (a's own copy is what is left)
             assert read is not None and signers[0].local_public_key in values(read)
         finally:
-            dhtcall.forget_replicas()
-            for node in nodes:
-                await node.shutdown()
-            await asyncio.sleep(0.1)
-            for task in asyncio.all_tasks() - {asyncio.current_task()}:
-                if task.get_coro().__qualname__ == "sleep":  # type: ignore[union-attr]
-                    task.cancel()
+            await shut_down(nodes)
 
     asyncio.run(main())
 
