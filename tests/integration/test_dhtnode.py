@@ -167,7 +167,12 @@ def test_a_failed_starts_libp2p_daemon_holding_our_identity_is_killed(tmp_path: 
     fake = tmp_path / "p2pd"  # a process whose command line reads like hivemind's p2pd
     shutil.copy("/bin/sh", fake)
     ours, theirs = tmp_path / "ours.key", tmp_path / "theirs.key"
-    started = [subprocess.Popen([str(fake), "-c", "sleep 60; true", f"-id={key}"]) for key in (ours, theirs)]
+    # It waits in the shell's builtin `read`: no child of its own. A `sleep` forked by the shell carried the same
+    # command line until its exec, and a busy machine caught it there: two "daemons" of ours killed, not one.
+    started = [
+        subprocess.Popen([str(fake), "-c", "read line", f"-id={key}"], stdin=subprocess.PIPE)
+        for key in (ours, theirs)
+    ]
     try:
         assert _kill_daemons_of(str(ours)) == [started[0].pid]
         assert started[0].wait(timeout=10) == -9
@@ -177,6 +182,8 @@ def test_a_failed_starts_libp2p_daemon_holding_our_identity_is_killed(tmp_path: 
         for process in started:
             process.kill()
             process.wait()
+            assert process.stdin is not None
+            process.stdin.close()
 
 
 class _SilentDHT:
