@@ -305,8 +305,8 @@ async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> An
     each of up to 8 nodes and the walk's extra hops. Every member stores its record on each of the key's
     replicas (`store_near`), so any one of them holds nearly the whole table: this asks the READ_NEAR_REPLICAS
     nearest of the plan (and our own storage when we are a replica) and merges what they hold, newest entry per
-    sub-key, as hivemind's read does. Without a plan younger than `replan_every`, or when fewer than one of the
-    replicas asked answers, it reads with the full walk (which finds the replicas again)."""
+    sub-key, as hivemind's read does. Without a plan younger than `replan_every`, or when none of the replicas
+    asked answers, it reads with the full walk (which finds the replicas again)."""
     from hivemind.dht.routing import DHTID
     from hivemind.dht.storage import DictionaryDHTValue
     from hivemind.dht.validation import DHTRecord
@@ -325,12 +325,9 @@ async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> An
         return await walk()
     protocol = node.protocol
     merged = DictionaryDHTValue()
-    found = False
 
     def take(value: Any) -> None:
-        nonlocal found
         if isinstance(value, DictionaryDHTValue):
-            found = True
             for subkey, entry in value.items():
                 merged.store(subkey, entry.value, entry.expiration_time)
 
@@ -352,7 +349,7 @@ async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> An
     for answer in answers:
         found_value = answer.get(key_id, (None, {}))[0]
         take(found_value.value if found_value is not None else None)
-    if not found or len(merged) == 0:
+    if len(merged) == 0:
         return None
     serializer = protocol.serializer
     entries = {}

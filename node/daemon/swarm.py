@@ -159,8 +159,8 @@ class Swarm:
     async def heartbeat_loop(self) -> None:
         """Store our record every `timeouts.heartbeat` (heartbeat_interval, or member_ttl/4); read the member
         table (the status view, the isolation verdict) at the pacer's interval, a quarter of `member_ttl`
-        (`table_read_interval`): a read carries every member's record, a store one. The round reads the table itself when it meets a member it
-        does not know."""
+        (`table_read_interval`): a read carries every member's record, a store one. The round reads the table
+        itself when it meets a member it does not know."""
         from farloco.protocol.membership import HeartbeatPacer
 
         timeouts = self.config.timeouts
