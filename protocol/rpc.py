@@ -9,6 +9,7 @@ gRPC status whose trailing metadata carries the stable reason. Callers only ever
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections import Counter
@@ -421,6 +422,21 @@ def _to_rpc_error(exc: grpc.aio.AioRpcError, address: str, method: str) -> RpcEr
     return RpcError(code, reason, f"{method} at {address}: {details}")
 
 
+def _closed_channel_error(address: str, method: str) -> BaseException:
+    """What a call that raised asyncio.CancelledError fails with. grpc.aio raises it in the awaiting task when the
+    call was cancelled locally (its channel closed: `RpcClient.close`, a dropped-connections fault) though nobody
+    cancelled that task; passed on, it ends whatever awaited the call as if that had been asked to stop. Such a
+    call fails like a lost connection; a task that is being cancelled gets its CancelledError back."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return asyncio.CancelledError()
+    return RpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        "CHANNEL_CLOSED",
+        f"{method} at {address}: our channel to it was closed while the call was in flight",
+    )
+
+
 class RpcClient:
     """Calls farloco methods on other nodes; one channel per remote address, reused across calls."""
 
@@ -501,6 +517,8 @@ class RpcClient:
             response = await call(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise _to_rpc_error(exc, address, method) from None
+        except asyncio.CancelledError:
+            raise _closed_channel_error(address, method) from None
         self.unary_bytes[method] += len(response)
         return self._decode(response, address, method)
 
@@ -571,6 +589,8 @@ class RpcClient:
                 yield self._decode(response, address, method)
         except grpc.aio.AioRpcError as exc:
             raise _to_rpc_error(exc, address, method) from None
+        except asyncio.CancelledError:
+            raise _closed_channel_error(address, method) from None
         finally:
             call.cancel()
 

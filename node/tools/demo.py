@@ -172,7 +172,9 @@ def start_peer(
     run_dir = work_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "stdout.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    # Appended to: a node started again in the same run directory keeps what its earlier life printed (a crash's
+    # traceback is what one reads after it).
+    log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
     command = [
         *prefix,
         sys.executable, "-m", "farloco.node.tools.cli", "join",

@@ -229,6 +229,63 @@ def test_transport_failures_become_rpc_errors() -> None:
     run(body)
 
 
+def test_calls_in_flight_when_the_client_closes_fail_as_rpc_errors_not_cancellations() -> None:
+    """Closing a channel cancels its calls locally, and grpc.aio then raises asyncio.CancelledError in the task
+    that awaits one though nobody cancelled that task: the node's round loop ended as if asked to stop (a dropped
+    connection fault killed a node). A call the close cut off fails like any lost connection; a task that is
+    itself cancelled still gets its CancelledError."""
+
+    async def slow(ctx: CallContext, frame: Frame) -> Frame:
+        await asyncio.sleep(5)
+        return frame
+
+    async def slow_stream(ctx: CallContext, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        async for frame in frames:
+            await asyncio.sleep(5)
+            yield frame
+
+    async def one_frame() -> AsyncIterator[Frame]:
+        yield Frame({"i": 0}, b"x")
+
+    async def body() -> None:
+        server, address = await started()
+        server.add_unary("Slow", slow)
+        server.add_stream("SlowStream", slow_stream)
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+
+            async def streamed() -> list[Frame]:
+                return [
+                    f async for f in client.stream(address, "SlowStream", one_frame(), round_id=1, timeout=5)
+                ]
+
+            calls = [
+                asyncio.ensure_future(client.unary(address, "Slow", Frame({}), round_id=1, timeout=5)),
+                asyncio.ensure_future(streamed()),
+            ]
+            await asyncio.sleep(0.3)  # both in flight at the server
+            await client.close()
+            for call in calls:
+                with pytest.raises(RpcError) as info:
+                    await call
+                assert (
+                    info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.reason == "CHANNEL_CLOSED"
+                )
+                assert "Slow" in str(info.value)
+            # a task cancelled from outside is cancelled, as ever
+            cancelled = asyncio.ensure_future(client.unary(address, "Slow", Frame({}), round_id=1, timeout=5))
+            await asyncio.sleep(0.3)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert cancelled.cancelled()
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
 def _self_signed_tls() -> TlsConfig:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
