@@ -216,8 +216,11 @@ async def retry(
 
 
 # In the DHT's process: (node, key) -> (when the replicas were found, monotonic; the nodes that hold the key's
-# copies, nearest first). The DHT process is the agent's own fork, so this table lives as long as its node.
-_REPLICAS: dict[tuple[int, bytes], tuple[float, list[Any]]] = {}
+# copies, nearest first; how long the plan is used). The DHT process is the agent's own fork, so this table
+# lives as long as its node; plans past their use are dropped once it holds PLANS_KEPT (a round's keys get one
+# each, and rounds never end).
+_REPLICAS: dict[tuple[int, bytes], tuple[float, list[Any], float]] = {}
+PLANS_KEPT = 64
 _IN_FLIGHT: set[asyncio.Future[Any]] = set()
 # How long a store near the key waits for its replicas' answers (the rest are not waited for).
 STORE_NEAR_WAIT = 2.0
@@ -254,7 +257,7 @@ async def store_near(
     plan = _REPLICAS.get(slot)
     if plan is None or now - plan[0] >= replan_every:
         ok = bool(await node.store(key, value, expiration, subkey=subkey))
-        _REPLICAS[slot] = (now, _nearest(node, key_id))
+        _remember(slot, _nearest(node, key_id), replan_every)
         return ok
     protocol = node.protocol
     serializer = protocol.serializer
@@ -318,7 +321,7 @@ async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> An
 
     async def walk() -> Any:
         result = await node.get(key, latest=True, beam_size=READ_BEAM)
-        _REPLICAS[slot] = (time.monotonic(), _nearest(node, key_id))
+        _remember(slot, _nearest(node, key_id), replan_every)
         return result
 
     if plan is None or time.monotonic() - plan[0] >= replan_every:
@@ -359,6 +362,16 @@ async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> An
             value_bytes = protocol.record_validator.strip_value(record)
         entries[subkey] = ValueWithExpiration(serializer.loads(value_bytes), expiration)
     return ValueWithExpiration(entries, merged.latest_expiration_time)
+
+
+def _remember(slot: tuple[int, bytes], nodes: list[Any], keep_for: float) -> None:
+    """Keep `nodes` as the plan of `slot` for `keep_for` seconds; drop the plans past their use first when the
+    table is full."""
+    now = time.monotonic()
+    if len(_REPLICAS) >= PLANS_KEPT:
+        for old in [s for s, (found, _, kept) in _REPLICAS.items() if now - found >= kept]:
+            del _REPLICAS[old]
+    _REPLICAS[slot] = (now, nodes, keep_for)
 
 
 def _nearest(node: Any, key_id: Any) -> list[Any]:

@@ -375,3 +375,17 @@ def test_a_wait_for_a_coroutine_in_the_dht_process_that_ends_early_leaves_its_fu
         assert dht.futures[-1].cancelled()
 
     asyncio.run(main())
+
+
+def test_plans_past_their_use_are_dropped_once_the_table_is_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every round's keys get a plan of their replicas; rounds never end, so the table must not grow with
+    them: once it holds PLANS_KEPT plans, those older than their own replan interval go."""
+    monkeypatch.setattr(dhtcall, "_REPLICAS", {})
+    now = time.monotonic()
+    for i in range(dhtcall.PLANS_KEPT - 1):
+        dhtcall._REPLICAS[(0, bytes([i]))] = (now - 10.0, [], 5.0)  # past its use
+    dhtcall._REPLICAS[(0, b"members")] = (now - 10.0, [], 60.0)  # still in use
+    dhtcall._remember((0, b"round 9"), [], 8.0)
+    assert set(dhtcall._REPLICAS) == {(0, b"members"), (0, b"round 9")}
+    dhtcall._remember((0, b"round 10"), [], 8.0)  # below the bound: nothing is scanned
+    assert len(dhtcall._REPLICAS) == 3

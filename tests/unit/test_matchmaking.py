@@ -742,6 +742,67 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
 
 
 @pytest.mark.dht
+def test_a_ready_record_the_links_missed_is_read_near_the_round_key_without_a_walk(
+    dht_swarm: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Linked peers whose membership stores near its key store their round records near the round's keys too,
+    and a pushed-to peer's polls read those replicas (`dhtcall.get_near`) instead of walking the DHT: with every
+    push from b lost and a's walks never answering (its `dht.get` hangs), a still reads b's ready record, and
+    both freeze the same group in one hop."""
+    import concurrent.futures
+
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.rpc import RpcClient, RpcServer
+
+    a, b = dht_swarm(2, replan_every=8.0)
+
+    async def main() -> None:
+        links = []
+        for p in (a, b):
+            auth = Authenticator("mm:h1", b"secret", p.me.peer_id)
+            links.append((RpcServer(auth, host="127.0.0.1"), RpcClient(auth)))
+        makers = [
+            DHTMatchmaker(p.dht, "mm", p.membership, poll_interval=0.1, server=server, client=client)
+            for p, (server, client) in zip((a, b), links, strict=True)
+        ]
+        addresses = [await server.start() for server, _ in links]
+        mes = [GroupMember(p.me.peer_id, address) for p, address in zip((a, b), addresses, strict=True)]
+
+        async def lost(*args: Any, **kwargs: Any) -> bool:
+            return False
+
+        try:
+            for p, me in zip((a, b), mes, strict=True):
+                await p.membership.publish(rec(me.peer_id, round_id=40, address=me.address))
+            for p in (a, b):
+                await p.membership.refresh()
+            monkeypatch.setattr(makers[1], "_push", lost)
+            monkeypatch.setattr(a.dht, "get", lambda *args, **kwargs: concurrent.futures.Future())
+            groups = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        mk.form_group(40, me, match_timeout=5.0, leader_timeout=2.0)
+                        for mk, me in zip(makers, mes, strict=True)
+                    )
+                ),
+                15,
+            )
+        finally:
+            for mk in makers:
+                await mk.close()
+            for server, client in links:
+                await client.close()
+                await server.stop(0)
+        assert len({g.group_id for g in groups}) == 1
+        assert sorted(m.peer_id for m in groups[0].members) == sorted(me.peer_id for me in mes)
+        assert [mk.counters["one_hop"] for mk in makers] == [1, 1]
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
 def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -> None:  # noqa: F811
     """A real DHT node with its own signing key but without the run secret writes a member record of our
     run_hash, a ready record and a group record naming itself leader: the members never see it, and
