@@ -219,6 +219,7 @@ class Peer:
             entry.update(late=exc.reason)
         except (MatchmakingError, ExchangeAborted) as exc:
             entry.update(failed=str(exc)[:300])
+        entry["done"] = time.time()  # the round's end here (BENCH_DUMP's logs: where a slow round's time went)
         self.log.append(entry)
 
     async def stop(self) -> None:
