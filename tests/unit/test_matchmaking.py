@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -681,6 +683,33 @@ def test_a_member_fetching_the_swarms_state_is_waited_for_with_the_whole_match_t
     asyncio.run(main())
 
 
+@contextlib.asynccontextmanager
+async def linked(peers: Sequence[Any]) -> AsyncIterator[tuple[list[Any], list[GroupMember]]]:
+    """The peers' matchmakers with gRPC links (a server and a client each, on 127.0.0.1) and each one's group
+    member at its server's address; every link closed after."""
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.rpc import RpcClient, RpcServer
+
+    links = []
+    for p in peers:
+        auth = Authenticator("mm:h1", b"secret", p.me.peer_id)
+        links.append((RpcServer(auth, host="127.0.0.1"), RpcClient(auth)))
+    makers = [
+        DHTMatchmaker(p.dht, "mm", p.membership, poll_interval=0.1, server=server, client=client)
+        for p, (server, client) in zip(peers, links, strict=True)
+    ]
+    try:
+        addresses = [await server.start() for server, _ in links]
+        yield makers, [GroupMember(p.me.peer_id, a) for p, a in zip(peers, addresses, strict=True)]
+    finally:
+        for mk in makers:
+            await mk.close()
+        for server, client in links:
+            await client.close()
+            await server.stop(0)
+
+
 @pytest.mark.dht
 def test_linked_peers_form_their_group_while_their_dht_reads_hang(
     dht_swarm: Any,  # noqa: F811
@@ -691,24 +720,10 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
     that never comes."""
     import concurrent.futures
 
-    from farloco.protocol.auth import Authenticator
-    from farloco.protocol.matchmaking import DHTMatchmaker
-    from farloco.protocol.rpc import RpcClient, RpcServer
-
     a, b = dht_swarm(2)
 
     async def main() -> None:
-        links = []
-        for p in (a, b):
-            auth = Authenticator("mm:h1", b"secret", p.me.peer_id)
-            links.append((RpcServer(auth, host="127.0.0.1"), RpcClient(auth)))
-        makers = [
-            DHTMatchmaker(p.dht, "mm", p.membership, poll_interval=0.1, server=server, client=client)
-            for p, (server, client) in zip((a, b), links, strict=True)
-        ]
-        addresses = [await server.start() for server, _ in links]
-        mes = [GroupMember(p.me.peer_id, address) for p, address in zip((a, b), addresses, strict=True)]
-        try:
+        async with linked((a, b)) as (makers, mes):
             for p, me in zip((a, b), mes, strict=True):
                 await p.membership.publish(rec(me.peer_id, round_id=30, address=me.address))
             for p in (a, b):
@@ -722,13 +737,6 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
                 )
             )
             elapsed = time.perf_counter() - started
-
-        finally:
-            for mk in makers:
-                await mk.close()
-            for server, client in links:
-                await client.close()
-                await server.stop(0)
         assert len({g.group_id for g in groups}) == 1
         assert sorted(m.peer_id for m in groups[0].members) == sorted(me.peer_id for me in mes)
         assert elapsed < 2.0, elapsed  # early: the freeze deadline is 5 s away
@@ -752,28 +760,13 @@ def test_a_ready_record_the_links_missed_is_read_near_the_round_key_without_a_wa
     both freeze the same group in one hop."""
     import concurrent.futures
 
-    from farloco.protocol.auth import Authenticator
-    from farloco.protocol.matchmaking import DHTMatchmaker
-    from farloco.protocol.rpc import RpcClient, RpcServer
-
     a, b = dht_swarm(2, replan_every=8.0)
 
+    async def lost(*args: Any, **kwargs: Any) -> bool:
+        return False
+
     async def main() -> None:
-        links = []
-        for p in (a, b):
-            auth = Authenticator("mm:h1", b"secret", p.me.peer_id)
-            links.append((RpcServer(auth, host="127.0.0.1"), RpcClient(auth)))
-        makers = [
-            DHTMatchmaker(p.dht, "mm", p.membership, poll_interval=0.1, server=server, client=client)
-            for p, (server, client) in zip((a, b), links, strict=True)
-        ]
-        addresses = [await server.start() for server, _ in links]
-        mes = [GroupMember(p.me.peer_id, address) for p, address in zip((a, b), addresses, strict=True)]
-
-        async def lost(*args: Any, **kwargs: Any) -> bool:
-            return False
-
-        try:
+        async with linked((a, b)) as (makers, mes):
             for p, me in zip((a, b), mes, strict=True):
                 await p.membership.publish(rec(me.peer_id, round_id=40, address=me.address))
             for p in (a, b):
@@ -789,12 +782,6 @@ def test_a_ready_record_the_links_missed_is_read_near_the_round_key_without_a_wa
                 ),
                 15,
             )
-        finally:
-            for mk in makers:
-                await mk.close()
-            for server, client in links:
-                await client.close()
-                await server.stop(0)
         assert len({g.group_id for g in groups}) == 1
         assert sorted(m.peer_id for m in groups[0].members) == sorted(me.peer_id for me in mes)
         assert [mk.counters["one_hop"] for mk in makers] == [1, 1]
