@@ -219,7 +219,8 @@ class Peer:
             entry.update(late=exc.reason)
         except (MatchmakingError, ExchangeAborted) as exc:
             entry.update(failed=str(exc)[:300])
-        entry["done"] = time.time()  # the round's end here (BENCH_DUMP's logs: where a slow round's time went)
+        # the round's end here (BENCH_DUMP's logs: where a slow round's time went)
+        entry["done"] = time.time()
         self.log.append(entry)
 
     async def stop(self) -> None:
@@ -270,8 +271,21 @@ async def worker(
                 break
             await peer.run_round(round_id, work)
 
+    lag = {"max_s": 0.0, "at_s": 0.0}
+
+    async def watch_lag() -> None:
+        """The event loop's worst lateness: how far past its time a 0.1 s sleep woke up (when, from the start)."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.1)
+            late = time.monotonic() - before - 0.1
+            if late > lag["max_s"]:
+                lag.update(max_s=round(late, 3), at_s=round(time.monotonic() - started, 1))
+
+    watcher = asyncio.create_task(watch_lag())
     await asyncio.gather(*(run(p) for p in local))
     elapsed = time.monotonic() - started
+    watcher.cancel()
     dht_sent = p2pd_bytes_sent(pids) - dht_sent
     reports = [
         {
@@ -284,7 +298,7 @@ async def worker(
         }
         for p in local
     ]
-    send({"reports": reports, "dht_sent": dht_sent, "elapsed": elapsed})
+    send({"reports": reports, "dht_sent": dht_sent, "elapsed": elapsed, "loop_lag": lag})
     for peer in local:
         await peer.stop()
 
@@ -344,6 +358,9 @@ def run_swarm(
             for kind in sorted({k for r in reports for k in r["dht_calls"]})
         },
         "seconds": round(elapsed, 1),
+        # each worker's event loop at its latest (seconds, and when): several peers share one loop here
+        "loop_lag_max_s": max(a["loop_lag"]["max_s"] for a in answers),
+        "loop_lag": [a["loop_lag"] for a in answers],
     }
 
 
