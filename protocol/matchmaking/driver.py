@@ -100,11 +100,11 @@ class DHTMatchmaker:
     every few ms cost each peer three DHT traversals per poll, CPU the round's critical path competes for). A
     member behind NAT, which nobody pushes to, reads at once and every `poll_interval`.
     Reads use `latest=True` (a full traversal merging every replica's sub-keys); a plain get stops at the first
-    copy it finds, often our own partial one, and would miss other peers' records. With links (and a membership
-    that stores near its key), records are stored near the round's keys (`dhtcall.store_near`: the first store
-    walks, and finds the key's replicas) and a pushed-to peer's polls read a few of those replicas
+    copy it finds, often our own partial one, and would miss other peers' records. With a membership that stores
+    near its key (the agent's), round records are stored near the round's keys too (`dhtcall.store_near`: the
+    first store walks, and finds the key's replicas), and a pushed-to peer's polls read a few of those replicas
     (`dhtcall.get_near`) instead of walking: at 32 peers on 2 cores the round keys' walks, each of whose hops
-    answered with every ready record, were a fifth of the DHT process's time.
+    answered with every ready record, were a fifth of a worker's profile.
     """
 
     def __init__(
