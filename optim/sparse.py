@@ -10,7 +10,9 @@ ones in one cheap pass. Index width: uint8 if chunk <= 256, uint16 if chunk <= 6
 
 topk values: fp16 (value_bits=16; |v| > 65504 is a CodecError), or 2 bits (value_bits=2) — a sign bit and one
 magnitude bit choosing between two fp32 levels per chunk, lo = m + (M-m)/4 and hi = m + 3(M-m)/4 where m, M are
-the smallest and largest kept magnitudes of the chunk; so |v - v'| <= (M - m) / 4 for every kept value.
+the smallest and largest kept magnitudes of the chunk, each value the nearer of the two; so
+|v - v'| <= (M - m) / 4 for every kept value, up to the levels' float32 rounding (one ulp, 2^-149 among
+subnormal magnitudes).
 
 dct-topk: orthonormal DCT-II of each chunk, keep the k largest coefficients by magnitude, send them as int16
 codes with one fp32 scale per chunk (scale = max|kept| / 32767). Decoding is exact integer arithmetic: the DCT
@@ -166,9 +168,11 @@ class TopKCodec(_ChunkedSparseCodec):
             return [indices, half]
         # 2-bit codes: bit 1 = sign, bit 0 = high magnitude level; four codes per byte, first in the low bits.
         levels = [_two_level_magnitudes(v) for _, v in parts]
+        # Each value takes the nearer level: the midpoint in float64, exact (in float32 the midpoint of two
+        # subnormal levels rounds, and a zero went to the high level, off by the chunk's whole range).
         high = _cat(
             [
-                (v.abs() >= lv.mean(dim=1, keepdim=True)).view(-1)
+                (v.abs().double() >= lv.double().mean(dim=1, keepdim=True)).view(-1)
                 for lv, (_, v) in zip(levels, parts, strict=True)
             ]
         )
