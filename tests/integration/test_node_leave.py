@@ -104,6 +104,15 @@ def test_sigkill_of_the_agent_orphans_no_rank_and_no_dht_process(tmp_path: Path)
     assert "Failed to register signal handlers" not in output
 
 
+def _is_rank(process: psutil.Process) -> bool:
+    """Whether `process` is a trainer rank; a child that has just exited (a zombie not yet reaped, or gone) is
+    not: the node's short-lived helpers come and go while we look."""
+    try:
+        return "farloco.node.training.trainer" in " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return False
+
+
 def test_ranks_still_starting_when_the_agent_is_sigkilled_end_too(tmp_path: Path) -> None:
     """The agent SIGKILLed right after it launched its ranks, while they still import torch: by the time they
     look for their parent they were re-parented already, and must not take the new parent for the agent."""
@@ -113,11 +122,7 @@ def test_ranks_still_starting_when_the_agent_is_sigkilled_end_too(tmp_path: Path
         deadline = time.monotonic() + 120
         ranks: list[psutil.Process] = []
         while time.monotonic() < deadline and len(ranks) < 2:
-            ranks = [
-                p
-                for p in psutil.Process(node.pid).children(recursive=True)
-                if "farloco.node.training.trainer" in " ".join(p.cmdline())
-            ]
+            ranks = [p for p in psutil.Process(node.pid).children(recursive=True) if _is_rank(p)]
             time.sleep(0.05)
         assert len(ranks) == 2, "the agent did not launch its ranks"
         os.kill(node.pid, signal.SIGKILL)

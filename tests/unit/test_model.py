@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -380,8 +381,15 @@ def _fsdp_worker(rank: int, world_size: int, store_path: str, result_dir: str) -
         (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(results))
         # Both ranks done with every collective before either tears the group down: without it the rank that
         # destroyed first closed gloo's pairs under the other one's last op, which aborted ("terminate called
-        # without an active exception") in ~3 runs of 10.
+        # without an active exception") in ~3 runs of 10. A collective barrier alone still lets the rank that
+        # leaves it first close the pairs while the other is still taking the barrier's last message in (the
+        # same abort, once in a loaded full suite); so each rank then says on the store that it is out of every
+        # collective, and waits for the other to say the same.
         dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        store.add("out-of-collectives", 1)
+        while store.add("out-of-collectives", 0) < world_size:
+            time.sleep(0.01)
     finally:
         dist.destroy_process_group()
 
