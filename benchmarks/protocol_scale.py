@@ -4,11 +4,15 @@ contributions instead of trainer ranks (as hivemind's averaging benchmark runs m
 
     python benchmarks/protocol_scale.py --peers 8 16 32 64 --per-process 8 --work 1.0 --seconds 120
     python benchmarks/protocol_scale.py --peers 64 --per-process 8 --markdown
+    python benchmarks/protocol_scale.py --peers 16 --group-size 4 --codec int8 --numel 262144 --markdown
 
 Each peer is what an agent runs minus its ranks: a DHT node of its own (hivemind's DHTNode with its own libp2p
 daemon and its own signing key, in the worker's event loop rather than in a forked child), its own gRPC server and
 client, membership records under its own key, the matchmaker and the exchange. Every round each peer works `work`
-seconds (+-20%), forms the round's group, and averages a 4 KiB fp32 tensor with it. Heartbeats run as the daemon's
+seconds (+-20%), forms the round's group, and averages a 4 KiB fp32 tensor with it (`--numel`, `--codec`; the
+flat exchange, or with `--group-size G` rows and columns of at most G, protocol/exchange/grouped.py). Each
+contribution is a direction shared by the round plus the peer's own noise, made from the peer's id and the
+round, so the group's first member makes the exact mean again and logs how far the exchange's is from it. Heartbeats run as the daemon's
 do (`farloco.protocol.membership.HeartbeatPacer`): a record stored every `heartbeat_interval`, the member table
 read at the pacer's interval.
 
@@ -19,7 +23,10 @@ Reported per swarm size:
   reads; farloco's round messages and exchange never go through it);
 - `control_bytes_per_peer_s`: the request and answer bytes of each peer's unary RPCs (ready, group, "at"
   announcements, data-plane addresses): the round's control traffic; the exchange's streams are not counted;
-- `table_reads_per_peer_s`, `heartbeats_per_peer_s`.
+- `table_reads_per_peer_s`, `heartbeats_per_peer_s`;
+- `groups_alike`: groups whose members all returned the same mean, bit for bit; `err_max` / `err_p50`: its
+  relative L2 distance from the exact (float64) mean; `exchange_p50_s`, `exchange_sent_per_round` (bytes a
+  member sent, every stage).
 
 Peers talk to the driver through stdin/stdout JSON only; nothing is pickled across processes.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -52,7 +60,27 @@ REPLAN_EVERY: float | None = (
 )
 # --leader-timeout: the matchmaking's leader_timeout (the daemon's default, 5 s, unless set)
 LEADER_TIMEOUT = float(os.environ.get("BENCH_LEADER_TIMEOUT", "5.0"))
-NUMEL = 1024  # 4 KiB of fp32: the protocol is measured, not the exchange's bandwidth
+# 4 KiB of fp32 by default: the protocol is measured, not the exchange's bandwidth (--numel)
+NUMEL = int(os.environ.get("BENCH_NUMEL", "1024"))
+# --group-size: the exchange in rows and columns of at most this many (run.exchange_group_size); 0: flat
+GROUP_SIZE = int(os.environ.get("BENCH_GROUP_SIZE", "0"))
+CODEC = os.environ.get("BENCH_CODEC", "fp32")
+
+
+def contribution(peer_id: str, round_id: int) -> torch.Tensor:
+    """A peer's synthetic contribution to a round, which any peer can make again from its id: a direction
+    shared by all (per round) plus the peer's own noise of the same size."""
+    shared = torch.Generator().manual_seed(round_id)
+    own = torch.Generator().manual_seed(
+        int.from_bytes(hashlib.sha256(f"{peer_id}/{round_id}".encode()).digest()[:7])
+    )
+    return torch.randn(NUMEL, generator=shared) + torch.randn(NUMEL, generator=own)
+
+
+def mean_error(averaged: torch.Tensor, contributors: list[str], round_id: int) -> float:
+    """Relative L2 distance of `averaged` from the exact (float64) mean of the contributors' contributions."""
+    exact = torch.stack([contribution(p, round_id).double() for p in contributors]).mean(0)
+    return float((averaged.double() - exact).norm() / exact.norm())
 
 
 class InProcessDHT:
@@ -149,7 +177,11 @@ class Peer:
         self.peer_id = self.dht.peer_id.to_base58()
         auth = Authenticator(f"{RUN}:h", b"bench-secret-of-the-scale-run", self.peer_id)
         self.server, self.client = RpcServer(auth, host=self.host), RpcClient(auth)
-        self.exchange = Exchange(self.server, self.client, self.peer_id)
+        self.exchange: Any = Exchange(self.server, self.client, self.peer_id)
+        if GROUP_SIZE:
+            from farloco.protocol.exchange.grouped import GroupedExchange
+
+            self.exchange = GroupedExchange(self.exchange, self.server, self.client, self.peer_id, GROUP_SIZE)
         self.membership = DHTMembership(
             self.dht,
             RUN,
@@ -210,9 +242,15 @@ class Peer:
             )
             entry.update(known=time.time(), group=group.group_id, members=[m.peer_id for m in group.members])
             if len(group.members) > 1:
-                tensor = torch.full((NUMEL,), float(self.index))
-                result = await self.exchange.average(group, tensor, get_codec("fp32"), timeout=60.0)
+                tensor = contribution(self.peer_id, round_id)
+                result = await self.exchange.average(group, tensor, get_codec(CODEC), timeout=60.0)
                 entry["contributors"] = list(result.contributors)
+                entry["digest"] = hashlib.sha256(result.averaged.numpy().tobytes()).hexdigest()[:16]
+                entry["exchange_s"] = round(result.seconds, 4)
+                entry["exchange_sent"] = result.bytes_sent
+                # the exact mean is made again from every contributor's id: done by the group's first member
+                if self.peer_id == min(result.contributors):
+                    entry["err"] = mean_error(result.averaged, entry["contributors"], round_id)
             else:
                 entry["contributors"] = [self.peer_id]
         except LateForRound as exc:
@@ -341,6 +379,12 @@ def run_swarm(
             json.dump(reports, f)
     elapsed = max(a["elapsed"] for a in answers)
     per_peer_s = peers * elapsed
+    exchanged = [e for r in reports for e in r["log"] if "digest" in e]
+    by_group: dict[str, set[str]] = {}
+    for e in exchanged:
+        by_group.setdefault(e["group"], set()).add(e["digest"])
+    errors = sorted(e["err"] for e in exchanged if "err" in e)
+    seconds = sorted(e["exchange_s"] for e in exchanged)
     return {
         "peers": peers,
         "per_process": per_process,
@@ -348,7 +392,17 @@ def run_swarm(
         "ttl_s": ttl,
         "heartbeat_s": heartbeat or ttl / 4,
         "leader_timeout_s": LEADER_TIMEOUT,
+        "group_size": GROUP_SIZE,
+        "codec": CODEC,
+        "numel": NUMEL,
         **summarize(reports, peers, work),
+        # the exchange: groups whose members all hold the same mean, bit for bit; its distance from the exact
+        # mean (relative L2, max and median over rounds); its time and what each member sent per round
+        "groups_alike": f"{sum(len(d) == 1 for d in by_group.values())}/{len(by_group)}",
+        "err_max": max(errors, default=None),
+        "err_p50": errors[len(errors) // 2] if errors else None,
+        "exchange_p50_s": seconds[len(seconds) // 2] if seconds else None,
+        "exchange_sent_per_round": round(sum(e["exchange_sent"] for e in exchanged) / max(1, len(exchanged))),
         "dht_bytes_per_peer_s": round(sum(a["dht_sent"] for a in answers) / per_peer_s),
         "control_bytes_per_peer_s": round(sum(r["control_bytes"] for r in reports) / per_peer_s),
         "table_reads_per_peer_s": round(sum(r["reads"] for r in reports) / per_peer_s, 3),
@@ -366,14 +420,18 @@ def run_swarm(
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| peers | rounds | all | p50 ms | p99 ms | split | DHT B/peer/s | control B/peer/s | reads/peer/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peers | exchange | rounds | all | p50 ms | p99 ms | split | DHT B/peer/s | control B/peer/s | "
+        "reads/peer/s | means alike | err max | exchange p50 s | sent/peer/round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        exchange = f"rows of {r['group_size']}" if r["group_size"] else "flat"
+        err = "" if r["err_max"] is None else f"{r['err_max']:.2g}"
         lines.append(
-            f"| {r['peers']} | {r['rounds']} | {100 * r['all_share']:.1f}% | {r['match_p50_ms']} | "
-            f"{r['match_p99_ms']} | {r['split_rounds']} | {r['dht_bytes_per_peer_s']} | "
-            f"{r['control_bytes_per_peer_s']} | {r['table_reads_per_peer_s']} |"
+            f"| {r['peers']} | {exchange}, {r['codec']} | {r['rounds']} | {100 * r['all_share']:.1f}% | "
+            f"{r['match_p50_ms']} | {r['match_p99_ms']} | {r['split_rounds']} | {r['dht_bytes_per_peer_s']} | "
+            f"{r['control_bytes_per_peer_s']} | {r['table_reads_per_peer_s']} | {r['groups_alike']} | {err} | "
+            f"{r['exchange_p50_s']} | {r['exchange_sent_per_round']} |"
         )
     return "\n".join(lines)
 
@@ -420,8 +478,19 @@ def main() -> None:
         action="store_true",
         help="keep hivemind's background cache refresh and cache_nearest (before dhtcall.DHT_NODE_OPTIONS)",
     )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=0,
+        help="the exchange in rows and columns of at most this many (run.exchange_group_size); 0: flat",
+    )
+    parser.add_argument("--codec", default="fp32", help="the exchange's codec (fp32, int8, ...)")
+    parser.add_argument("--numel", type=int, default=1024, help="values each peer contributes per round")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    os.environ["BENCH_GROUP_SIZE"] = str(args.group_size)
+    os.environ["BENCH_CODEC"] = args.codec
+    os.environ["BENCH_NUMEL"] = str(args.numel)
     os.environ["BENCH_LEADER_TIMEOUT"] = str(args.leader_timeout)
     global LEADER_TIMEOUT
     LEADER_TIMEOUT = args.leader_timeout

@@ -264,6 +264,10 @@ class Agent:
         )
         if injector is not None:
             exchange = injector.wrap_exchange(exchange)
+        if run.exchange_group_size:
+            from farloco.protocol.exchange.grouped import GroupedExchange
+
+            exchange = GroupedExchange(exchange, server, client, state.peer_id, run.exchange_group_size)
         island = self._make_island() if self.config.node.island else None
         if injector is None:
             state_server = StateServer(outer.snapshot)

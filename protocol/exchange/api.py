@@ -92,6 +92,12 @@ class AverageResult:
     # order, within our span): for a lossy codec, `transmitted[a:b]` is decode(encode(contribution[a:b])) for
     # each, so a caller that kept no `transmitted` (OnDemand) rebuilds it range by range, bit for bit.
     encoded_in: tuple[tuple[int, int], ...] = ()
+    # With `average(keep_mean=True)` and a coded (not raw float32) dense codec: the mean's chunks as they travelled,
+    # (start, end, bytes) in order over our span; decoding each gives `averaged[start:end]` bit for bit.
+    mean_chunks: tuple[tuple[int, int, bytes], ...] = ()
+    # The weights of the contributors summed (math.fsum), alike on every member that knows them all; None on a
+    # member that does not (it owns no part, behind NAT).
+    total_weight: float | None = None
 
 
 class ExchangeAborted(Exception):

@@ -59,9 +59,11 @@ class Attempt:
     moved_on: int | None = None  # a placeholder of a round this node left for round `moved_on`
     expect_round: int = -1  # what a placeholder's first waiter claimed, to detect group mismatches
     expect_attempt: int = -1
+    expect_stage: int = 0
     # Filled by Exchange._start():
     round_id: int = 0
     attempt_no: int = 0
+    stage: int = 0  # see AttemptRef.stage
     members: tuple[GroupMember, ...] = ()
     me: int = 0
     dense: bool = True
@@ -113,6 +115,8 @@ class Attempt:
     bytes_sent: int = 0
     bytes_received: int = 0
     fp32_sent: float = 0.0  # see AverageResult.fp32_bytes
+    # Dense coded chunks of the mean as they came on the wire (`average(keep_mean=True)`): start -> (end, bytes)
+    mean_chunks: dict[int, tuple[int, bytes]] | None = None
 
     @property
     def member_ids(self) -> list[str]:
@@ -126,6 +130,13 @@ class Attempt:
     def own(self, a: int, b: int) -> torch.Tensor:
         """Our contribution's values [a, b): a view of the tensor given, or made now (OnDemand: a fresh tensor)."""
         return self.flat[a:b] if self.source is None else self.source.chunk(a, b)
+
+    def total_weight(self) -> float | None:
+        """The weights of every member of the attempt summed (they came in the hellos of the streams to us), or
+        None where some never reached us (we own no part: behind NAT)."""
+        if len(self.weights) != len(self.members):
+            return None
+        return math.fsum(self.weights.values())
 
     def encoded_in(self) -> tuple[tuple[int, int], ...]:
         """The ranges our contribution goes through the codec in (dense codecs): every part's chunks inside our
@@ -220,7 +231,7 @@ class Attempt:
     def hello(self, lane: int, lanes: int) -> Hello:
         """The first frame of our stream on lane `lane` of `lanes` to an owner: what this attempt is."""
         return Hello(
-            AttemptRef(self.key, self.attempt_no),
+            AttemptRef(self.key, self.attempt_no, self.stage),
             self.plan.numel,
             self.plan.chunk_elems,
             self.plan.slices,
@@ -274,7 +285,11 @@ class Attempts:
         for other in self.values():
             if other is attempt or other.started.is_set():
                 continue
-            if (other.expect_round, other.expect_attempt) == (attempt.round_id, attempt.attempt_no):
+            if (other.expect_round, other.expect_stage, other.expect_attempt) == (
+                attempt.round_id,
+                attempt.stage,
+                attempt.attempt_no,
+            ):
                 other.superseded_by = attempt.key
                 other.started.set()
 
@@ -334,16 +349,20 @@ class Attempts:
                     f"round {ctx.round_id}: this node moved on to round {self._newest_round} without group {key[:12]}",
                 )
             for other in self._attempts.values():
-                # One group per round and attempt: a started one under another id means the sender disagrees.
-                if other.started.is_set() and (other.round_id, other.attempt_no) == (
+                # One group per round, stage and attempt: a started one under another id means the sender
+                # disagrees.
+                if other.started.is_set() and (other.round_id, other.stage, other.attempt_no) == (
                     ctx.round_id,
+                    ref.stage,
                     ref.attempt,
                 ):
                     raise precondition(
                         "GROUP_MISMATCH",
                         f"round {ctx.round_id}: expected group {other.key[:12]}, got {key[:12]} from {ctx.sender}",
                     )
-            attempt = Attempt(key, expect_round=ctx.round_id, expect_attempt=ref.attempt)
+            attempt = Attempt(
+                key, expect_round=ctx.round_id, expect_attempt=ref.attempt, expect_stage=ref.stage
+            )
             self._attempts[key] = attempt
         attempt.waiters += 1
         try:

@@ -27,7 +27,7 @@ from farloco.protocol.exchange.push import Pusher
 from farloco.protocol.exchange.reduce import reduce_alone
 from farloco.protocol.exchange.vote import Voter
 from farloco.protocol.exchange.vote import excluded as vote_excluded
-from farloco.protocol.exchange.wire import PUSH_METHOD, VOTE_METHOD
+from farloco.protocol.exchange.wire import MAX_STAGE, PUSH_METHOD, VOTE_METHOD
 from farloco.protocol.rpc import RpcClient, RpcServer
 from farloco.protocol.types import Group, GroupMember
 from farloco.util.tasks import cancel_and_wait
@@ -109,6 +109,8 @@ class Exchange:
         transmitted_out: torch.Tensor | None = None,
         rule: RobustRule | None = None,
         span: tuple[int, int] | None = None,
+        stage: int = 0,
+        keep_mean: bool = False,
     ) -> AverageResult:
         """Weighted mean of `tensor` over the group (see the package docstring). Raises ExchangeAborted if no
         consistent mean can be produced before `timeout` seconds, ValueError on bad arguments.
@@ -147,6 +149,10 @@ class Exchange:
             raise ValueError(f"weight must be finite and > 0, got {weight}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= MAX_STAGE:
+            raise ValueError(f"stage: expected an int in 0..{MAX_STAGE}, got {stage!r}")
+        if keep_mean and not codec.dense:
+            raise ValueError(f"keep_mean: expected a dense codec, got {codec.name!r}")
         if span is not None:
             if not self.slices:
                 raise ValueError("span: this Exchange was made without slices")
@@ -215,6 +221,8 @@ class Exchange:
                 transmitted_out,
                 rule,
                 bounds,
+                stage,
+                keep_mean,
             )
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
@@ -240,6 +248,10 @@ class Exchange:
                     seconds=loop.time() - started_at,
                     fp32_bytes=round(fp32_sent),
                     encoded_in=attempt.encoded_in(),
+                    mean_chunks=()
+                    if attempt.mean_chunks is None
+                    else tuple((a, b, data) for a, (b, data) in sorted(attempt.mean_chunks.items())),
+                    total_weight=attempt.total_weight(),
                 )
             excluded = vote_excluded(alive, votes)
             survivors = tuple(m for m in alive if m.peer_id not in excluded)
@@ -282,8 +294,11 @@ class Exchange:
         transmitted_out: torch.Tensor | None = None,
         rule: RobustRule | None = None,
         bounds: tuple[int, int] | None = None,
+        stage: int = 0,
+        keep_mean: bool = False,
     ) -> None:
         attempt.round_id = round_id
+        attempt.stage = stage
         attempt.rule = rule
         attempt.attempt_no = attempt_no
         attempt.members = members
@@ -296,6 +311,7 @@ class Exchange:
         attempt.lossless = attempt.raw or getattr(codec, "lossless", False) is True
         attempt.fast = getattr(codec, "optional_checksum", False) is True
         attempt.weight = weight
+        attempt.mean_chunks = {} if keep_mean and attempt.dense and not attempt.raw else None
         numel = flat.numel if isinstance(flat, OnDemand) else flat.numel()
         attempt.lo, attempt.hi = (0, numel) if bounds is None else bounds
         if isinstance(flat, OnDemand):

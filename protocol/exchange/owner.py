@@ -79,9 +79,11 @@ class Owner:
             hello = Hello.decode(header)
         except Reject as exc:
             raise within(where, exc) from None
-        if hello.ref.attempt != attempt.attempt_no:
+        if (hello.ref.attempt, hello.ref.stage) != (attempt.attempt_no, attempt.stage):
             raise precondition(
-                "ATTEMPT_MISMATCH", f"{where}: expected {attempt.attempt_no}, got {hello.ref.attempt!r}"
+                "ATTEMPT_MISMATCH",
+                f"{where}: expected attempt {attempt.attempt_no} of stage {attempt.stage}, got attempt "
+                f"{hello.ref.attempt!r} of stage {hello.ref.stage!r}",
             )
         if hello.numel != attempt.plan.numel:
             raise invalid(
@@ -327,6 +329,8 @@ class Owner:
                 if self._own_chunk_failed(attempt, contributions[attempt.me], a):
                     return
                 blame_nonfinite(attempt.member_ids, contributions)
+            if attempt.mean_chunks is not None:
+                attempt.mean_chunks[a] = (b, bytes(mean))
             self._send_mean(attempt, Frame(Chunk(k).encode(), mean), present)
         except Reject as exc:
             self._refuse(attempt, sender, exc)

@@ -210,6 +210,8 @@ class Pusher:
                     if not all_finite(target):
                         raise invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
                 else:
+                    if attempt.mean_chunks is not None:
+                        attempt.mean_chunks[a] = (b, bytes(frame.payload))
                     # Decoded into the result on the codec threads while the next means come in; waited for a few
                     # chunks behind (a bad mean is refused within those) and all before the part counts as done.
                     decoding.append(

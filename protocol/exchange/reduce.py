@@ -138,7 +138,9 @@ def reduce_alone(attempt: Attempt) -> None:
         if not attempt.covers(a, b):
             continue
         own = attempt.own(a, b) if attempt.lossless else _own_decoded(attempt, a, b)
-        encode_decoded(codec, own, attempt.fast, attempt.result[a:b])
+        data = encode_decoded(codec, own, attempt.fast, attempt.result[a:b])[0]
+        if attempt.mean_chunks is not None:
+            attempt.mean_chunks[a] = (b, bytes(data))
 
 
 def encode_sparse(attempt: Attempt) -> bytes:

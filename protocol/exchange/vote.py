@@ -61,7 +61,7 @@ class Voter:
             answer = await self.client.unary(
                 member.address,
                 VOTE_METHOD,
-                Frame(VoteRequest(AttemptRef(attempt.key, attempt.attempt_no), mine).encode()),
+                Frame(VoteRequest(AttemptRef(attempt.key, attempt.attempt_no, attempt.stage), mine).encode()),
                 round_id=attempt.round_id,
                 timeout=max(0.001, deadline - loop.time()),
             )

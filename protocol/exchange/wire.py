@@ -32,6 +32,7 @@ VOTE_METHOD = "ExchangeVote"
 # A stream that simply ends early is what a crashed or cancelled peer looks like: no evidence of bad data.
 NOT_BLAME = frozenset({"TRUNCATED"})
 MAX_BAD = 1 << 16  # members a vote may name as bad
+MAX_STAGE = 7  # exchanges one round may run one after the other (AttemptRef.stage)
 
 
 @contextmanager
@@ -76,16 +77,30 @@ def wire_size(frame: Frame) -> int:
 
 @dataclass(frozen=True)
 class AttemptRef:
-    """Which attempt a stream or a vote is for: its id (`plan.attempt_key`) and number (`g`, `a`)."""
+    """Which attempt a stream or a vote is for: its id (`plan.attempt_key`), number and stage (`g`, `a`, `st`).
+
+    The stage tells apart the exchanges one round runs one after the other among different members (the row and
+    the column of a grouped round, grouped.py): one group per round, stage and attempt number."""
 
     group: str
     attempt: int
+    stage: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"g": self.group, "a": self.attempt}
+        if self.stage:
+            header["st"] = self.stage
+        return header
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> AttemptRef:
         fields = Fields.loose(header, "header")
         with refusing("BAD_HEADER"):
-            return cls(fields.hex("g", exact=64), fields.integer("a"))
+            return cls(
+                fields.hex("g", exact=64),
+                fields.integer("a"),
+                fields.integer("st", low=0, high=MAX_STAGE, default=0),
+            )
 
 
 @dataclass(frozen=True)
@@ -108,8 +123,7 @@ class Hello:
 
     def encode(self) -> dict[str, Any]:
         header = {
-            "g": self.ref.group,
-            "a": self.ref.attempt,
+            **self.ref.encode(),
             "n": self.numel,
             "ce": self.chunk_elems,
             "sl": self.slices,
@@ -228,7 +242,7 @@ class VoteRequest:
     vote: Vote
 
     def encode(self) -> dict[str, Any]:
-        return {"g": self.ref.group, "a": self.ref.attempt, **self.vote.encode()}
+        return {**self.ref.encode(), **self.vote.encode()}
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> VoteRequest:

@@ -1,0 +1,570 @@
+"""The exchange in bounded groups: a round's mean through rows and columns, so that a member talks to about
+G + N/G others instead of N - 1 and its bytes stay flat in N.
+
+Layout (`layout`, sans-IO). The group's members, in an order drawn from the round id (sha256 of the round and
+the peer id: who sits where rotates), are cut into R = ceil(N / G) rows of balanced sizes (they differ by one at
+most, each at most G = `group_size`). P, the smallest row's size, cuts the flat tensor into P balanced slices;
+the member at position i of every row carries slice i (in a row of P + 1 the last member carries none), and the
+members carrying slice i form column i: R members, one per row.
+
+A round, three stages:
+1. row (`Exchange.average`, stage 0): each row averages its members' whole contributions, weighted; every member
+   of the row holds the row's mean (bit for bit alike) and the row's total weight.
+2. column (stage 1): column i averages slice i of its rows' means, each weighted by its row's total weight: the
+   group's weighted mean of slice i, alike on every member of the column, with the coded chunks it was decoded
+   from (`keep_mean`; raw float32: the values themselves).
+3. gather (`ExchangeSlice`): each member takes every other slice's chunks from the member of its row carrying
+   it (should that one fail, from the next member of that column) and decodes them. Every member decodes the
+   same bytes for every slice: the mean is bit-identical on every member of the group, one theta hash a round.
+
+The mean is the group's weighted mean. A lossy codec codes each contribution once (row), each row's mean once
+(column) and nothing more (the slices travel as the column coded them): one coding more than the flat exchange,
+so the error bound is the codec's for a mean of means. fp32 sums in another order than the flat exchange
+(rows, then columns): within a few ulps of it.
+
+All or nothing. A round commits with every member of the group in the mean, or not at all: a row whose exchange
+ends without one of its members (crashed, excluded by the votes) or aborts takes no part in the columns, so
+every column fails for every member; a column that ends without one of its rows counts as failed; a member
+that cannot get every slice raises `ExchangeAborted`. So no two members that commit differ, and a member lost
+inside the round costs the round (the matchmaking forms the next one without it) instead of a retry among the
+survivors. The others learn of a row that never came from their column's data phase deadline.
+
+Cost per member and round (a contribution of V values, the flat exchange's in brackets): connections <= (G - 1)
++ (R - 1) + (P - 1) distinct peers [N - 1]; bytes sent about 2V (row) + 2V/P (column) + V (gather, the carriers'
+slices to their row) [2V]: a third more bytes, bounded connections and handshakes.
+
+Used when the group has more than `group_size` members and the round allows it (`GroupedExchange.applies`: a
+dense codec, no robust rule — a rule over row means is not the rule over contributions —, no span, every member
+dialable); otherwise the flat exchange does the round as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDemand, RobustRule, TensorCodec
+from farloco.protocol.exchange.codec import all_finite, decode, raw_bytes, raw_view
+from farloco.protocol.exchange.plan import max_chunk_payload
+from farloco.protocol.exchange.wire import invalid, precondition, refusing, wire_size
+from farloco.protocol.messages import Fields
+from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+from farloco.protocol.types import Group, GroupMember
+
+log = logging.getLogger("farloco.protocol.exchange")
+
+SLICE_METHOD = "ExchangeSlice"
+MIN_GROUP_SIZE = 2
+MAX_GROUP_SIZE = 4096
+# Shares of `average(timeout=)` for the row and the column; the gather has the rest.
+ROW_SHARE = 0.45
+COLUMN_SHARE = 0.3
+# How long a slice request waits for this member to start the round and hold the slice.
+SLICE_WAIT_SECONDS = 60.0
+# Rounds whose slices are kept to answer late requests (the current and the one before), and placeholders
+# (requests that came before this member started their round) at most.
+ROUNDS_KEPT = 2
+MAX_PLACEHOLDERS = 8
+# Values per frame of a raw float32 slice.
+RAW_FRAME_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Rows and columns of one round's group (see the module docstring)."""
+
+    rows: tuple[tuple[GroupMember, ...], ...]
+    slices: int  # P: the smallest row's size
+
+    def row_of(self, peer_id: str) -> tuple[int, int]:
+        """(row, position) of `peer_id`; ValueError if it is not a member."""
+        for r, row in enumerate(self.rows):
+            for i, member in enumerate(row):
+                if member.peer_id == peer_id:
+                    return r, i
+        raise ValueError(f"peer {peer_id} is not in this layout")
+
+    def column(self, i: int) -> tuple[GroupMember, ...]:
+        """The members carrying slice i, one per row, in row order."""
+        return tuple(row[i] for row in self.rows)
+
+    def bounds(self, numel: int, i: int) -> tuple[int, int]:
+        """Slice i of a `numel`-value tensor: P balanced contiguous slices (plan.py's cut of parts)."""
+        base, extra = divmod(numel, self.slices)
+        start = i * base + min(i, extra)
+        return start, start + base + (1 if i < extra else 0)
+
+    def peers_of(self, peer_id: str) -> set[str]:
+        """The distinct members `peer_id` exchanges with in a round: its row, its column, and the carriers of
+        the other slices in its row (all in its row)."""
+        r, i = self.row_of(peer_id)
+        others = {m.peer_id for m in self.rows[r]}
+        if i < self.slices:
+            others |= {m.peer_id for m in self.column(i)}
+        return others - {peer_id}
+
+
+def layout(group: Group, group_size: int) -> Layout:
+    """Round `group.round_id`'s rows of at most `group_size` (see the module docstring); every member derives
+    the same from the same group."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE:
+        raise ValueError(f"group_size: expected an int >= {MIN_GROUP_SIZE}, got {group_size!r}")
+    order = sorted(
+        group.members,
+        key=lambda m: (
+            hashlib.sha256(f"farloco-rows/{group.round_id}/{m.peer_id}".encode()).digest(),
+            m.peer_id,
+        ),
+    )
+    count = len(order)
+    rows_n = -(-count // group_size)
+    base, extra = divmod(count, rows_n)
+    rows: list[tuple[GroupMember, ...]] = []
+    start = 0
+    for r in range(rows_n):
+        size = base + (1 if r < extra else 0)
+        rows.append(tuple(order[start : start + size]))
+        start += size
+    return Layout(tuple(rows), base)
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    """An `ExchangeSlice` call: slice `index` of the `use`-th grouped average (from 0) of the round whose group (the
+    whole group) is `group` (a group may average more than one tensor in a round)."""
+
+    group: str
+    index: int
+    use: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        return {"g": self.group, "s": self.index, "u": self.use}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> SliceRequest:
+        fields = Fields.loose(header, "slice request")
+        with refusing("BAD_HEADER"):
+            return cls(
+                fields.hex("g", exact=64),
+                fields.integer("s", low=0, high=MAX_GROUP_SIZE),
+                fields.integer("u", low=0, high=1 << 20, default=0),
+            )
+
+
+@dataclass
+class _Round:
+    """What this member serves of one round: who may ask, and the slice it carries once the column gave it."""
+
+    round_id: int
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    members: frozenset[str] = frozenset()
+    carried: int = -1  # the slice we carry (-1: none)
+    over: bool = False  # forgotten (an old round): requests are refused
+    # What this member served of the slice before its own average returned (counted in its AverageResult)
+    served_bytes: int = 0
+    served_values: int = 0
+    # The slice's chunks, (start, end, bytes) in the whole tensor's coordinates; None: the column failed here.
+    chunks: asyncio.Future[list[tuple[int, int, bytes]] | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class GroupedExchange:
+    """An exchange (`Exchange`, or a wrapper of one) that averages groups of more than `group_size` members in
+    rows and columns (see the module docstring) and smaller ones as before. Registers `ExchangeSlice` on
+    `server`; everything else is the inner exchange's."""
+
+    def __init__(
+        self, inner: Any, server: RpcServer, client: RpcClient, peer_id: str, group_size: int
+    ) -> None:
+        if (
+            isinstance(group_size, bool)
+            or not isinstance(group_size, int)
+            or not MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
+        ):
+            raise ValueError(
+                f"group_size: expected an int in {MIN_GROUP_SIZE}..{MAX_GROUP_SIZE}, got {group_size!r}"
+            )
+        self.inner = inner
+        self.client = client
+        self.peer_id = peer_id
+        self.group_size = group_size
+        self._rounds: dict[tuple[str, int], _Round] = {}  # (group id, use) -> what we serve of it
+        self._uses: dict[str, tuple[int, int]] = {}  # group id -> (round, grouped averages of it started)
+        self._newest = -1
+        server.add_stream(SLICE_METHOD, self._on_slice)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def applies(
+        self, group: Group, codec: TensorCodec, rule: RobustRule | None, span: tuple[int, int] | None
+    ) -> bool:
+        """Whether this round goes through rows and columns (else the inner, flat exchange does it)."""
+        return (
+            len(group.members) > self.group_size
+            and bool(codec.dense)
+            and rule is None
+            and span is None
+            and all(m.dialable for m in group.members)
+        )
+
+    def advance(self, round_id: int) -> None:
+        self.inner.advance(round_id)
+        self._forget(round_id)
+
+    async def average(
+        self,
+        group: Group,
+        tensor: torch.Tensor | OnDemand,
+        codec: TensorCodec,
+        *,
+        timeout: float,
+        weight: float = 1.0,
+        out: torch.Tensor | None = None,
+        transmitted_out: torch.Tensor | None = None,
+        rule: RobustRule | None = None,
+        span: tuple[int, int] | None = None,
+    ) -> AverageResult:
+        """`Exchange.average`, in rows and columns where `applies` says so (and the tensor has a value for every
+        slice: a tiny one, a barrier, goes flat)."""
+        numel = tensor.numel if isinstance(tensor, OnDemand) else tensor.numel()
+        if not self.applies(group, codec, rule, span) or numel < self.group_size:
+            flat: AverageResult = await self.inner.average(
+                group,
+                tensor,
+                codec,
+                timeout=timeout,
+                weight=weight,
+                out=out,
+                transmitted_out=transmitted_out,
+                rule=rule,
+                span=span,
+            )
+            return flat
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        plan = layout(group, self.group_size)
+        r, i = plan.row_of(self.peer_id)
+        use = self._uses.get(group.group_id, (group.round_id, 0))[1]
+        self._uses[group.group_id] = (group.round_id, use + 1)
+        state = self._round((group.group_id, use), group.round_id)
+        state.members = frozenset(m.peer_id for m in group.members)
+        state.carried = i if i < plan.slices else -1
+        state.started.set()
+        self._forget(group.round_id)
+        spent = _Spent()
+        try:
+            return await self._average(
+                group,
+                plan,
+                r,
+                i,
+                state,
+                use,
+                tensor,
+                codec,
+                weight,
+                out,
+                transmitted_out,
+                deadline,
+                spent,
+                started,
+            )
+        except ExchangeAborted as exc:
+            exc.bytes_sent += spent.sent
+            exc.bytes_received += spent.received
+            exc.fp32_bytes += spent.fp32
+            raise
+        finally:
+            if not state.chunks.done():
+                state.chunks.set_result(None)
+
+    async def _average(
+        self,
+        group: Group,
+        plan: Layout,
+        r: int,
+        i: int,
+        state: _Round,
+        use: int,
+        tensor: torch.Tensor | OnDemand,
+        codec: TensorCodec,
+        weight: float,
+        out: torch.Tensor | None,
+        transmitted_out: torch.Tensor | None,
+        deadline: float,
+        spent: _Spent,
+        started: float,
+    ) -> AverageResult:
+        loop = asyncio.get_running_loop()
+        timeout = deadline - loop.time()
+        row = Group.make(group.round_id, list(plan.rows[r]))
+        where = f"round {group.round_id} row {r} of {len(plan.rows)}"
+        row_result: AverageResult = await self.inner.average(
+            row,
+            tensor,
+            codec,
+            timeout=timeout * ROW_SHARE,
+            weight=weight,
+            out=out,
+            transmitted_out=transmitted_out,
+        )
+        spent.add(row_result)
+        if len(row_result.contributors) != len(row.members) or row_result.total_weight is None:
+            missing = sorted({m.peer_id for m in row.members} - set(row_result.contributors))
+            raise ExchangeAborted(
+                "GROUP_INCOMPLETE", f"{where}: the row averaged without {missing}, so the round cannot commit"
+            )
+        mean = row_result.averaged.view(-1)
+        numel = mean.numel()
+        raw = bool(getattr(codec, "raw_float32", False))
+        if i < plan.slices:
+            lo, hi = plan.bounds(numel, i)
+            column = Group.make(group.round_id, list(plan.column(i)))
+            part = mean[lo:hi]
+            column_out = torch.empty(hi - lo, dtype=torch.float32)
+            column_result: AverageResult = await self.inner.average(
+                column,
+                OnDemand(hi - lo, lambda a, b, into: into.copy_(part[a:b])),
+                codec,
+                timeout=max(0.001, deadline - loop.time()) * COLUMN_SHARE / (1 - ROW_SHARE),
+                weight=row_result.total_weight,
+                out=column_out,
+                stage=1,
+                keep_mean=True,
+            )
+            spent.add(column_result)
+            if len(column_result.contributors) != len(column.members):
+                missing = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
+                raise ExchangeAborted(
+                    "GROUP_INCOMPLETE",
+                    f"round {group.round_id} column {i}: averaged without {missing}, so the round cannot commit",
+                )
+            part.copy_(column_out)
+            if raw:
+                chunks = [
+                    (
+                        lo + a,
+                        lo + min(a + RAW_FRAME_ELEMS, hi - lo),
+                        bytes(raw_bytes(column_out[a : a + RAW_FRAME_ELEMS])),
+                    )
+                    for a in range(0, hi - lo, RAW_FRAME_ELEMS)
+                ]
+            else:
+                chunks = [(lo + a, lo + b, data) for a, b, data in column_result.mean_chunks]
+            del column_out
+            state.chunks.set_result(chunks)
+        await self._gather(group, use, plan, r, i, mean, codec, raw, deadline, spent)
+        # What we served of our slice so far (late requests after this are not counted).
+        spent.sent += state.served_bytes
+        spent.fp32 += 4 * state.served_values
+        return AverageResult(
+            averaged=row_result.averaged,
+            transmitted=row_result.transmitted,
+            contributors=tuple(sorted(m.peer_id for m in group.members)),
+            bytes_sent=spent.sent,
+            bytes_received=spent.received,
+            seconds=time.monotonic() - started,
+            fp32_bytes=spent.fp32,
+            encoded_in=row_result.encoded_in,
+            total_weight=None,
+        )
+
+    async def _gather(
+        self,
+        group: Group,
+        use: int,
+        plan: Layout,
+        r: int,
+        i: int,
+        mean: torch.Tensor,
+        codec: TensorCodec,
+        raw: bool,
+        deadline: float,
+        spent: _Spent,
+    ) -> None:
+        """Every slice but ours, from its carrier in our row or, failing that, another member of its column."""
+
+        async def one(j: int) -> None:
+            lo, hi = plan.bounds(mean.numel(), j)
+            carriers = [plan.rows[(r + k) % len(plan.rows)][j] for k in range(len(plan.rows))]
+            errors: list[str] = []
+            for carrier in carriers:
+                if carrier.peer_id == self.peer_id:
+                    continue
+                try:
+                    await self._pull(group, use, carrier, j, lo, hi, mean, codec, raw, deadline, spent)
+                    return
+                except (RpcError, Reject) as exc:
+                    reason = exc.reason
+                    errors.append(f"{carrier.peer_id}: {reason}")
+                    if reason == "SLICE_FAILED":
+                        break  # the column failed: every carrier of the slice will say the same
+            raise ExchangeAborted(
+                "GATHER_FAILED", f"round {group.round_id}: slice {j} from nobody ({'; '.join(errors)})"
+            )
+
+        tasks = [asyncio.create_task(one(j)) for j in range(plan.slices) if j != i]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pull(
+        self,
+        group: Group,
+        use: int,
+        carrier: GroupMember,
+        j: int,
+        lo: int,
+        hi: int,
+        mean: torch.Tensor,
+        codec: TensorCodec,
+        raw: bool,
+        deadline: float,
+        spent: _Spent,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        fast = getattr(codec, "optional_checksum", False) is True
+
+        ask = Frame(SliceRequest(group.group_id, j, use).encode())
+
+        async def request() -> AsyncIterator[Frame]:
+            yield ask
+
+        spent.sent += wire_size(ask)
+        at = lo
+        answers = self.client.stream(
+            carrier.address,
+            SLICE_METHOD,
+            request(),
+            round_id=group.round_id,
+            timeout=max(0.001, deadline - loop.time()),
+            bulk=True,
+        )
+        async for frame in answers:
+            fields = Fields.loose(frame.header, "slice chunk")
+            with refusing("BAD_HEADER"):
+                a, b = fields.integer("a"), fields.integer("b")
+            what = f"slice {j} chunk [{a}, {b}) from {carrier.peer_id}"
+            if a != at or not a < b <= hi:
+                raise invalid("CHUNK_ORDER", f"{what}: expected a chunk from {at} up to {hi}")
+            if len(frame.payload) > max_chunk_payload(b - a):
+                raise invalid("SIZE_MISMATCH", f"{what}: {len(frame.payload)} bytes for {b - a} values")
+            spent.received += wire_size(frame)
+            target = mean[a:b]
+            if raw:
+                target.copy_(raw_view(frame.payload, b - a, what))
+                if not all_finite(target):
+                    raise invalid("BAD_PAYLOAD", f"{what}: expected only finite float32 values")
+            else:
+                payload = frame.payload
+                await asyncio.to_thread(decode, codec, payload, b - a, what, fast, target)
+            at = b
+        if at != hi:
+            raise invalid("TRUNCATED", f"slice {j} from {carrier.peer_id}: ended at {at}, expected {hi}")
+
+    async def _on_slice(self, ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        first = await anext(requests, None)
+        if first is None:
+            raise invalid("BAD_HEADER", "slice request: expected a request frame, got none")
+        request = SliceRequest.decode(first.header)
+        key = (request.group, request.use)
+        state = self._rounds.get(key)
+        if state is None:
+            if ctx.round_id < self._newest - 1 or len(self._rounds) >= ROUNDS_KEPT + MAX_PLACEHOLDERS:
+                raise Reject(
+                    grpc.StatusCode.ABORTED,
+                    "ATTEMPT_OVER",
+                    f"round {ctx.round_id}: this node is at round {self._newest} without group {request.group[:12]}",
+                )
+            state = self._round(key, ctx.round_id)
+        try:
+            await asyncio.wait_for(state.started.wait(), SLICE_WAIT_SECONDS)
+        except TimeoutError:
+            raise precondition(
+                "UNKNOWN_GROUP", f"group {request.group[:12]} was never started here"
+            ) from None
+        if state.over:
+            raise Reject(
+                grpc.StatusCode.ABORTED,
+                "ATTEMPT_OVER",
+                f"round {state.round_id}: this node moved on to round {self._newest}",
+            )
+        if ctx.round_id != state.round_id:
+            raise precondition("STALE_ROUND", f"expected round {state.round_id}, got {ctx.round_id}")
+        if ctx.sender not in state.members:
+            raise Reject(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "NOT_A_MEMBER",
+                f"{ctx.sender} is not a member of group {request.group[:12]}",
+            )
+        if request.index != state.carried:
+            raise precondition(
+                "NOT_CARRIED", f"round {state.round_id}: we carry slice {state.carried}, not {request.index}"
+            )
+        try:
+            chunks = await asyncio.wait_for(asyncio.shield(state.chunks), SLICE_WAIT_SECONDS)
+        except TimeoutError:
+            raise precondition(
+                "SLICE_FAILED", f"round {state.round_id}: slice {request.index} not ready"
+            ) from None
+        if chunks is None:
+            raise Reject(
+                grpc.StatusCode.ABORTED,
+                "SLICE_FAILED",
+                f"round {state.round_id}: slice {request.index}'s column failed here",
+            )
+        for a, b, data in chunks:
+            frame = Frame({"a": a, "b": b}, data)
+            state.served_bytes += wire_size(frame)
+            state.served_values += b - a
+            yield frame
+
+    def _round(self, key: tuple[str, int], round_id: int) -> _Round:
+        state = self._rounds.get(key)
+        if state is None:
+            state = self._rounds[key] = _Round(round_id)
+        return state
+
+    def _forget(self, round_id: int) -> None:
+        """Rounds older than the one before `round_id` are over: their slices and placeholders go."""
+        self._newest = max(self._newest, round_id)
+        for key, state in list(self._rounds.items()):
+            if state.round_id < self._newest - (ROUNDS_KEPT - 1):
+                state.over = True
+                state.started.set()  # a waiting request is refused
+                if not state.chunks.done():
+                    state.chunks.set_result(None)
+                del self._rounds[key]
+        for group_id, (round_id, _) in list(self._uses.items()):
+            if round_id < self._newest - (ROUNDS_KEPT - 1):
+                del self._uses[group_id]
+
+
+@dataclass
+class _Spent:
+    """Bytes the stages of one grouped round moved (as AverageResult counts them)."""
+
+    sent: int = 0
+    received: int = 0
+    fp32: int = 0
+
+    def add(self, result: AverageResult) -> None:
+        self.sent += result.bytes_sent
+        self.received += result.bytes_received
+        self.fp32 += result.fp32_bytes

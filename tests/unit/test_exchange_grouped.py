@@ -1,0 +1,315 @@
+"""The exchange in rows and columns (protocol/exchange/grouped.py): real RpcServers on 127.0.0.1, every member in
+this process, the rounds' three stages over gRPC and the TCP data plane."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from helpers.exchange import CODECS, Node, make_input, run, start_nodes
+
+from farloco.protocol.exchange import ExchangeAborted, OnDemand
+from farloco.protocol.exchange.grouped import SLICE_METHOD, GroupedExchange, SliceRequest, layout
+from farloco.protocol.rpc import Frame, RpcError
+from farloco.protocol.types import Group, GroupMember
+
+
+def members(count: int) -> list[GroupMember]:
+    return [GroupMember(f"peer-{i:03d}", f"127.0.0.1:{1000 + i}") for i in range(count)]
+
+
+@pytest.mark.parametrize(("count", "size"), [(3, 2), (7, 3), (16, 4), (17, 4), (64, 8), (1000, 16)])
+def test_the_layout_cuts_balanced_rows_and_every_slice_has_a_column(count: int, size: int) -> None:
+    group = Group.make(5, members(count))
+    plan = layout(group, size)
+    sizes = [len(row) for row in plan.rows]
+    assert len(plan.rows) == -(-count // size) and max(sizes) <= size and max(sizes) - min(sizes) <= 1
+    assert plan.slices == min(sizes)
+    assert sorted(m.peer_id for row in plan.rows for m in row) == [m.peer_id for m in group.members]
+    for i in range(plan.slices):
+        assert len(plan.column(i)) == len(plan.rows)
+    # Slices cover the tensor, in order, without a gap.
+    bounds = [plan.bounds(10_001, i) for i in range(plan.slices)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 10_001
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    # Everyone derives the same from the same group; the seats move with the round.
+    assert layout(Group.make(5, list(reversed(members(count)))), size) == plan
+    assert layout(Group.make(6, members(count)), size).rows != plan.rows
+    # Whom a member talks to is bounded by its row, its column: not the N - 1 of the flat exchange.
+    worst = max(len(plan.peers_of(m.peer_id)) for m in group.members)
+    assert worst <= 2 * size + -(-count // size)
+    if count >= 64:
+        assert worst < (count - 1) / 2
+
+
+def test_a_layout_refuses_a_group_size_below_two() -> None:
+    with pytest.raises(ValueError, match="group_size: expected an int >= 2, got 1"):
+        layout(Group.make(1, members(4)), 1)
+
+
+def grouped(nodes: list[Node], size: int) -> list[GroupedExchange]:
+    return [GroupedExchange(n.exchange, n.server, n.client, n.peer_id, size) for n in nodes]
+
+
+def exact_mean(inputs: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    total = sum(w * x.double() for w, x in zip(weights, inputs, strict=True))
+    assert isinstance(total, torch.Tensor)
+    return (total / sum(weights)).float()
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
+@pytest.mark.parametrize(("count", "size"), [(5, 2), (7, 3)])
+def test_rows_and_columns_give_every_member_the_same_weighted_mean(
+    count: int, size: int, codec_name: str
+) -> None:
+    numel = 50_003  # uneven slices and parts, short chunks
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count)
+        exchanges = grouped(nodes, size)
+        try:
+            inputs = [make_input(i, numel) for i in range(count)]
+            weights = [1.0 + 0.5 * i for i in range(count)]
+            codec = CODECS[codec_name]()
+            results = await asyncio.gather(
+                *(
+                    ex.average(group, inputs[i], codec, timeout=30, weight=weights[i])
+                    for i, ex in enumerate(exchanges)
+                )
+            )
+            exact = exact_mean(inputs, weights)
+            for result in results:
+                assert torch.equal(result.averaged, results[0].averaged)  # one hash a round
+                assert result.contributors == tuple(m.peer_id for m in group.members)
+                assert result.bytes_sent > 0 and result.bytes_received > 0
+            err = float((results[0].averaged - exact).abs().max())
+            if codec_name == "int8":
+                # Each contribution coded once (row), each row's mean once (column): three half-steps at most
+                # of the largest scale a block can have (a row mean is no larger than the largest input).
+                bound = 3 * max(float(x.abs().max()) for x in inputs) / 127
+                assert err <= bound, (err, bound)
+            else:
+                assert err <= 1e-5, err
+            # What the swarm saw of a member's contribution is the row stage's (error feedback).
+            for i, result in enumerate(results):
+                if codec_name == "int8":
+                    assert result.transmitted is not None
+                    assert (
+                        float((result.transmitted - inputs[i]).abs().max())
+                        <= float(inputs[i].abs().max()) / 127
+                    )
+                else:
+                    assert torch.equal(result.transmitted, inputs[i])
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_each_member_talks_to_its_row_and_column_only() -> None:
+    """Every call a member makes goes to a peer of its row or column: the pushes, the votes, the slices."""
+    count, size = 9, 3
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count)
+        exchanges = grouped(nodes, size)
+        called: dict[str, Counter[str]] = {n.peer_id: Counter() for n in nodes}
+        by_address = {m.address: m.peer_id for m in group.members}
+        for node in nodes:
+            for name in ("stream", "unary"):
+                original = getattr(node.client, name)
+
+                def spy(
+                    address: str, *args: Any, _orig: Any = original, _me: str = node.peer_id, **kw: Any
+                ) -> Any:
+                    called[_me][by_address[address]] += 1
+                    return _orig(address, *args, **kw)
+
+                setattr(node.client, name, spy)
+        try:
+            codec = CODECS["int8"]()
+            await asyncio.gather(
+                *(
+                    ex.average(group, make_input(i, 30_000), codec, timeout=30)
+                    for i, ex in enumerate(exchanges)
+                )
+            )
+            plan = layout(group, size)
+            for node in nodes:
+                assert set(called[node.peer_id]) <= plan.peers_of(node.peer_id), node.peer_id
+                assert len(plan.peers_of(node.peer_id)) < count - 1
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_an_on_demand_contribution_goes_through_the_rows() -> None:
+    count, size, numel = 5, 2, 20_000
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count)
+        exchanges = grouped(nodes, size)
+        try:
+            inputs = [make_input(i, numel) for i in range(count)]
+            codec = CODECS["int8"]()
+            demands = [OnDemand(numel, lambda a, b, out, x=x: out.copy_(x[a:b])) for x in inputs]
+            outs = [torch.empty(numel) for _ in range(count)]
+            results = await asyncio.gather(
+                *(
+                    ex.average(group, demands[i], codec, timeout=30, out=outs[i])
+                    for i, ex in enumerate(exchanges)
+                )
+            )
+            for i, result in enumerate(results):
+                assert result.averaged.data_ptr() == outs[i].data_ptr()
+                assert torch.equal(result.averaged, results[0].averaged)
+                assert (
+                    result.transmitted is None and result.encoded_in
+                )  # rebuilt by the caller from its ranges
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_small_groups_sparse_codecs_spans_and_rules_go_flat() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(4)
+        flat_calls: list[str] = []
+        exchanges = grouped(nodes, 4)  # 4 members: not more than the bound
+        for ex in exchanges:
+            original = ex.inner.average
+
+            async def spy(*args: Any, _orig: Any = original, **kw: Any) -> Any:
+                flat_calls.append(args[0].group_id)
+                return await _orig(*args, **kw)
+
+            ex.inner.average = spy
+        try:
+            for codec_name in ("int8", "topk"):
+                await asyncio.gather(
+                    *(
+                        ex.average(group, make_input(i, 5_000), CODECS[codec_name](), timeout=30)
+                        for i, ex in enumerate(exchanges)
+                    )
+                )
+            assert set(flat_calls) == {group.group_id} and len(flat_calls) == 8
+            many = Group.make(11, members(5))
+            ex = exchanges[0]
+            assert ex.applies(many, CODECS["int8"](), None, None)
+            assert not ex.applies(many, CODECS["topk"](), None, None)
+            assert not ex.applies(many, CODECS["int8"](), None, (0, 1))
+            assert not ex.applies(many, CODECS["int8"](), lambda chunks: chunks[0], None)
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_a_member_that_never_comes_fails_the_round_for_everyone_without_a_hang() -> None:
+    """All or nothing: with one member missing (crashed before the exchange), every other member raises
+    ExchangeAborted within its timeout, none returns a mean without it."""
+    count, size = 6, 3
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count)
+        exchanges = grouped(nodes, size)
+        try:
+            codec = CODECS["int8"]()
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(
+                    ex.average(group, make_input(i, 20_000), codec, timeout=8)
+                    for i, ex in enumerate(exchanges)
+                    if i != 2
+                ),
+                return_exceptions=True,
+            )
+            assert time.monotonic() - started < 8 + 3
+            for result in results:
+                assert isinstance(result, ExchangeAborted), result
+                assert result.bytes_sent > 0 or result.reason in {"GATHER_FAILED", "GROUP_INCOMPLETE"}
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_slice_requests_from_outside_the_group_or_malformed_are_refused() -> None:
+    async def body() -> None:
+        nodes, group = await start_nodes(5)
+        outsider = nodes.pop()
+        group = Group.make(group.round_id, [m for m in group.members if m.peer_id != outsider.peer_id])
+        exchanges = grouped(nodes, 2)
+        try:
+            codec = CODECS["raw"]()
+            await asyncio.gather(
+                *(
+                    ex.average(group, make_input(i, 9_000), codec, timeout=30)
+                    for i, ex in enumerate(exchanges)
+                )
+            )
+            plan = layout(group, 2)
+            carrier = plan.rows[0][0]
+
+            async def ask(header: dict[str, Any], who: Node) -> list[Frame]:
+                async def frames() -> Any:
+                    yield Frame(header)
+
+                return [
+                    f
+                    async for f in who.client.stream(
+                        carrier.address, SLICE_METHOD, frames(), round_id=group.round_id, timeout=10
+                    )
+                ]
+
+            with pytest.raises(RpcError) as refused:
+                await ask(SliceRequest(group.group_id, 0).encode(), outsider)
+            assert refused.value.reason == "NOT_A_MEMBER"
+            member = next(n for n in nodes if n.peer_id == plan.rows[1][0].peer_id)
+            with pytest.raises(RpcError) as malformed:
+                await ask({"g": "not-hex", "s": 0}, member)
+            assert malformed.value.reason == "BAD_HEADER"
+            with pytest.raises(RpcError) as other:
+                await ask(SliceRequest(group.group_id, 1).encode(), member)
+            assert other.value.reason == "NOT_CARRIED"
+            # Its own column's slice, once more (a late row-mate): the same values it holds.
+            frames = await ask(SliceRequest(group.group_id, 0).encode(), member)
+            lo, hi = plan.bounds(9_000, 0)
+            assert frames[0].header["a"] == lo and frames[-1].header["b"] == hi
+        finally:
+            for node in [*nodes, outsider]:
+                await node.stop()
+
+    run(body())
+
+
+def test_a_tensor_with_fewer_values_than_slices_goes_flat() -> None:
+    """A 1-value barrier among 5 members in rows of 2 (2 slices): averaged flat, alike everywhere."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(5)
+        exchanges = grouped(nodes, 2)
+        try:
+            inputs = [make_input(i, 1) for i in range(5)]
+            results = await asyncio.gather(
+                *(ex.average(group, inputs[i], CODECS["raw"](), timeout=30) for i, ex in enumerate(exchanges))
+            )
+            assert all(torch.equal(r.averaged, results[0].averaged) for r in results)
+            assert float((results[0].averaged - torch.stack(inputs).mean(0)).abs().max()) <= 1e-6
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
