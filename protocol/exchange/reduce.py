@@ -84,14 +84,16 @@ def chunk_mean(
             return None
         total.copy_(attempt.rule(inputs))
     else:
-        terms = [c if w == 1.0 else c * w for c, w in zip(inputs, weights, strict=True)]
-        if len(terms) == 1:
+        if len(inputs) == 1:
             total.copy_(inputs[0])  # the weighted mean of one contribution is itself
-        elif len(terms) == 2 and weights[0] == weights[1]:
+        elif len(inputs) == 2 and weights[0] == weights[1]:
             # The mean of two in one pass instead of a sum and a scaling pass (these chunks are memory-bound).
-            # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it.
-            torch.lerp(terms[0], terms[1], 0.5, out=total)
+            # Not bit-equal to (a + b) / 2, but within an ulp, and only the owner computes it. Of the inputs, not
+            # the weighted terms: equal weights w != 1 (late work merged on both, two islands of one size) would
+            # otherwise give w times the mean.
+            torch.lerp(inputs[0], inputs[1], 0.5, out=total)
         else:
+            terms = [c if w == 1.0 else c * w for c, w in zip(inputs, weights, strict=True)]
             torch.add(terms[0], terms[1], out=total)
             for term in terms[2:]:
                 total.add_(term)

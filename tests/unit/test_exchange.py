@@ -810,3 +810,35 @@ def test_an_on_demand_contribution_refuses_what_it_cannot_serve() -> None:
             await nodes[0].stop()
 
     run(body())
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
+@pytest.mark.parametrize("weight", [2.0, 0.5, 3.25])
+def test_two_members_of_equal_weight_other_than_one_get_the_mean_not_a_multiple_of_it(
+    codec_name: str, weight: float
+) -> None:
+    """Two contributions of the same weight w != 1 (both merged late work, two islands of the same size, a
+    column of two rows of one size in grouped.py): the owner's one-pass mean of two is the mean of the
+    contributions, not of the weighted terms (which is w times it)."""
+
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            inputs = [make_input(i, 30_001) for i in range(2)]
+            codec = CODECS[codec_name]()
+            results = await asyncio.gather(
+                *(
+                    node.exchange.average(group, inputs[i], codec, timeout=30, weight=weight)
+                    for i, node in enumerate(nodes)
+                )
+            )
+            exact = (inputs[0] + inputs[1]) / 2
+            assert torch.equal(results[0].averaged, results[1].averaged)
+            err = float((results[0].averaged - exact).abs().max())
+            assert err <= tolerance(codec_name, inputs), err
+            assert results[0].total_weight == 2 * weight
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
