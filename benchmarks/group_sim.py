@@ -1,9 +1,11 @@
-"""The exchange in bounded groups, simulated: the hierarchical and the Moshpit plans of
+"""The exchange in bounded groups, simulated: the rows and columns of `farloco.protocol.exchange.grouped` (what
+the exchange runs with `run.exchange_group_size`), the hierarchical and the Moshpit plans of
 `farloco.protocol.exchange.groups` beside the flat all-to-all, at up to 1,000 peers, with real codec
 arithmetic and the WAN model of benchmarks/swarm_sim.py.
 
     python benchmarks/group_sim.py --peers 16 64 256 1000 --group-size 16 --rounds 5 --markdown
     python benchmarks/group_sim.py --peers 256 1000 --churn 0.01 --codec fp32 --json groups.json
+    python benchmarks/group_sim.py --peers 16 64 256 1000 --group-size 8 --rounds 3 --markdown
 
 Every round the whole swarm is the frozen group (sorted peer ids p0000..); each member contributes a synthetic
 vector of `--numel` values (a direction shared by all plus each peer's own noise: x_i = g + e_i, both standard
@@ -25,6 +27,11 @@ The plans:
   would cost a million per round at 1,000 peers).
 - **tree**: `hierarchical_plan` (the exact mean in one round, 2 * depth hops); arithmetic `tree_mean` with
   farloco.optim's codec on every message (each member's contribution, each partial mean, the root's mean).
+- **rows**: the exchange's `GroupedExchange` (`farloco.protocol.exchange.grouped`, `run.exchange_group_size`),
+  with its own layout and nesting: rows of at most G average the whole contributions (the flat arithmetic),
+  column i averages slice i of the row means weighted by each row's weight (a column of more than G: in rows
+  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. With churn
+  it is all or nothing: a round with a drop is lost (`committed`).
 - **moshpit**: `moshpit_plan`; each round a reduce-scatter and all-gather inside each line of the grid, with
   farloco.optim's codec on every slice. Its replicas differ after a round, so its `err` is after d rounds over
   the same vectors (d = the grid's dimensions: the rounds it takes to mix), and `spread` gives the RMS
@@ -74,6 +81,7 @@ import numpy as np
 import torch
 
 from farloco.optim.registry import get_codec
+from farloco.protocol.exchange.grouped import MAX_DEPTH, layout
 from farloco.protocol.exchange.groups import (
     AveragingGroup,
     HierarchicalPlan,
@@ -85,6 +93,7 @@ from farloco.protocol.exchange.groups import (
     tree_mean,
     tree_transfers,
 )
+from farloco.protocol.types import Group, GroupMember
 
 HEADER_BYTES = 32  # farloco.optim's codec header, on every coded message (raw fp32 frames carry none)
 
@@ -199,10 +208,12 @@ def allreduce_latency(wan: Wan, members: Sequence[int], payload: float) -> float
     return float(member_done.max())
 
 
-def allreduce_mean(coding: Coding, rows: torch.Tensor) -> torch.Tensor:
+def allreduce_mean(
+    coding: Coding, rows: torch.Tensor, weights: Sequence[float] | None = None
+) -> torch.Tensor:
     """The flat exchange's arithmetic among the members of `rows` (one row each, in member order): slices
-    coded on their own, summed in order, scaled by 1/k, each slice's mean coded once. The mean everyone
-    decodes."""
+    coded on their own, summed in order (weighted, if `weights`), scaled by 1/total weight, each slice's mean
+    coded once. The mean everyone decodes."""
     k, numel = rows.shape
     cuts, start = [], 0
     for j in range(k):
@@ -211,10 +222,16 @@ def allreduce_mean(coding: Coding, rows: torch.Tensor) -> torch.Tensor:
             cuts.append((start, start + size))
         start += size
     sent = coding.transmit_slices(rows, cuts)
-    total = sent[0].clone()
-    for i in range(1, k):
-        total += sent[i]
-    total.mul_(1.0 / k)
+    if weights is None:
+        total = sent[0].clone()
+        for i in range(1, k):
+            total += sent[i]
+        total.mul_(1.0 / k)
+    else:
+        total = sent[0] * weights[0]
+        for i in range(1, k):
+            total += sent[i] * weights[i]
+        total.mul_(1.0 / math.fsum(weights))
     return coding.transmit_slices(total[None, :], cuts)[0]
 
 
@@ -359,6 +376,118 @@ def tree_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]
     return row
 
 
+# -- rows and columns (the exchange's GroupedExchange) ----------------------------------------------------
+
+
+@dataclass
+class RowsCost:
+    """What a grouped average costs its members: messages and bytes sent, and whom each talks to."""
+
+    msgs: dict[str, int]
+    sent: dict[str, float]
+    peers: dict[str, set[str]]
+
+
+def grouped_mean(
+    sim: Sim,
+    group: Group,
+    values: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    depth: int,
+    cost: RowsCost,
+) -> tuple[torch.Tensor, float, float]:
+    """farloco.protocol.exchange.grouped's average of `values` (peer id -> its contribution) over `group`, with
+    its layout and its nesting (a column of more than G members in rows and columns, one level down): the
+    mean every member decodes, and the stages' latency with a payload of the model's size and without one.
+    `cost` gathers each member's messages, bytes and peers."""
+    s, coding = sim.s, sim.coding
+    numel = next(iter(values.values())).numel()
+    plan = layout(group, s.group_size)
+    row_means, row_weights = [], []
+    for row in plan.rows:
+        ids = sorted(m.peer_id for m in row)
+        flat = flat_plan(ids)
+        for m in ids:
+            cost.msgs[m] += flat.load(m).messages_sent
+            cost.sent[m] += flat.bytes_sent(m, numel, coding.bytes_per_value, coding.per_message)
+            cost.peers[m] |= set(ids) - {m}
+        row_means.append(
+            allreduce_mean(coding, torch.stack([values[m] for m in ids]), [weights[m] for m in ids])
+        )
+        row_weights.append(math.fsum(weights[m] for m in ids))
+    payload = s.model_params * coding.bytes_per_value * numel / s.numel
+
+    def rows_latency(payload: float) -> float:
+        return max(allreduce_latency(sim.wan, [index(m.peer_id) for m in row], payload) for row in plan.rows)
+
+    latency, prop = rows_latency(payload), rows_latency(0.0)
+    mean = torch.empty(numel)
+    column_latency, column_prop = 0.0, 0.0
+    for i in range(plan.slices):
+        lo, hi = plan.bounds(numel, i)
+        column = Group.make(group.round_id, list(plan.column(i)))
+        inputs = {plan.rows[r][i].peer_id: row_means[r][lo:hi] for r in range(len(plan.rows))}
+        carried = {plan.rows[r][i].peer_id: row_weights[r] for r in range(len(plan.rows))}
+        if len(column.members) > s.group_size and depth < MAX_DEPTH and hi - lo >= s.group_size:
+            part, lat, pr = grouped_mean(sim, column, inputs, carried, depth + 1, cost)
+        else:
+            ids = [m.peer_id for m in column.members]
+            flat = flat_plan(ids)
+            for m in ids:
+                cost.msgs[m] += flat.load(m).messages_sent
+                cost.sent[m] += flat.bytes_sent(m, hi - lo, coding.bytes_per_value, coding.per_message)
+                cost.peers[m] |= set(ids) - {m}
+            part = allreduce_mean(coding, torch.stack([inputs[m] for m in ids]), [carried[m] for m in ids])
+            idx = [index(m) for m in ids]
+            lat = allreduce_latency(sim.wan, idx, payload * (hi - lo) / numel)
+            pr = allreduce_latency(sim.wan, idx, 0.0)
+        mean[lo:hi] = part
+        column_latency, column_prop = max(column_latency, lat), max(column_prop, pr)
+        for row in plan.rows:  # the carrier's slice to each of its row-mates
+            carrier = row[i].peer_id
+            cost.msgs[carrier] += len(row) - 1
+            cost.sent[carrier] += (len(row) - 1) * ((hi - lo) * coding.bytes_per_value + coding.per_message)
+    gather, gather_prop = 0.0, 0.0
+    for row in plan.rows:
+        for i, carrier in enumerate(row[: plan.slices]):
+            others = np.asarray([index(m.peer_id) for m in row if m is not carrier])
+            if len(others):
+                lo, hi = plan.bounds(numel, i)
+                owd = float(sim.wan.owd(index(carrier.peer_id), others).max())
+                link = len(others) * payload * (hi - lo) / numel / sim.wan.bandwidth
+                gather, gather_prop = max(gather, owd + link), max(gather_prop, owd)
+    return mean, latency + column_latency + gather, prop + column_prop + gather_prop
+
+
+def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]) -> dict[str, Any]:
+    """A round through GroupedExchange. All or nothing: a round with a drop commits nothing (the survivors learn
+    of it from a stage's deadline, `detect`, and the round is lost); its error is over the rounds that
+    committed."""
+    group = Group.make(round_id, [GroupMember(m, "127.0.0.1:1") for m in sim.ids])
+    cost = RowsCost(defaultdict(int), defaultdict(float), defaultdict(set))
+    values = {m: x[index(m)] for m in sim.ids}
+    mean, full, prop_full = grouped_mean(sim, group, values, dict.fromkeys(sim.ids, 1.0), 0, cost)
+    conns = {m: len(cost.peers[m]) for m in sim.ids}
+    hops = 5 * (1 + max(0, math.ceil(math.log(len(sim.ids), sim.s.group_size)) - 2))
+    survivors = [m for m in sim.ids if m not in drops]
+    if drops:
+        u = min(drops.values())
+        row = sim.summary(
+            survivors,
+            cost.msgs,
+            conns,
+            cost.sent,
+            hops,
+            u * full + sim.detect,
+            u * prop_full + sim.detect,
+            math.nan,
+        )
+        row["committed"] = 0.0
+        return row
+    exact = x.double().mean(dim=0)
+    return sim.summary(survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact))
+
+
 # -- Moshpit ----------------------------------------------------------------------------------------------
 
 
@@ -488,9 +617,13 @@ class Sim:
             row = tree_round(self, round_id, x, drops)
             roots.append(row.pop("root"))
             per_plan["tree"].append(row)
+            if self.s.peers > self.s.group_size:
+                per_plan["rows"].append(rows_round(self, round_id, x, drops))
         assert first is not None
         out = []
-        for plan in ("flat", "tree"):
+        for plan in ("flat", "tree", "rows"):
+            if not per_plan[plan]:
+                continue
             row = combine(per_plan[plan])
             row["plan"] = plan
             out.append(row)
@@ -509,8 +642,11 @@ class Sim:
 def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rounds together: means of the means, maxima of the maxima, the median latency, the mean error."""
     out: dict[str, Any] = {}
-    for key in ("msgs_mean", "conns_mean", "kb_mean", "err", "prop_ms"):
+    for key in ("msgs_mean", "conns_mean", "kb_mean", "prop_ms"):
         out[key] = statistics.fmean(r[key] for r in rows)
+    errors = [r["err"] for r in rows if not math.isnan(r["err"])]  # over the rounds that committed
+    out["err"] = statistics.fmean(errors) if errors else math.nan
+    out["committed"] = statistics.fmean(r.get("committed", 1.0) for r in rows)
     for key in ("msgs_max", "conns_max", "kb_max", "hops"):
         out[key] = max(r[key] for r in rows)
     out["latency_s"] = statistics.median(r["latency_s"] for r in rows)
@@ -538,8 +674,8 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
         f"drops noticed after {s.detect_ms:g} ms",
         "",
         "| peers | plan | msgs/peer mean | max | conns/peer mean | max | KB sent/peer mean | max | hops "
-        "| prop ms | round s | err | moshpit spread after 1..d |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prop ms | round s | committed | err | moshpit spread after 1..d |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hops = f"{r['hops']}" + (f" (x{r['dims']} to mix)" if r["plan"] == "moshpit" else "")
@@ -548,7 +684,7 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
             f"| {r['peers']} | {r['plan']} | {r['msgs_mean']:.1f} | {r['msgs_max']} | "
             f"{r['conns_mean']:.1f} | "
             f"{r['conns_max']} | {r['kb_mean']:.1f} | {r['kb_max']:.1f} | {hops} | {r['prop_ms']:.0f} | "
-            f"{r['latency_s']:.2f} | {r['err']:.2g} | {spread} |"
+            f"{r['latency_s']:.2f} | {r.get('committed', 1.0):.0%} | {r['err']:.2g} | {spread} |"
         )
     return "\n".join(lines)
 

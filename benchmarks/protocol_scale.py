@@ -488,7 +488,9 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1024, help="values each peer contributes per round")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    os.environ["BENCH_GROUP_SIZE"] = str(args.group_size)
+    global GROUP_SIZE, CODEC, NUMEL
+    GROUP_SIZE, CODEC, NUMEL = args.group_size, args.codec, args.numel
+    os.environ["BENCH_GROUP_SIZE"] = str(args.group_size)  # the workers inherit them
     os.environ["BENCH_CODEC"] = args.codec
     os.environ["BENCH_NUMEL"] = str(args.numel)
     os.environ["BENCH_LEADER_TIMEOUT"] = str(args.leader_timeout)

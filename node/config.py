@@ -137,8 +137,9 @@ class RunConfig:
     exchange_group_size: int = 0
     """Bounded groups for the exchange. 0 (default): every member of a round exchanges with every other (the
     flat all-to-all: N - 1 peers each, the fewest bytes). G >= 2: a round of more than G members goes through
-    rows of at most G members and the columns across them (protocol/exchange/grouped.py): each member talks to
-    about G + N/G others and sends about 3V bytes instead of 2V for a V-byte update; its mean is alike on every
+    rows of at most G members and the columns across them, a column of more than G in rows and columns itself
+    (protocol/exchange/grouped.py): each member talks to about 2(G - 1) others per level (log_G N - 1 levels)
+    and sends about 3V bytes instead of 2V for a V-byte update; its mean is alike on every
     member, within one more coding of the codec than the flat one; a member lost inside a round costs the round
     instead of a retry among the survivors. Dense codecs, no robust aggregator, no islands, every member
     dialable (else flat). For swarms of several dozen nodes and more; 8-16 suit most. Every node agrees."""

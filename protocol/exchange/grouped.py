@@ -1,5 +1,5 @@
-"""The exchange in bounded groups: a round's mean through rows and columns, so that a member talks to about
-G + N/G others instead of N - 1 and its bytes stay flat in N.
+"""The exchange in bounded groups: a round's mean through rows and columns, so that a member talks to a few
+times G others instead of N - 1 and its bytes stay flat in N.
 
 Layout (`layout`, sans-IO). The group's members, in an order drawn from the round id (sha256 of the round and
 the peer id: who sits where rotates), are cut into R = ceil(N / G) rows of balanced sizes (they differ by one at
@@ -18,8 +18,8 @@ A round, three stages:
    same bytes for every slice: the mean is bit-identical on every member of the group, one theta hash a round.
 
 The mean is the group's weighted mean. A lossy codec codes each contribution once (row), each row's mean once
-(column) and nothing more (the slices travel as the column coded them): one coding more than the flat exchange,
-so the error bound is the codec's for a mean of means. fp32 sums in another order than the flat exchange
+(column; once more per level of nesting) and nothing more (the slices travel as the column coded them): one
+coding more than the flat exchange, so the error bound is the codec's for a mean of means. fp32 sums in another order than the flat exchange
 (rows, then columns): within a few ulps of it.
 
 All or nothing. A round commits with every member of the group in the mean, or not at all: a row whose exchange
@@ -29,9 +29,14 @@ that cannot get every slice raises `ExchangeAborted`. So no two members that com
 inside the round costs the round (the matchmaking forms the next one without it) instead of a retry among the
 survivors. The others learn of a row that never came from their column's data phase deadline.
 
-Cost per member and round (a contribution of V values, the flat exchange's in brackets): connections <= (G - 1)
-+ (R - 1) + (P - 1) distinct peers [N - 1]; bytes sent about 2V (row) + 2V/P (column) + V (gather, the carriers'
-slices to their row) [2V]: a third more bytes, bounded connections and handshakes.
+Nesting. A column of more than G members (R > G: a group of more than G^2) is itself averaged in rows and
+columns, one level down (its rows at stage 2, its columns at stage 3, and so on, up to MAX_DEPTH), so nobody
+ever averages with more than G others at once.
+
+Cost per member and round (a contribution of V values, the flat exchange's in brackets): about 2(G - 1) distinct
+peers per level, ceil(log_G N) - 1 levels [N - 1]; bytes sent about 2V (row) + 2V/P (column, and less each level
+down) + V (its slice to its row) [2V]: a half more bytes, for peers and handshakes that grow with log N instead
+of N.
 
 Used when the group has more than `group_size` members and the round allows it (`GroupedExchange.applies`: a
 dense codec, no robust rule — a rule over row means is not the rule over contributions —, no span, every member
@@ -54,7 +59,7 @@ import torch
 from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDemand, RobustRule, TensorCodec
 from farloco.protocol.exchange.codec import all_finite, decode, raw_bytes, raw_view
 from farloco.protocol.exchange.plan import max_chunk_payload
-from farloco.protocol.exchange.wire import invalid, precondition, refusing, wire_size
+from farloco.protocol.exchange.wire import MAX_STAGE, invalid, precondition, refusing, wire_size
 from farloco.protocol.messages import Fields
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
 from farloco.protocol.types import Group, GroupMember
@@ -62,6 +67,9 @@ from farloco.protocol.types import Group, GroupMember
 log = logging.getLogger("farloco.protocol.exchange")
 
 SLICE_METHOD = "ExchangeSlice"
+# Levels of rows and columns at most: a column longer than G is itself averaged in rows and columns, one level
+# down (stages 2d and 2d + 1 at depth d, within AttemptRef's MAX_STAGE).
+MAX_DEPTH = (MAX_STAGE + 1) // 2 - 1
 MIN_GROUP_SIZE = 2
 MAX_GROUP_SIZE = 4096
 # Shares of `average(timeout=)` for the row and the column; the gather has the rest.
@@ -252,9 +260,24 @@ class GroupedExchange:
             return flat
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        deadline = asyncio.get_running_loop().time() + timeout
+        return await self._grouped(group, tensor, codec, weight, out, transmitted_out, deadline, 0, False)
+
+    async def _grouped(
+        self,
+        group: Group,
+        tensor: torch.Tensor | OnDemand,
+        codec: TensorCodec,
+        weight: float,
+        out: torch.Tensor | None,
+        transmitted_out: torch.Tensor | None,
+        deadline: float,
+        depth: int,
+        keep: bool,
+    ) -> AverageResult:
+        """One grouped average at `depth` (0: the round's group; d + 1: a column of depth d with more than G
+        members, itself in rows and columns). `keep`: the result carries the mean's coded chunks."""
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         plan = layout(group, self.group_size)
         r, i = plan.row_of(self.peer_id)
         use = self._uses.get(group.group_id, (group.round_id, 0))[1]
@@ -266,22 +289,10 @@ class GroupedExchange:
         self._forget(group.round_id)
         spent = _Spent()
         try:
-            return await self._average(
-                group,
-                plan,
-                r,
-                i,
-                state,
-                use,
-                tensor,
-                codec,
-                weight,
-                out,
-                transmitted_out,
-                deadline,
-                spent,
-                started,
-            )
+            return await self._stages(
+                group, plan, r, i, state, use, tensor, codec, weight, out, transmitted_out, deadline, spent,
+                started, depth, keep,
+            )  # fmt: skip
         except ExchangeAborted as exc:
             exc.bytes_sent += spent.sent
             exc.bytes_received += spent.received
@@ -291,7 +302,7 @@ class GroupedExchange:
             if not state.chunks.done():
                 state.chunks.set_result(None)
 
-    async def _average(
+    async def _stages(
         self,
         group: Group,
         plan: Layout,
@@ -307,11 +318,13 @@ class GroupedExchange:
         deadline: float,
         spent: _Spent,
         started: float,
+        depth: int,
+        keep: bool,
     ) -> AverageResult:
         loop = asyncio.get_running_loop()
         timeout = deadline - loop.time()
         row = Group.make(group.round_id, list(plan.rows[r]))
-        where = f"round {group.round_id} row {r} of {len(plan.rows)}"
+        where = f"round {group.round_id} depth {depth} row {r} of {len(plan.rows)}"
         row_result: AverageResult = await self.inner.average(
             row,
             tensor,
@@ -320,6 +333,7 @@ class GroupedExchange:
             weight=weight,
             out=out,
             transmitted_out=transmitted_out,
+            stage=2 * depth,
         )
         spent.add(row_result)
         if len(row_result.contributors) != len(row.members) or row_result.total_weight is None:
@@ -330,27 +344,39 @@ class GroupedExchange:
         mean = row_result.averaged.view(-1)
         numel = mean.numel()
         raw = bool(getattr(codec, "raw_float32", False))
+        chunks: list[tuple[int, int, bytes]] = []
         if i < plan.slices:
             lo, hi = plan.bounds(numel, i)
             column = Group.make(group.round_id, list(plan.column(i)))
             part = mean[lo:hi]
             column_out = torch.empty(hi - lo, dtype=torch.float32)
-            column_result: AverageResult = await self.inner.average(
-                column,
-                OnDemand(hi - lo, lambda a, b, into: into.copy_(part[a:b])),
-                codec,
-                timeout=max(0.001, deadline - loop.time()) * COLUMN_SHARE / (1 - ROW_SHARE),
-                weight=row_result.total_weight,
-                out=column_out,
-                stage=1,
-                keep_mean=True,
-            )
+            contribution = OnDemand(hi - lo, lambda a, b, into: into.copy_(part[a:b]))
+            budget = max(0.001, deadline - loop.time()) * COLUMN_SHARE / (1 - ROW_SHARE)
+            column_result: AverageResult
+            if len(column.members) > self.group_size and depth < MAX_DEPTH and hi - lo >= self.group_size:
+                # A column longer than G: in rows and columns itself, one level down.
+                column_result = await self._grouped(
+                    column, contribution, codec, row_result.total_weight, column_out, None,
+                    loop.time() + budget, depth + 1, not raw,
+                )  # fmt: skip
+            else:
+                column_result = await self.inner.average(
+                    column,
+                    contribution,
+                    codec,
+                    timeout=budget,
+                    weight=row_result.total_weight,
+                    out=column_out,
+                    stage=2 * depth + 1,
+                    keep_mean=True,
+                )
             spent.add(column_result)
             if len(column_result.contributors) != len(column.members):
                 missing = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
                 raise ExchangeAborted(
                     "GROUP_INCOMPLETE",
-                    f"round {group.round_id} column {i}: averaged without {missing}, so the round cannot commit",
+                    f"round {group.round_id} depth {depth} column {i}: averaged without {missing}, so the round "
+                    "cannot commit",
                 )
             part.copy_(column_out)
             if raw:
@@ -366,7 +392,8 @@ class GroupedExchange:
                 chunks = [(lo + a, lo + b, data) for a, b, data in column_result.mean_chunks]
             del column_out
             state.chunks.set_result(chunks)
-        await self._gather(group, use, plan, r, i, mean, codec, raw, deadline, spent)
+        kept: list[tuple[int, int, bytes]] | None = list(chunks) if keep and not raw else None
+        await self._gather(group, use, plan, r, i, mean, codec, raw, deadline, spent, kept)
         # What we served of our slice so far (late requests after this are not counted).
         spent.sent += state.served_bytes
         spent.fp32 += 4 * state.served_values
@@ -379,6 +406,7 @@ class GroupedExchange:
             seconds=time.monotonic() - started,
             fp32_bytes=spent.fp32,
             encoded_in=row_result.encoded_in,
+            mean_chunks=() if kept is None else tuple(sorted(kept)),
             total_weight=None,
         )
 
@@ -394,8 +422,10 @@ class GroupedExchange:
         raw: bool,
         deadline: float,
         spent: _Spent,
+        kept: list[tuple[int, int, bytes]] | None,
     ) -> None:
-        """Every slice but ours, from its carrier in our row or, failing that, another member of its column."""
+        """Every slice but ours, from its carrier in our row or, failing that, another member of its column (and
+        into `kept`, their coded chunks)."""
 
         async def one(j: int) -> None:
             lo, hi = plan.bounds(mean.numel(), j)
@@ -405,7 +435,7 @@ class GroupedExchange:
                 if carrier.peer_id == self.peer_id:
                     continue
                 try:
-                    await self._pull(group, use, carrier, j, lo, hi, mean, codec, raw, deadline, spent)
+                    await self._pull(group, use, carrier, j, lo, hi, mean, codec, raw, deadline, spent, kept)
                     return
                 except (RpcError, Reject) as exc:
                     reason = exc.reason
@@ -437,6 +467,7 @@ class GroupedExchange:
         raw: bool,
         deadline: float,
         spent: _Spent,
+        kept: list[tuple[int, int, bytes]] | None,
     ) -> None:
         loop = asyncio.get_running_loop()
         fast = getattr(codec, "optional_checksum", False) is True
@@ -448,6 +479,7 @@ class GroupedExchange:
 
         spent.sent += wire_size(ask)
         at = lo
+        taken: list[tuple[int, int, bytes]] = []
         answers = self.client.stream(
             carrier.address,
             SLICE_METHOD,
@@ -474,9 +506,13 @@ class GroupedExchange:
             else:
                 payload = frame.payload
                 await asyncio.to_thread(decode, codec, payload, b - a, what, fast, target)
+                if kept is not None:
+                    taken.append((a, b, bytes(payload)))
             at = b
         if at != hi:
             raise invalid("TRUNCATED", f"slice {j} from {carrier.peer_id}: ended at {at}, expected {hi}")
+        if kept is not None:
+            kept.extend(taken)
 
     async def _on_slice(self, ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
         first = await anext(requests, None)

@@ -127,11 +127,17 @@ def test_protocol_scale_benchmark_runs_several_peers_per_process() -> None:
     size asked for has its row, with the DHT calls each peer made."""
     proc = run_script(
         "protocol_scale.py", "--peers", "4", "--per-process", "2", "--work", "0.3", "--seconds", "4",
+        "--group-size", "2", "--codec", "int8", "--numel", "4096",
         timeout=180,
     )  # fmt: skip
     [row] = json_lines(proc.stdout)
     assert row["peers"] == 4 and row["per_process"] == 2 and row["rounds"] >= 1
     assert row["dht_calls_per_peer_s"].get("store near members", 0) > 0  # the agent's way of storing records
+    # The exchange in rows of 2: every group's members hold the same mean, near the exact one (int8).
+    assert row["group_size"] == 2 and row["codec"] == "int8"
+    done, total = (int(v) for v in row["groups_alike"].split("/"))
+    assert total >= 1 and done == total
+    assert row["err_max"] is not None and row["err_max"] < 0.05
 
 
 def test_matchmaking_and_fanout_benchmarks_break_the_freeze_down() -> None:

@@ -63,7 +63,7 @@ def exact_mean(inputs: list[torch.Tensor], weights: list[float]) -> torch.Tensor
 
 
 @pytest.mark.parametrize("codec_name", ["fp32", "raw", "int8"])
-@pytest.mark.parametrize(("count", "size"), [(5, 2), (7, 3)])
+@pytest.mark.parametrize(("count", "size"), [(5, 2), (7, 3), (13, 3), (10, 2)])
 def test_rows_and_columns_give_every_member_the_same_weighted_mean(
     count: int, size: int, codec_name: str
 ) -> None:

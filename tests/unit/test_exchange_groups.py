@@ -220,3 +220,20 @@ def test_group_sim_runs_and_its_figures_hold() -> None:
     by_plan = {r["plan"]: r for r in churned}
     assert by_plan["flat"]["msgs_max"] > 2 * 26  # a retry
     assert by_plan["tree"]["err"] < 0.2 and by_plan["tree"]["hops"] == 6
+    assert by_plan["rows"]["committed"] < 1  # all or nothing: a round with a drop is lost
+
+
+def test_group_sim_rows_are_the_exchanges_layout_nested_and_exact() -> None:
+    """27 peers in rows of 3: 9 rows, slices of 3, each column of 9 in rows and columns of its own; fp32 gives
+    the exact mean, and nobody talks to more than its row and its nested column's rows and columns."""
+    sim = load_script(BENCHMARKS / "group_sim.py", "group_sim")
+    rows = {
+        r["plan"]: r
+        for r in sim.simulate(sim.Settings(peers=27, group_size=3, rounds=2, codec="fp32", model_params=1e6))
+    }["rows"]
+    assert rows["err"] < 1e-6 and rows["committed"] == 1
+    # row (2) + the nested column's row (2) and column (2): 6 peers, not 26
+    assert rows["conns_max"] <= 6 and rows["msgs_max"] < 2 * 26
+    assert rows["kb_max"] < 2 * 4096 * 4 * 2 / 1e3  # under twice what the flat exchange sends
+    int8 = {r["plan"]: r for r in sim.simulate(sim.Settings(peers=27, group_size=3, rounds=2, codec="int8"))}
+    assert int8["rows"]["err"] < 3 * int8["flat"]["err"]
