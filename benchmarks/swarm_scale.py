@@ -4,6 +4,7 @@ p2pd) on 127.0.0.1, the tiny preset.
 
     python benchmarks/swarm_scale.py --markdown                          # 2, 4, 8, 16 healthy, then 16 with faults
     python benchmarks/swarm_scale.py --nodes 4 --rounds 10 --no-faults   # one quick row
+    python benchmarks/swarm_scale.py --nodes 16 --rounds 10 --no-faults --group-size 4   # bounded groups
 
 Swarms run through benchmarks/chaos_runner.py (the chaos table's harness: its invariants are checked here too: one
 outer hash per round among the nodes that committed it, no NaN, no node that no fault touched exiting other than
@@ -57,6 +58,7 @@ def overrides(args: argparse.Namespace, nodes: int) -> tuple[str, ...]:
         "timeouts.isolation_timeout=60.0",
         f"run.inner_steps={args.inner_steps}",
         'run.codec="int8"',
+        f"run.exchange_group_size={args.group_size}",
     )
 
 
@@ -248,6 +250,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=2400.0, help="seconds each swarm may take")
     parser.add_argument(
         "--no-faults", dest="faults", action="store_false", help="leave the 16-node fault row out"
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=0,
+        help="run.exchange_group_size: the exchange in rows and columns of at most this many (0: flat)",
     )
     parser.add_argument("--out", type=Path, default=None, help="keep the swarms' directories here")
     parser.add_argument("--markdown", action="store_true")

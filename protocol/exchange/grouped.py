@@ -27,7 +27,8 @@ ends without one of its members (crashed, excluded by the votes) or aborts takes
 every column fails for every member; a column that ends without one of its rows counts as failed; a member
 that cannot get every slice raises `ExchangeAborted`. So no two members that commit differ, and a member lost
 inside the round costs the round (the matchmaking forms the next one without it) instead of a retry among the
-survivors. The others learn of a row that never came from their column's data phase deadline.
+survivors: its exchange, not its work (a round closed without an update leaves the ranks their weights, and
+their steps roll into the next round's contribution). The others learn of a row that never came from their column's data phase deadline.
 
 Nesting. A column of more than G members (R > G: a group of more than G^2) is itself averaged in rows and
 columns, one level down (its rows at stage 2, its columns at stage 3, and so on, up to MAX_DEPTH), so nobody
