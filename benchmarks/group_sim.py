@@ -30,8 +30,9 @@ The plans:
 - **rows**: the exchange's `GroupedExchange` (`farloco.protocol.exchange.grouped`, `run.exchange_group_size`),
   with its own layout and nesting: rows of at most G average the whole contributions (the flat arithmetic),
   column i averages slice i of the row means weighted by each row's weight (a column of more than G: in rows
-  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. With churn
-  it is all or nothing: a round with a drop is lost (`committed`).
+  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. A round
+  with a drop fails in rows and the members fall back to the flat exchange among the group, which drops the
+  lost ones (`fell back`: the share of rounds that did).
 - **moshpit**: `moshpit_plan`; each round a reduce-scatter and all-gather inside each line of the grid, with
   farloco.optim's codec on every slice. Its replicas differ after a round, so its `err` is after d rounds over
   the same vectors (d = the grid's dimensions: the rounds it takes to mix), and `spread` gives the RMS
@@ -460,32 +461,36 @@ def grouped_mean(
 
 
 def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]) -> dict[str, Any]:
-    """A round through GroupedExchange. All or nothing: a round with a drop commits nothing (the survivors learn
-    of it from a stage's deadline, `detect`, and the round is lost); its error is over the rounds that
-    committed."""
+    """A round through GroupedExchange. A drop fails the grouped round (a row or column without a member), which
+    the members learn of from a stage's deadline (`detect`); they then average flat among the whole group, and
+    the flat exchange's votes drop the lost members (as flat_round's retry): the round commits the survivors'
+    exact mean, at the cost of the grouped attempt and a flat all-reduce."""
     group = Group.make(round_id, [GroupMember(m, "127.0.0.1:1") for m in sim.ids])
     cost = RowsCost(defaultdict(int), defaultdict(float), defaultdict(set))
     values = {m: x[index(m)] for m in sim.ids}
     mean, full, prop_full = grouped_mean(sim, group, values, dict.fromkeys(sim.ids, 1.0), 0, cost)
-    conns = {m: len(cost.peers[m]) for m in sim.ids}
     hops = 5 * (1 + max(0, math.ceil(math.log(len(sim.ids), sim.s.group_size)) - 2))
     survivors = [m for m in sim.ids if m not in drops]
     if drops:
+        s, coding = sim.s, sim.coding
+        flat = flat_plan(sim.ids)
+        for m in survivors:  # the fallback's first attempt among all, then the retry among the survivors
+            for plan in (flat, flat_plan(survivors)):
+                cost.msgs[m] += plan.load(m).messages_sent
+                cost.sent[m] += plan.bytes_sent(m, s.numel, coding.bytes_per_value, coding.per_message)
+                cost.peers[m] |= set(sim.ids) - {m}
+        mean = allreduce_mean(coding, x[[index(m) for m in survivors]])
+        payload = s.model_params * coding.bytes_per_value
+        idx = [index(m) for m in survivors]
         u = min(drops.values())
-        row = sim.summary(
-            survivors,
-            cost.msgs,
-            conns,
-            cost.sent,
-            hops,
-            u * full + sim.detect,
-            u * prop_full + sim.detect,
-            math.nan,
-        )
-        row["committed"] = 0.0
-        return row
-    exact = x.double().mean(dim=0)
-    return sim.summary(survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact))
+        full = u * full + sim.detect + sim.detect + allreduce_latency(sim.wan, idx, payload)
+        prop_full = u * prop_full + 2 * sim.detect + allreduce_latency(sim.wan, idx, 0.0)
+        hops += 4
+    conns = {m: len(cost.peers[m]) for m in sim.ids}
+    exact = x[[index(m) for m in survivors]].double().mean(dim=0)
+    row = sim.summary(survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact))
+    row["fell_back"] = 1.0 if drops else 0.0
+    return row
 
 
 # -- Moshpit ----------------------------------------------------------------------------------------------
@@ -647,6 +652,7 @@ def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [r["err"] for r in rows if not math.isnan(r["err"])]  # over the rounds that committed
     out["err"] = statistics.fmean(errors) if errors else math.nan
     out["committed"] = statistics.fmean(r.get("committed", 1.0) for r in rows)
+    out["fell_back"] = statistics.fmean(r.get("fell_back", 0.0) for r in rows)
     for key in ("msgs_max", "conns_max", "kb_max", "hops"):
         out[key] = max(r[key] for r in rows)
     out["latency_s"] = statistics.median(r["latency_s"] for r in rows)
@@ -674,8 +680,8 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
         f"drops noticed after {s.detect_ms:g} ms",
         "",
         "| peers | plan | msgs/peer mean | max | conns/peer mean | max | KB sent/peer mean | max | hops "
-        "| prop ms | round s | committed | err | moshpit spread after 1..d |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prop ms | round s | committed | fell back | err | moshpit spread after 1..d |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hops = f"{r['hops']}" + (f" (x{r['dims']} to mix)" if r["plan"] == "moshpit" else "")
@@ -684,7 +690,8 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
             f"| {r['peers']} | {r['plan']} | {r['msgs_mean']:.1f} | {r['msgs_max']} | "
             f"{r['conns_mean']:.1f} | "
             f"{r['conns_max']} | {r['kb_mean']:.1f} | {r['kb_max']:.1f} | {hops} | {r['prop_ms']:.0f} | "
-            f"{r['latency_s']:.2f} | {r.get('committed', 1.0):.0%} | {r['err']:.2g} | {spread} |"
+            f"{r['latency_s']:.2f} | {r.get('committed', 1.0):.0%} | {r.get('fell_back', 0.0):.0%} | "
+            f"{r['err']:.2g} | {spread} |"
         )
     return "\n".join(lines)
 

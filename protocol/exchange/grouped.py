@@ -22,13 +22,17 @@ The mean is the group's weighted mean. A lossy codec codes each contribution onc
 coding more than the flat exchange, so the error bound is the codec's for a mean of means. fp32 sums in another order than the flat exchange
 (rows, then columns): within a few ulps of it.
 
-All or nothing. A round commits with every member of the group in the mean, or not at all: a row whose exchange
-ends without one of its members (crashed, excluded by the votes) or aborts takes no part in the columns, so
-every column fails for every member; a column that ends without one of its rows counts as failed; a member
-that cannot get every slice raises `ExchangeAborted`. So no two members that commit differ, and a member lost
-inside the round costs the round (the matchmaking forms the next one without it) instead of a retry among the
-survivors: its exchange, not its work (a round closed without an update leaves the ranks their weights, and
-their steps roll into the next round's contribution). The others learn of a row that never came from their column's data phase deadline.
+A failed round. A round commits with every member of the group in the grouped mean, or the group falls back to
+the flat exchange. A row whose exchange ends without one of its members (crashed, excluded by the votes) or
+aborts keeps its carriers out of the columns, so every column fails; a column that ends without one of its
+rows fails; a carrier whose row or column failed answers requests for its slice with SLICE_FAILED. A member
+that learns any of these (ROW_FAILED as a carrier, COLUMN_FAILED, SLICE_FAILED) knows that no member can hold
+every slice, and averages with the flat exchange among the whole group instead, in the time left (stage
+FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the timeout): its votes and retries drop the members
+lost, as in any flat round, so a member lost inside the round costs the round's time, not the round. A member
+that only failed to reach a slice's carriers (GATHER_FAILED: others may have it), or that carries nothing and
+saw its own row fail, proves nothing and raises `ExchangeAborted`; it holds none of the round's mean, so no
+two members that commit differ.
 
 Nesting. A column of more than G members (R > G: a group of more than G^2) is itself averaged in rows and
 columns, one level down (its rows at stage 2, its columns at stage 3, and so on, up to MAX_DEPTH), so nobody
@@ -51,7 +55,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -70,7 +74,18 @@ log = logging.getLogger("farloco.protocol.exchange")
 SLICE_METHOD = "ExchangeSlice"
 # Levels of rows and columns at most: a column longer than G is itself averaged in rows and columns, one level
 # down (stages 2d and 2d + 1 at depth d, within AttemptRef's MAX_STAGE).
-MAX_DEPTH = (MAX_STAGE + 1) // 2 - 1
+MAX_DEPTH = (MAX_STAGE - 1) // 2 - 1
+# The flat exchange a grouped round falls back to among the whole group (see "A failed round" above).
+FALLBACK_STAGE = MAX_STAGE
+# Failures that prove no member can hold every slice of the round (see "A failed round"): a row that did not
+# finish with all its members (its carriers stay out of the columns), a column that did not, a carrier saying its
+# column failed. GATHER_FAILED (slices unreachable) proves nothing: others may have them.
+ROW_FAILED = "ROW_FAILED"
+COLUMN_FAILED = "COLUMN_FAILED"
+SLICE_FAILED = "SLICE_FAILED"
+GATHER_FAILED = "GATHER_FAILED"
+# The least share of `average(timeout=)` left for the fallback to start.
+FALLBACK_MIN_SHARE = 0.15
 MIN_GROUP_SIZE = 2
 MAX_GROUP_SIZE = 4096
 # Shares of `average(timeout=)` for the row and the column; the gather has the rest.
@@ -177,6 +192,9 @@ class _Round:
     members: frozenset[str] = frozenset()
     carried: int = -1  # the slice we carry (-1: none)
     over: bool = False  # forgotten (an old round): requests are refused
+    # Why a slice is not served once `chunks` is None: SLICE_FAILED (our row or column failed: nobody has it) or
+    # SLICE_UNKNOWN (we failed later, in a nested gather: another carrier may have it)
+    failure: str = SLICE_FAILED
     # What this member served of the slice before its own average returned (counted in its AverageResult)
     served_bytes: int = 0
     served_values: int = 0
@@ -261,8 +279,41 @@ class GroupedExchange:
             return flat
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        deadline = asyncio.get_running_loop().time() + timeout
-        return await self._grouped(group, tensor, codec, weight, out, transmitted_out, deadline, 0, False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            return await self._grouped(group, tensor, codec, weight, out, transmitted_out, deadline, 0, False)
+        except ExchangeAborted as exc:
+            plan = layout(group, self.group_size)
+            carrier = plan.row_of(self.peer_id)[1] < plan.slices
+            proven = exc.reason in (COLUMN_FAILED, SLICE_FAILED) or (exc.reason == ROW_FAILED and carrier)
+            left = deadline - loop.time()
+            if not proven or left < FALLBACK_MIN_SHARE * timeout:
+                raise
+            log.warning("%s; the flat exchange among the group instead (%.1f s left)", exc, left)
+            try:
+                result: AverageResult = await self.inner.average(
+                    group,
+                    tensor,
+                    codec,
+                    timeout=left,
+                    weight=weight,
+                    out=out,
+                    transmitted_out=transmitted_out,
+                    stage=FALLBACK_STAGE,
+                )
+            except ExchangeAborted as flat:
+                flat.bytes_sent += exc.bytes_sent
+                flat.bytes_received += exc.bytes_received
+                flat.fp32_bytes += exc.fp32_bytes
+                raise
+            return replace(
+                result,
+                bytes_sent=result.bytes_sent + exc.bytes_sent,
+                bytes_received=result.bytes_received + exc.bytes_received,
+                fp32_bytes=result.fp32_bytes + exc.fp32_bytes,
+                seconds=timeout - (deadline - loop.time()),
+            )
 
     async def _grouped(
         self,
@@ -298,6 +349,10 @@ class GroupedExchange:
             exc.bytes_sent += spent.sent
             exc.bytes_received += spent.received
             exc.fp32_bytes += spent.fp32
+            if exc.reason == GATHER_FAILED:
+                state.failure = (
+                    "SLICE_UNKNOWN"  # our column may have done well elsewhere: ask another carrier
+                )
             raise
         finally:
             if not state.chunks.done():
@@ -326,21 +381,24 @@ class GroupedExchange:
         timeout = deadline - loop.time()
         row = Group.make(group.round_id, list(plan.rows[r]))
         where = f"round {group.round_id} depth {depth} row {r} of {len(plan.rows)}"
-        row_result: AverageResult = await self.inner.average(
-            row,
-            tensor,
-            codec,
-            timeout=timeout * ROW_SHARE,
-            weight=weight,
-            out=out,
-            transmitted_out=transmitted_out,
-            stage=2 * depth,
-        )
+        try:
+            row_result: AverageResult = await self.inner.average(
+                row,
+                tensor,
+                codec,
+                timeout=timeout * ROW_SHARE,
+                weight=weight,
+                out=out,
+                transmitted_out=transmitted_out,
+                stage=2 * depth,
+            )
+        except ExchangeAborted as exc:
+            raise _again(exc, ROW_FAILED, f"{where}: {exc}") from None
         spent.add(row_result)
         if len(row_result.contributors) != len(row.members) or row_result.total_weight is None:
             missing = sorted({m.peer_id for m in row.members} - set(row_result.contributors))
             raise ExchangeAborted(
-                "GROUP_INCOMPLETE", f"{where}: the row averaged without {missing}, so the round cannot commit"
+                ROW_FAILED, f"{where}: the row averaged without {missing}, so the round cannot commit"
             )
         mean = row_result.averaged.view(-1)
         numel = mean.numel()
@@ -354,30 +412,34 @@ class GroupedExchange:
             contribution = OnDemand(hi - lo, lambda a, b, into: into.copy_(part[a:b]))
             budget = max(0.001, deadline - loop.time()) * COLUMN_SHARE / (1 - ROW_SHARE)
             column_result: AverageResult
-            if len(column.members) > self.group_size and depth < MAX_DEPTH and hi - lo >= self.group_size:
-                # A column longer than G: in rows and columns itself, one level down.
-                column_result = await self._grouped(
-                    column, contribution, codec, row_result.total_weight, column_out, None,
-                    loop.time() + budget, depth + 1, not raw,
-                )  # fmt: skip
-            else:
-                column_result = await self.inner.average(
-                    column,
-                    contribution,
-                    codec,
-                    timeout=budget,
-                    weight=row_result.total_weight,
-                    out=column_out,
-                    stage=2 * depth + 1,
-                    keep_mean=True,
-                )
+            column_where = f"round {group.round_id} depth {depth} column {i}"
+            try:
+                if len(column.members) > self.group_size and depth < MAX_DEPTH and hi - lo >= self.group_size:
+                    # A column longer than G: in rows and columns itself, one level down.
+                    column_result = await self._grouped(
+                        column, contribution, codec, row_result.total_weight, column_out, None,
+                        loop.time() + budget, depth + 1, not raw,
+                    )  # fmt: skip
+                else:
+                    column_result = await self.inner.average(
+                        column,
+                        contribution,
+                        codec,
+                        timeout=budget,
+                        weight=row_result.total_weight,
+                        out=column_out,
+                        stage=2 * depth + 1,
+                        keep_mean=True,
+                    )
+            except ExchangeAborted as exc:
+                # A nested gather that failed proves nothing of the column's other members; anything else does.
+                reason = GATHER_FAILED if exc.reason == GATHER_FAILED else COLUMN_FAILED
+                raise _again(exc, reason, f"{column_where}: {exc}") from None
             spent.add(column_result)
             if len(column_result.contributors) != len(column.members):
                 missing = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
                 raise ExchangeAborted(
-                    "GROUP_INCOMPLETE",
-                    f"round {group.round_id} depth {depth} column {i}: averaged without {missing}, so the round "
-                    "cannot commit",
+                    COLUMN_FAILED, f"{column_where}: averaged without {missing}, so the round cannot commit"
                 )
             part.copy_(column_out)
             if raw:
@@ -432,6 +494,7 @@ class GroupedExchange:
             lo, hi = plan.bounds(mean.numel(), j)
             carriers = [plan.rows[(r + k) % len(plan.rows)][j] for k in range(len(plan.rows))]
             errors: list[str] = []
+            failed = False
             for carrier in carriers:
                 if carrier.peer_id == self.peer_id:
                     continue
@@ -441,10 +504,12 @@ class GroupedExchange:
                 except (RpcError, Reject) as exc:
                     reason = exc.reason
                     errors.append(f"{carrier.peer_id}: {reason}")
-                    if reason == "SLICE_FAILED":
+                    if reason == SLICE_FAILED:
+                        failed = True
                         break  # the column failed: every carrier of the slice will say the same
             raise ExchangeAborted(
-                "GATHER_FAILED", f"round {group.round_id}: slice {j} from nobody ({'; '.join(errors)})"
+                SLICE_FAILED if failed else GATHER_FAILED,
+                f"round {group.round_id}: slice {j} from nobody ({'; '.join(errors)})",
             )
 
         tasks = [asyncio.create_task(one(j)) for j in range(plan.slices) if j != i]
@@ -558,13 +623,13 @@ class GroupedExchange:
             chunks = await asyncio.wait_for(asyncio.shield(state.chunks), SLICE_WAIT_SECONDS)
         except TimeoutError:
             raise precondition(
-                "SLICE_FAILED", f"round {state.round_id}: slice {request.index} not ready"
+                "SLICE_NOT_READY", f"round {state.round_id}: slice {request.index} not ready"
             ) from None
         if chunks is None:
             raise Reject(
                 grpc.StatusCode.ABORTED,
-                "SLICE_FAILED",
-                f"round {state.round_id}: slice {request.index}'s column failed here",
+                state.failure,
+                f"round {state.round_id}: slice {request.index} failed here",
             )
         for a, b, data in chunks:
             frame = Frame({"a": a, "b": b}, data)
@@ -591,6 +656,17 @@ class GroupedExchange:
         for group_id, (round_id, _) in list(self._uses.items()):
             if round_id < self._newest - (ROUNDS_KEPT - 1):
                 del self._uses[group_id]
+
+
+def _again(exc: ExchangeAborted, reason: str, detail: str) -> ExchangeAborted:
+    """`exc` as a stage of a grouped round sees it: another reason and detail, the same bytes."""
+    again = ExchangeAborted(reason, detail)
+    again.bytes_sent, again.bytes_received, again.fp32_bytes = (
+        exc.bytes_sent,
+        exc.bytes_received,
+        exc.fp32_bytes,
+    )
+    return again
 
 
 @dataclass
