@@ -264,19 +264,16 @@ class GroupedExchange:
         """`Exchange.average`, in rows and columns where `applies` says so (and the tensor has a value for every
         slice: a tiny one, a barrier, goes flat)."""
         numel = tensor.numel if isinstance(tensor, OnDemand) else tensor.numel()
+
+        async def flat(timeout: float, **kwargs: Any) -> AverageResult:
+            result: AverageResult = await self.inner.average(
+                group, tensor, codec, timeout=timeout, weight=weight, out=out, transmitted_out=transmitted_out,
+                **kwargs,
+            )  # fmt: skip
+            return result
+
         if not self.applies(group, codec, rule, span) or numel < self.group_size:
-            flat: AverageResult = await self.inner.average(
-                group,
-                tensor,
-                codec,
-                timeout=timeout,
-                weight=weight,
-                out=out,
-                transmitted_out=transmitted_out,
-                rule=rule,
-                span=span,
-            )
-            return flat
+            return await flat(timeout, rule=rule, span=span)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         loop = asyncio.get_running_loop()
@@ -292,20 +289,11 @@ class GroupedExchange:
                 raise
             log.warning("%s; the flat exchange among the group instead (%.1f s left)", exc, left)
             try:
-                result: AverageResult = await self.inner.average(
-                    group,
-                    tensor,
-                    codec,
-                    timeout=left,
-                    weight=weight,
-                    out=out,
-                    transmitted_out=transmitted_out,
-                    stage=FALLBACK_STAGE,
-                )
-            except ExchangeAborted as flat:
-                flat.bytes_sent += exc.bytes_sent
-                flat.bytes_received += exc.bytes_received
-                flat.fp32_bytes += exc.fp32_bytes
+                result = await flat(left, stage=FALLBACK_STAGE)
+            except ExchangeAborted as failed:
+                failed.bytes_sent += exc.bytes_sent
+                failed.bytes_received += exc.bytes_received
+                failed.fp32_bytes += exc.fp32_bytes
                 raise
             return replace(
                 result,
@@ -340,11 +328,9 @@ class GroupedExchange:
         state.started.set()
         self._forget(group.round_id)
         spent = _Spent()
+        call = _Call(group, codec, deadline, depth, keep, plan, r, i, state, use, spent, started)
         try:
-            return await self._stages(
-                group, plan, r, i, state, use, tensor, codec, weight, out, transmitted_out, deadline, spent,
-                started, depth, keep,
-            )  # fmt: skip
+            return await self._stages(call, tensor, weight, out, transmitted_out)
         except ExchangeAborted as exc:
             exc.bytes_sent += spent.sent
             exc.bytes_received += spent.received
@@ -360,23 +346,16 @@ class GroupedExchange:
 
     async def _stages(
         self,
-        group: Group,
-        plan: Layout,
-        r: int,
-        i: int,
-        state: _Round,
-        use: int,
+        call: _Call,
         tensor: torch.Tensor | OnDemand,
-        codec: TensorCodec,
         weight: float,
         out: torch.Tensor | None,
         transmitted_out: torch.Tensor | None,
-        deadline: float,
-        spent: _Spent,
-        started: float,
-        depth: int,
-        keep: bool,
     ) -> AverageResult:
+        group, plan, r, i, state, codec, deadline, spent = (
+            call.group, call.plan, call.r, call.i, call.state, call.codec, call.deadline, call.spent,
+        )  # fmt: skip
+        depth, keep = call.depth, call.keep
         loop = asyncio.get_running_loop()
         timeout = deadline - loop.time()
         row = Group.make(group.round_id, list(plan.rows[r]))
@@ -456,7 +435,7 @@ class GroupedExchange:
             del column_out
             state.chunks.set_result(chunks)
         kept: list[tuple[int, int, bytes]] | None = list(chunks) if keep and not raw else None
-        await self._gather(group, use, plan, r, i, mean, codec, raw, deadline, spent, kept)
+        await self._gather(call, mean, raw, kept)
         # What we served of our slice so far (late requests after this are not counted).
         spent.sent += state.served_bytes
         spent.fp32 += 4 * state.served_values
@@ -466,7 +445,7 @@ class GroupedExchange:
             contributors=tuple(sorted(m.peer_id for m in group.members)),
             bytes_sent=spent.sent,
             bytes_received=spent.received,
-            seconds=time.monotonic() - started,
+            seconds=time.monotonic() - call.started,
             fp32_bytes=spent.fp32,
             encoded_in=row_result.encoded_in,
             mean_chunks=() if kept is None else tuple(sorted(kept)),
@@ -474,21 +453,11 @@ class GroupedExchange:
         )
 
     async def _gather(
-        self,
-        group: Group,
-        use: int,
-        plan: Layout,
-        r: int,
-        i: int,
-        mean: torch.Tensor,
-        codec: TensorCodec,
-        raw: bool,
-        deadline: float,
-        spent: _Spent,
-        kept: list[tuple[int, int, bytes]] | None,
+        self, call: _Call, mean: torch.Tensor, raw: bool, kept: list[tuple[int, int, bytes]] | None
     ) -> None:
         """Every slice but ours, from its carrier in our row or, failing that, another member of its column (and
         into `kept`, their coded chunks)."""
+        plan, r, i = call.plan, call.r, call.i
 
         async def one(j: int) -> None:
             lo, hi = plan.bounds(mean.numel(), j)
@@ -499,7 +468,7 @@ class GroupedExchange:
                 if carrier.peer_id == self.peer_id:
                     continue
                 try:
-                    await self._pull(group, use, carrier, j, lo, hi, mean, codec, raw, deadline, spent, kept)
+                    await self._pull(call, carrier, j, lo, hi, mean, raw, kept)
                     return
                 except (RpcError, Reject) as exc:
                     reason = exc.reason
@@ -509,7 +478,7 @@ class GroupedExchange:
                         break  # the column failed: every carrier of the slice will say the same
             raise ExchangeAborted(
                 SLICE_FAILED if failed else GATHER_FAILED,
-                f"round {group.round_id}: slice {j} from nobody ({'; '.join(errors)})",
+                f"round {call.group.round_id}: slice {j} from nobody ({'; '.join(errors)})",
             )
 
         tasks = [asyncio.create_task(one(j)) for j in range(plan.slices) if j != i]
@@ -522,23 +491,20 @@ class GroupedExchange:
 
     async def _pull(
         self,
-        group: Group,
-        use: int,
+        call: _Call,
         carrier: GroupMember,
         j: int,
         lo: int,
         hi: int,
         mean: torch.Tensor,
-        codec: TensorCodec,
         raw: bool,
-        deadline: float,
-        spent: _Spent,
         kept: list[tuple[int, int, bytes]] | None,
     ) -> None:
+        group, codec, spent = call.group, call.codec, call.spent
         loop = asyncio.get_running_loop()
         fast = getattr(codec, "optional_checksum", False) is True
 
-        ask = Frame(SliceRequest(group.group_id, j, use).encode())
+        ask = Frame(SliceRequest(group.group_id, j, call.use).encode())
 
         async def request() -> AsyncIterator[Frame]:
             yield ask
@@ -551,7 +517,7 @@ class GroupedExchange:
             SLICE_METHOD,
             request(),
             round_id=group.round_id,
-            timeout=max(0.001, deadline - loop.time()),
+            timeout=max(0.001, call.deadline - loop.time()),
             bulk=True,
         )
         async for frame in answers:
@@ -667,6 +633,24 @@ def _again(exc: ExchangeAborted, reason: str, detail: str) -> ExchangeAborted:
         exc.fp32_bytes,
     )
     return again
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One grouped average on this member: what it averages with, where it sits, and what it spent."""
+
+    group: Group
+    codec: TensorCodec
+    deadline: float
+    depth: int  # 0: the round's group; d + 1: a column of depth d in rows and columns itself
+    keep: bool  # the result carries the mean's coded chunks
+    plan: Layout
+    r: int  # our row
+    i: int  # our position in it: the slice we carry, if < plan.slices
+    state: _Round
+    use: int
+    spent: _Spent
+    started: float
 
 
 @dataclass
