@@ -56,6 +56,7 @@ class Averaged:
     sent: int
     received: int
     fp32_bytes: int
+    path: str = "flat"  # AverageResult.path: flat, rows, or rows then flat ("alone": a group of one)
 
 
 class RoundRunner:
@@ -486,7 +487,7 @@ class RoundRunner:
             if len(group.members) == 1 and island_round is None:
                 transmitted: Transmitted
                 transmitted, mean = self.outer.round.alone(contribution)
-                averaged = Averaged(transmitted, mean, (self.state.peer_id,), 0, 0, 0)
+                averaged = Averaged(transmitted, mean, (self.state.peer_id,), 0, 0, 0, "alone")
             elif isinstance(contribution, OnDemand):
                 # Made chunk by chunk as the exchange sends it; the mean lands in a buffer kept across rounds,
                 # and of what the swarm saw only the ranges it was encoded in are kept (OuterRound.commit).
@@ -508,6 +509,7 @@ class RoundRunner:
                     result.bytes_sent,
                     result.bytes_received,
                     result.fp32_bytes,
+                    result.path,
                 )
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
@@ -541,6 +543,7 @@ class RoundRunner:
                     result.bytes_sent,
                     result.bytes_received,
                     result.fp32_bytes,
+                    result.path,
                 )
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
@@ -637,6 +640,7 @@ class RoundRunner:
             synced=[synced.start, synced.stop],
             overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
             fp32_bytes=averaged.fp32_bytes,
+            exchange=averaged.path,  # flat, rows (run.exchange_group_size), rows then flat, alone
             seconds=self.state.counters.last_round_seconds,
             phases=self._phases,
             # matchmaking: frozen in one hop, and the last member's ready record -> the group known here

@@ -98,6 +98,9 @@ class AverageResult:
     # The weights of the contributors summed (math.fsum), alike on every member that knows them all; None on a
     # member that does not (it owns no part, behind NAT).
     total_weight: float | None = None
+    # How the mean was made: "flat" (Exchange), "rows" (grouped.py's rows and columns) or "rows, then flat" (a
+    # grouped round that failed and fell back to the flat exchange among the group)
+    path: str = "flat"
 
 
 class ExchangeAborted(Exception):

@@ -301,6 +301,7 @@ class GroupedExchange:
                 bytes_received=result.bytes_received + exc.bytes_received,
                 fp32_bytes=result.fp32_bytes + exc.fp32_bytes,
                 seconds=timeout - (deadline - loop.time()),
+                path="rows, then flat",
             )
 
     async def _grouped(
@@ -450,6 +451,7 @@ class GroupedExchange:
             encoded_in=row_result.encoded_in,
             mean_chunks=() if kept is None else tuple(sorted(kept)),
             total_weight=None,
+            path="rows",
         )
 
     async def _gather(
