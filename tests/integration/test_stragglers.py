@@ -88,20 +88,24 @@ def test_a_slow_node_contributes_part_of_each_round_instead_of_stalling_the_swar
 @pytest.mark.multiprocess
 @pytest.mark.dht
 def test_a_node_late_for_a_round_brings_its_steps_into_the_next_one(tmp_path: Path) -> None:
-    """3 real nodes; node c's agent stalls 6 s as matchmaking starts in round 2 (FARLOCO_FAULTS
-    delay=6@match:2; the round whose commit is round event 3), past the others' straggler wait (match_timeout
-    3 s), so that round commits without it while it is still in it. It takes the swarm's state after that round,
+    """3 real nodes; node c's agent stalls 5 s as matchmaking starts in round 2 (FARLOCO_FAULTS
+    delay=5@match:2; the round whose commit is round event 3), past the others' straggler wait (match_timeout
+    3 s), so that round commits without it while it is still in it, and back about 2 s after that commit: well
+    within the next round's training (80 steps, 6 s and more). It takes the swarm's state after that round,
     keeps its pseudo-gradient of it (run.late_work = merge), and its next round carries it: that round's
     contribution weighs its own share of the steps (cut short if the others wait for it) plus the late ones';
     every node holds the same theta after every round, and nothing it trained is dropped."""
     rounds = 5
     overrides = [
-        "run.inner_steps=40",  # ~7 s of training a round: the late node is back within the next one
+        # 80 steps, 0.08-0.2 s each here: the next round trains 6 s or more, and the late node is back ~2 s into
+        # it. (With 40 steps at 0.09 s the others' next round committed 0.1 s before the node was back from its
+        # 6 s stall, and it was late for two rounds: a loaded full suite's failure.)
+        "run.inner_steps=80",
         "node.eval_batches=0",
         "timeouts.match_timeout=3",
         "timeouts.match_timeout_min=1",
     ]
-    events = run_three(tmp_path, rounds, overrides, "delay=6@match:2")
+    events = run_three(tmp_path, rounds, overrides, "delay=5@match:2")
     by_round = [{e["round_id"]: e for e in log if e["event"] == "round"} for log in events]
     assert sorted(by_round[0]) == sorted(by_round[1]) == list(range(1, rounds + 1)), by_round[:2]
     assert sorted(by_round[2]) == [1, 2, 4, 5], sorted(by_round[2])
