@@ -22,7 +22,9 @@ cleanly, nothing left behind). Figures per row, from the nodes' own round events
   of rounds frozen in one hop;
 - `KB/round`: exchange bytes one node sent per round (its round events' `bytes_sent`, aborted attempts
   included); the DHT's own traffic is measured by benchmarks/matchmaking.py;
-- `forks`: round ids committed with two outer hashes (must be 0).
+- `forks`: round ids committed with two outer hashes (must be 0);
+- `exchange`: how the commits' means were made (flat; with `--group-size`, rows, or rows then flat where a
+  grouped round fell back).
 
 Timeouts are the loopback demo's (node/tools/demo.py) widened for many processes on few cores: `--member-ttl`
 (default 15 s) and `--heartbeat` (default 2 s), match_timeout 60 s, isolation_timeout 60 s. Each node runs
@@ -205,6 +207,8 @@ def figures(work: Path, nodes: int, faults: list[tuple[int, float]]) -> dict[str
         "one_hop_share": sum(one_hop.values()) / len(one_hop) if one_hop else None,
         "kb_per_round": statistics.mean(sent) / 1000 if sent else None,
         "forks": sorted(r for r, h in hashes.items() if len(h) > 1),
+        # how the commits' means were made (round events' `exchange`): flat, rows, rows then flat
+        "exchange": dict(Counter(str(e.get("exchange", "?")) for rounds in events.values() for e in rounds)),
     }
 
 
