@@ -26,13 +26,17 @@ A failed round. A round commits with every member of the group in the grouped me
 the flat exchange. A row whose exchange ends without one of its members (crashed, excluded by the votes) or
 aborts keeps its carriers out of the columns, so every column fails; a column that ends without one of its
 rows fails; a carrier whose row or column failed answers requests for its slice with SLICE_FAILED. A member
-that learns any of these (ROW_FAILED as a carrier, COLUMN_FAILED, SLICE_FAILED) knows that no member can hold
-every slice, and averages with the flat exchange among the whole group instead, in the time left (stage
-FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the timeout): its votes and retries drop the members
-lost, as in any flat round, so a member lost inside the round costs the round's time, not the round. A member
-that only failed to reach a slice's carriers (GATHER_FAILED: others may have it), or that carries nothing and
-saw its own row fail, proves nothing and raises `ExchangeAborted`; it holds none of the round's mean, so no
-two members that commit differ.
+that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among the
+whole group instead, in the time left (stage FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the
+timeout): its votes and retries drop the members lost, as in any flat round, so a member lost inside the round
+costs the round's time, not the round. Each of these proves that no member can hold every slice, except a row
+failure seen by a member that carries nothing, whose row-mates might (rows end alike but for the flat
+exchange's rare split votes): that member still falls back, since a member left out of the fallback would
+close the round alone and, a round ahead of the others, could start a lineage of its own with whoever joins
+(seen with 16 nodes); and a fallback among a minority cannot commit (the flat exchange drops silent members
+only while the rest is a strict majority). A member that only failed to reach a slice's carriers
+(GATHER_FAILED: others may have it) raises `ExchangeAborted`; it holds none of the round's mean, so no two
+members that commit differ.
 
 Nesting. A column of more than G members (R > G: a group of more than G^2) is itself averaged in rows and
 columns, one level down (its rows at stage 2, its columns at stage 3, and so on, up to MAX_DEPTH), so nobody
@@ -281,9 +285,7 @@ class GroupedExchange:
         try:
             return await self._grouped(group, tensor, codec, weight, out, transmitted_out, deadline, 0, False)
         except ExchangeAborted as exc:
-            plan = layout(group, self.group_size)
-            carrier = plan.row_of(self.peer_id)[1] < plan.slices
-            proven = exc.reason in (COLUMN_FAILED, SLICE_FAILED) or (exc.reason == ROW_FAILED and carrier)
+            proven = exc.reason in (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED)
             left = deadline - loop.time()
             if not proven or left < FALLBACK_MIN_SHARE * timeout:
                 raise
