@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -142,9 +143,18 @@ def test_wandb_offline_one_run_per_node_in_the_swarms_group_resumed_after_a_rest
     assert id_a != id_b
     runs_a = sorted((a / "logs" / "wandb" / "wandb").glob("offline-run-*"))
     runs_b = sorted((b / "logs" / "wandb" / "wandb").glob("offline-run-*"))
-    # wandb's offline folders are named by the run id: the restart wrote to the same run, the other node its own
-    assert len(runs_a) == 2 and all(r.name.endswith(f"-{id_a}") for r in runs_a), runs_a
-    assert len(runs_b) == 1 and runs_b[0].name.endswith(f"-{id_b}"), runs_b
+
+    # wandb's offline folders are named by the run id (offline-run-TIME-ID, and -N after it when a run of the same
+    # id started within the same second: wandb.init's x_sync_dir_suffix, as a fast restart does), and each holds
+    # run-ID.wandb: the restart wrote to the same run, the other node its own
+    def named(run: Path, run_id: str) -> bool:
+        return (
+            re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", run.name) is not None
+            and (run / f"run-{run_id}.wandb").is_file()
+        )
+
+    assert len(runs_a) == 2 and all(named(r, id_a) for r in runs_a), runs_a
+    assert len(runs_b) == 1 and named(runs_b[0], id_b), runs_b
     data = b"".join(f.read_bytes() for r in runs_a for f in r.glob("run-*.wandb"))
     # one history record per round (plus the summary), each naming its keys; the round before `started` is not
     assert data.count(b"round/train_loss") >= 6 and data.count(b"round/contributors") >= 6
