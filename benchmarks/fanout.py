@@ -1,5 +1,6 @@
-"""Benchmark of one small message to many processes: farloco's authenticated gRPC unary call (what carries a ready
-record to every member) against a bare asyncio TCP line on an open connection, on 127.0.0.1.
+"""Benchmark of one small message to many processes: farloco's authenticated unary call over gRPC and over a link
+(protocol/links.py: one kept-open data-plane connection per peer, what carries a ready record to every member)
+against a bare asyncio TCP line on an open connection, on 127.0.0.1.
 
     python benchmarks/fanout.py                    # 7 receivers, idle gaps of 0, 0.1 and 1 s
     python benchmarks/fanout.py --receivers 15 --calls 40
@@ -33,7 +34,7 @@ async def receiver(index: int) -> None:
     from farloco.protocol.auth import Authenticator
     from farloco.protocol.rpc import Frame, RpcServer
 
-    server = RpcServer(Authenticator("fanout:h", SECRET, f"receiver-{index}"), host="127.0.0.1")
+    server = RpcServer(Authenticator("fanout:h", SECRET, f"receiver-{index}"), host="127.0.0.1", data_port=0)
 
     async def on_call(ctx: Any, frame: Any) -> Any:
         return Frame({"at": time.time()})
@@ -75,6 +76,15 @@ async def measure(addresses: list[dict[str, Any]], calls: int, gaps: list[float]
         )
         return [float(answer.header["at"]) for answer in answers]
 
+    async def by_link() -> list[float]:
+        answers = await asyncio.gather(
+            *(
+                client.unary(a["grpc"], METHOD, Frame({"ready": 1}), round_id=1, timeout=5.0, link=True)
+                for a in addresses
+            )
+        )
+        return [float(answer.header["at"]) for answer in answers]
+
     async def by_tcp() -> list[float]:
         for _, writer in lines:
             writer.write(b"ready\n")
@@ -83,7 +93,7 @@ async def measure(addresses: list[dict[str, Any]], calls: int, gaps: list[float]
     rows = []
     try:
         for gap in gaps:
-            for name, send in (("grpc", by_grpc), ("tcp", by_tcp)):
+            for name, send in (("grpc", by_grpc), ("link", by_link), ("tcp", by_tcp)):
                 await send()  # channels and connections warm
                 first, last, every = [], [], []
                 for _ in range(calls):

@@ -1,5 +1,5 @@
-"""Benchmark of round matchmaking: farloco's DHTMatchmaker (ready and group messages over the members' gRPC links,
-the DHT in the background, the adaptive straggler wait) against hivemind's DecentralizedAverager matchmaking, the
+"""Benchmark of round matchmaking: farloco's DHTMatchmaker (ready and group messages over the links to the
+members, the DHT in the background, the adaptive straggler wait) against hivemind's DecentralizedAverager matchmaking, the
 same number of peers on 127.0.0.1, each peer in its own process.
 
     python benchmarks/matchmaking.py                         # 2, 4, 8 peers; rounds of ~0.1 s and ~1 s of work
@@ -22,9 +22,11 @@ farloco's `match_timeout_min`). Reported per configuration:
 - `one_hop_share`, `push_first_p50_ms`, `push_last_p50_ms` (farloco only): the share of rounds frozen in one hop,
   and when the last member's pushed ready record was filed at the first and at the last other member, after it
   was ready (where the freeze's milliseconds go); `--no-ready-dht-copy` keeps ready records out of the DHT, an
-  unsafe ablation that shows what their stores cost the freeze;
+  unsafe ablation that shows what their stores cost the freeze; `--no-links` sends the round's messages as gRPC
+  calls instead of on the kept-open links (protocol/links.py), and `--dht-niceness N` schedules farloco's DHT
+  child and p2pd N below the worker (default: the daemon's `network.dht_niceness`), for A/Bs in one window;
 - `p2pd_bytes_per_round`: bytes each peer's libp2p daemon sent per round (farloco: its DHT traffic, since its
-  round messages and exchange go over its own gRPC/TCP sockets; hivemind: all of its traffic, matchmaking and
+  round messages and exchange go over its own links, gRPC and data plane; hivemind: all of its traffic, matchmaking and
   all-reduce included).
 
 `--netns RATE` puts each peer in a network namespace of its own (farloco.node.tools.netns: a bridge, both directions of
@@ -130,6 +132,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
     from farloco.protocol.types import GroupMember
 
     no_ready_copy = bool(os.environ.get("BENCH_NO_READY_DHT_COPY"))
+    no_links = bool(os.environ.get("BENCH_NO_LINKS"))
 
     class TimedMatchmaker(DHTMatchmaker):
         """The daemon's driver, plus the time each pushed ready record was filed here; with
@@ -138,6 +141,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.arrivals: dict[tuple[int, str], float] = {}
+            self.over_links = not no_links
 
         async def _on_ready(self, ctx: Any, frame: Any) -> Any:
             answer = await super()._on_ready(ctx, frame)
@@ -152,6 +156,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
         host_maddrs=[f"/ip4/{host}/tcp/0"],
         initial_peers=initial,
         record_validators=make_record_validators(RUN),
+        niceness=int(os.environ["BENCH_DHT_NICENESS"]),  # the daemon's network.dht_niceness unless told
         start=True,
     )
     if rank == 0:
@@ -161,7 +166,10 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
 
     async def main() -> dict[str, Any]:
         auth = Authenticator(f"{RUN}:h", b"bench-secret", peer_id)
-        server, client = RpcServer(auth, host=host), RpcClient(auth)
+        server, client = (
+            RpcServer(auth, host=host, data_port=0),
+            RpcClient(auth),
+        )  # as the daemon: a data plane
         exchange = Exchange(server, client, peer_id)
         # as the agent's: records stored near the members key, the table read every member_ttl/4
         membership = DHTMembership(
@@ -477,6 +485,19 @@ def main() -> None:
         "their stores cost the freeze",
     )
     parser.add_argument(
+        "--no-links",
+        action="store_true",
+        help="farloco pushes each round message as a gRPC call instead of on the kept-open links (the code "
+        "before links, for an A/B in one window)",
+    )
+    parser.add_argument(
+        "--dht-niceness",
+        type=int,
+        default=None,
+        help="farloco's DHT child and p2pd this much below the worker (default: the daemon's "
+        "network.dht_niceness; hivemind's averager keeps its DHT at the worker's priority, as hivemind does)",
+    )
+    parser.add_argument(
         "--netns",
         metavar="RATE",
         help="each peer in a network namespace of its own, on a bridge whose links tc tbf shapes to RATE "
@@ -485,6 +506,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_ready_dht_copy:
         os.environ["BENCH_NO_READY_DHT_COPY"] = "1"  # read by the workers, which inherit it
+    if args.no_links:
+        os.environ["BENCH_NO_LINKS"] = "1"
+    from farloco.node.config import NetworkConfig
+
+    niceness = NetworkConfig().dht_niceness if args.dht_niceness is None else args.dht_niceness
+    os.environ["BENCH_DHT_NICENESS"] = str(niceness)
     impls = ["farloco", "hivemind"] if args.impl == "both" else [args.impl]
     if args.netns and (why := netns.unavailable()):
         parser.error(f"--netns: {why}")

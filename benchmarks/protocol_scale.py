@@ -176,7 +176,7 @@ class Peer:
         self.dht = await InProcessDHT.create(host=self.host, initial_peers=initial, run=RUN, private_key=key)
         self.peer_id = self.dht.peer_id.to_base58()
         auth = Authenticator(f"{RUN}:h", b"bench-secret-of-the-scale-run", self.peer_id)
-        self.server, self.client = RpcServer(auth, host=self.host), RpcClient(auth)
+        self.server, self.client = RpcServer(auth, host=self.host, data_port=0), RpcClient(auth)
         self.exchange: Any = Exchange(self.server, self.client, self.peer_id)
         if GROUP_SIZE:
             from farloco.protocol.exchange.grouped import GroupedExchange

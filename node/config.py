@@ -364,6 +364,11 @@ class NetworkConfig:
     the kernel."""
     initial_peers: list[str] = field(default_factory=list)
     """Multiaddrs of DHT peers to join through (e.g. from `farloco bootstrap`)."""
+    dht_niceness: int = 10
+    """How much lower than the agent the DHT child and its libp2p daemon are scheduled (`nice`), 0..19. The DHT
+    is the round's fallback (its messages ride the links to the members) and needs little CPU; on a host whose
+    cores are busy a freeze then waits for no DHT work (8 peers on 2 cores: freeze p50 24 ms at 0, 15-17 ms at
+    10, BENCHMARKS.md). 0 schedules it like the agent."""
     control_host: str = "127.0.0.1"
     """Address of the local control/metrics HTTP endpoint (keep it on loopback)."""
     control_port: int = 0
@@ -402,6 +407,8 @@ class NetworkConfig:
             raise ConfigError(f"network.streams_per_peer: expected 1..16, got {self.streams_per_peer!r}")
         if not 0 <= self.codec_threads <= 64:
             raise ConfigError(f"network.codec_threads: expected 0..64, got {self.codec_threads!r}")
+        if not 0 <= self.dht_niceness <= 19:
+            raise ConfigError(f"network.dht_niceness: expected 0..19, got {self.dht_niceness!r}")
         if self.socket_buffer_bytes < -1:
             raise ConfigError(
                 f"network.socket_buffer_bytes: expected -1, 0 or a size in bytes, got {self.socket_buffer_bytes!r}"

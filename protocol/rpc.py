@@ -23,6 +23,7 @@ import msgpack
 
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
+from farloco.protocol.links import LINK_METHOD, LINK_STREAM_SECONDS, NO_LINKS, LinkPool, Opener, serve_link
 from farloco.protocol.tcpstream import DataServer, Sink, open_stream
 from farloco.protocol.transport import TlsConfig, ssl_context
 from farloco.protocol.types import NO_INBOUND
@@ -203,6 +204,7 @@ class RpcServer:
         self._data: DataServer | None = None
         self.address: str | None = None
         self.add_unary(DATA_ADDRESS_METHOD, self._on_data_address)
+        self.add_stream(LINK_METHOD, self._serve_link)
 
     def add_unary(self, method: str, handler: UnaryHandler) -> None:
         """Serve `/farloco.v1/<method>` as a unary call handled by `handler`."""
@@ -272,6 +274,10 @@ class RpcServer:
     async def _on_data_address(self, call: CallContext, frame: Frame) -> Frame:
         # Only the port: the caller reaches it on the host it already reaches our gRPC port on.
         return Frame({"port": self.data_port if self._data is not None else None})
+
+    def _serve_link(self, call: CallContext, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        """The built-in stream `Link` (protocol/links.py): unary calls over one kept-open connection."""
+        return serve_link(call, frames, handlers=self._unary, on_reject=self._reject)
 
     async def _open_data_stream(
         self, method: str, metadata: list[tuple[str, str]]
@@ -459,6 +465,39 @@ class RpcClient:
         # method -> bytes of our unary calls (request, its auth metadata, the answer): the control traffic, which
         # the benchmarks weigh per peer (gRPC's own framing and the streams' payloads are not counted).
         self.unary_bytes: Counter[str] = Counter()
+        self.links = LinkPool(self._open_link)
+        self._no_links: set[str] = set()  # addresses whose peer serves no links (no data plane)
+
+    def _open_link(self, address: str) -> Opener:
+        def opener(frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+            return self._link_stream(address, frames)
+
+        return opener
+
+    async def _link_stream(self, address: str, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        """A link's stream (protocol/links.py): the peer's data plane, authenticated as `LINK_METHOD`."""
+        port = await self._data_port(address, 0, 10.0)
+        if port is None:
+            raise RpcError(grpc.StatusCode.UNIMPLEMENTED, "UNKNOWN_METHOD", f"{address} has no data plane")
+        host = split_host_port(address)[0]
+        try:
+            async for answer in open_stream(
+                host,
+                port,
+                LINK_METHOD,
+                self.auth.metadata(LINK_METHOD, 0),
+                frames,
+                timeout=LINK_STREAM_SECONDS,
+                max_message_bytes=self.max_message_bytes,
+                decode=lambda data: self._decode_owned(data, address, LINK_METHOD),
+                ssl_context=self._ssl,
+                server_name=None if self.tls is None else self.tls.server_name or host,
+            ):
+                yield answer
+        except RpcError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE:
+                self._data_ports.pop(address, None)  # it may have restarted elsewhere: ask again next time
+            raise
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         _check_dialable(address)
@@ -500,8 +539,14 @@ class RpcClient:
             return False
         return True
 
-    async def unary(self, address: str, method: str, frame: Frame, *, round_id: int, timeout: float) -> Frame:
-        """One request, one answer; raises RpcError on any failure."""
+    async def unary(
+        self, address: str, method: str, frame: Frame, *, round_id: int, timeout: float, link: bool = False
+    ) -> Frame:
+        """One request, one answer; raises RpcError on any failure.
+
+        `link=True` sends it over the kept-open link to the peer (protocol/links.py) when it serves links, else
+        over gRPC: the same handler, authentication, limits and errors; a link call may reach the handler twice
+        (retried once when its link broke), so only for messages whose handler takes a repeat as the same."""
         _check_method(method)
         request = encode_frame(frame)
         if len(request) > self.max_message_bytes:
@@ -510,6 +555,19 @@ class RpcClient:
                 "FRAME_TOO_LARGE",
                 f"{method} request of {len(request)} bytes exceeds max_message_bytes={self.max_message_bytes}",
             )
+        if link and address not in self._no_links:
+            _check_dialable(address)
+            try:
+                answer: Frame = await self.links.call(
+                    address, method, frame, round_id=round_id, timeout=timeout
+                )
+            except RpcError as exc:
+                if exc.reason != NO_LINKS:
+                    raise
+                self._no_links.add(address)
+            else:
+                self.unary_bytes[method] += len(request) + len(encode_frame(answer))
+                return answer
         call = self._channel(address).unary_unary(f"/{SERVICE}/{method}")
         metadata = self.auth.metadata(method, round_id)
         self.unary_bytes[method] += len(request) + sum(len(k) + len(v) for k, v in metadata)
@@ -625,7 +683,8 @@ class RpcClient:
         return port
 
     async def close(self) -> None:
-        """Close every channel."""
+        """Close every link and channel."""
+        await self.links.close()
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()

@@ -4,8 +4,9 @@ Why it exists. Python gRPC copies every message twice beyond the kernel's own co
 slices) and wakes its poller thread per message; for the exchange's tens to hundreds of MiB per round that made
 farloco's fp32 exchange cost ~3x the CPU of torch.distributed's gloo all_reduce (see BENCHMARKS.md). Here a
 chunk goes from the tensor's memory to `send` and from `recv_into` to a buffer the reducer sums from: the kernel
-copies are the only ones. Everything else stays on gRPC: control calls, votes, state sync, and the way a caller
-finds this listener (`DataAddress`, a unary gRPC method answered with the port).
+copies are the only ones. It also carries links (protocol/links.py: the round's small unary messages on
+one kept-open stream per peer). Everything else stays on gRPC: votes, state sync, and the way a caller finds
+this listener (`DataAddress`, a unary gRPC method answered with the port).
 
 It serves the handlers registered on an `RpcServer` with `add_stream` (the exchange's `ExchangePush`), with the
 same `Authenticator` tokens (sender, method, round, time, one-time nonce), the same frames (`rpc.encode_frame`),

@@ -194,6 +194,7 @@ class Agent:
             initial_peers=[*net.initial_peers, *known],
             record_validators=make_record_validators(self.config.run.name),
             identity_path=str(state.run_dir / "identity.key"),
+            niceness=net.dht_niceness,
             start=True,
         )
         if known:

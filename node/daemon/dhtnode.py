@@ -81,13 +81,14 @@ class DHTStartError(RuntimeError):
     """The DHT node did not become ready in time."""
 
 
-def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
+def make_dht(*, ready_timeout: float = 120.0, niceness: int = 0, **kwargs: Any) -> Any:
     """A hivemind.DHT whose forked child dies with its parent: a SIGKILLed agent or bootstrap must not
     leave its DHT node (and the port it holds) behind, or it could not be restarted on the same address.
 
     With `start=True` it is started and waited for at most `ready_timeout` seconds (hivemind would wait for
     ever): past that the child is killed and DHTStartError names what it was started with.
-    With an `identity_path`, its DHT node id follows from that identity (`stable_node_id`)."""
+    With an `identity_path`, its DHT node id follows from that identity (`stable_node_id`). With `niceness`, the
+    child and its libp2p daemon run that much below their parent's priority (`network.dht_niceness`)."""
     import hivemind
     import torch.multiprocessing
 
@@ -115,6 +116,8 @@ def make_dht(*, ready_timeout: float = 120.0, **kwargs: Any) -> Any:
             # test's gRPC server never became ready). Nothing inherited is the child's to collect: freeze it.
             gc.freeze()
             logging.getLogger("asyncio").addFilter(LateAnswerFilter())
+            if niceness:  # before hivemind starts p2pd here: the daemon inherits it
+                os.nice(niceness)
             super().run()
 
     # hivemind waits 3 s for a peer's answer; on a loaded machine a store then fails for want of replies, so

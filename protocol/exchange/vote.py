@@ -64,6 +64,7 @@ class Voter:
                 Frame(VoteRequest(AttemptRef(attempt.key, attempt.attempt_no, attempt.stage), mine).encode()),
                 round_id=attempt.round_id,
                 timeout=max(0.001, deadline - loop.time()),
+                link=True,  # the kept-open link (protocol/links.py): a repeated vote is the same vote
             )
             try:
                 vote = Vote.decode(answer.header)

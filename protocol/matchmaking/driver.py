@@ -136,6 +136,9 @@ class DHTMatchmaker:
         self.min_poll_interval = min_poll_interval
         self.client = client
         self.push_timeout = push_timeout
+        # Pushes ride the kept-open links to the members (protocol/links.py); False sends each as a gRPC call
+        # (benchmarks/matchmaking.py --no-links compares the two).
+        self.over_links = True
         members_key(run_name)  # validates run_name early
         self._current = 0
         self._ready_in: dict[int, dict[str, ReadyRecord]] = {}
@@ -455,8 +458,15 @@ class DHTMatchmaker:
 
         assert self.client is not None
         try:
+            # Over the kept-open link to the peer (protocol/links.py): the handlers file a repeat as the same
+            # record, so a push retried on a new link is harmless.
             await self.client.unary(
-                address, method, Frame(header), round_id=round_id, timeout=self.push_timeout
+                address,
+                method,
+                Frame(header),
+                round_id=round_id,
+                timeout=self.push_timeout,
+                link=self.over_links,
             )
         except (RpcError, OSError) as exc:
             self.counters["pushes_failed"] += 1
@@ -700,11 +710,10 @@ class DHTMatchmaker:
         # Records must outlive every candidate's window; a generous floor keeps them readable for late peers.
         expiration = now + max(60.0, 4 * (match_timeout + 8 * leader_timeout))
         linked = self.client is not None
-        if linked:
-            self._spawn(self._store_ready(key, mine, expiration))
-        elif not await self._store_ready(key, mine, expiration):
+        if not linked and not await self._store_ready(key, mine, expiration):
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
         pushed: set[str] = {me.peer_id}  # peers our ready record went to (or that we gave up on)
+        stored = not linked  # our ready record's DHT copy is under way (without links: stored above)
         dht = _DHTView({}, {}, [])
         poller = asyncio.ensure_future(
             self._poll(round_id, dht, wake, pushed_to=me.dialable, leader_timeout=leader_timeout)
@@ -731,6 +740,9 @@ class DHTMatchmaker:
                             self._spawn(
                                 self._push(address, READY_METHOD, RecordPush(mine).encode(), round_id)
                             )
+                    if not stored:  # the DHT copy after the pushes: its work in this process goes second
+                        stored = True
+                        self._spawn(self._store_ready(key, mine, expiration))
                 groups = list(dht.groups)
                 groups += [g for g in self._groups_in.get(round_id, {}).values() if g.leader in ready]
                 catching_up = self._catching_up(round_id, live, now, me.peer_id)
