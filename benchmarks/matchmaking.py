@@ -8,7 +8,8 @@ same number of peers on 127.0.0.1, each peer in its own process.
     python benchmarks/matchmaking.py --peers 4 --work 0.1 1.0 --netns 100mbit    # a namespace per peer (root)
 
 Every round each peer "works" for `work` seconds (uniform +-20%: peers are never exactly in step), then forms its
-round's group and averages a 4 KiB tensor with it: farloco runs `DHTMatchmaker.form_group` then
+round's group and averages a 4 KiB tensor with it (a farloco peer late for a round then goes on with the newest
+round another peer announced, as a node takes the swarm's state and joins its round): farloco runs `DHTMatchmaker.form_group` then
 `Exchange.average` (what the daemon runs, minus the trainer ranks); hivemind runs `DecentralizedAverager.step`
 (its own matchmaking and all-reduce; `target_group_size` = all peers, `min_matchmaking_time` = 2 s, as
 farloco's `match_timeout_min`). Reported per configuration:
@@ -21,7 +22,8 @@ farloco's `match_timeout_min`). Reported per configuration:
 - `split_rounds`: round ids in which two different groups formed (farloco only: hivemind's steps carry no id);
 - `one_hop_share`, `push_first_p50_ms`, `push_last_p50_ms` (farloco only): the share of rounds frozen in one hop,
   and when the last member's pushed ready record was filed at the first and at the last other member, after it
-  was ready (where the freeze's milliseconds go); `--no-ready-dht-copy` keeps ready records out of the DHT, an
+  was ready (where the freeze's milliseconds go), and `filed_to_known_p50_ms` / `_p90_ms`, at a member that had
+  every other member's ready record pushed, from the last of them filed to the group known there; `--no-ready-dht-copy` keeps ready records out of the DHT, an
   unsafe ablation that shows what their stores cost the freeze; `--no-links` sends the round's messages as gRPC
   calls instead of on the kept-open links (protocol/links.py), and `--dht-niceness N` schedules farloco's DHT
   child and p2pd N below the worker (default: the daemon's `network.dht_niceness`), for A/Bs in one window;
@@ -213,7 +215,8 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
         await asyncio.sleep(max(0.0, start_at - time.time()))
         dht_sent = p2pd_bytes_sent()
         try:
-            for round_id in range(rounds):
+            round_id = 0
+            while round_id < rounds:
                 if time.time() > start_at + MAX_SECONDS:
                     break
                 state["round"] = round_id
@@ -244,6 +247,10 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
                 except (MatchmakingError, ExchangeAborted) as exc:
                     entry.update(failed=str(exc))
                 log.append(entry)
+                # Late, a node fetches the swarm's state and joins the swarm's round (the rounds between are
+                # rounds it was not in); here: the newest round a peer announced.
+                late = "late" in entry
+                round_id = max(round_id + 1, matchmaker.newest_announced()) if late else round_id + 1
             dht_sent = p2pd_bytes_sent() - dht_sent
         finally:
             beats.cancel()
@@ -325,15 +332,18 @@ def worker_main(argv: list[str]) -> None:
 
 def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[str, Any]:
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
-    reached = min(len(report["log"]) for report in reports)  # rounds every peer got to
+    # rounds every peer got to (a peer late for a round skips to the swarm's: no entry for the rounds between)
+    reached = min(max((e["round"] for e in report["log"]), default=-1) for report in reports)
     for report in reports:
-        for entry in report["log"][:reached]:
-            by_round.setdefault(entry["round"], {})[report["peer"]] = entry
+        for entry in report["log"]:
+            if entry["round"] <= reached:
+                by_round.setdefault(entry["round"], {})[report["peer"]] = entry
     everyone = {report["peer"] for report in reports}
     full, splits, latencies = 0, 0, []
     one_hop: list[bool] = []
     push_first: list[float] = []
     push_last: list[float] = []
+    filed_to_known: list[float] = []
     outside: dict[str, int] = dict.fromkeys(everyone, 0)
     longest = 0
     for _, entries in sorted(by_round.items()):
@@ -363,6 +373,12 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
             if len(filed) == len(biggest) - 1 and filed:
                 push_first.append(min(filed) - entries[last]["ready"])
                 push_last.append(max(filed) - entries[last]["ready"])
+            # at each member that had every other member's ready record pushed: from the last one filed to the
+            # group known there (its event loop's turn and the decision)
+            for p in biggest:
+                got = entries[p].get("arrivals", {})
+                if len(got) == len(biggest) - 1 and "known" in entries[p]:
+                    filed_to_known.append(entries[p]["known"] - max(max(got.values()), entries[p]["ready"]))
     latencies.sort()
 
     def q(p: float, values: list[float] = latencies) -> float | None:
@@ -382,6 +398,8 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
         "one_hop_share": round(sum(one_hop) / len(one_hop), 3) if one_hop else None,
         "push_first_p50_ms": q(0.5, push_first),
         "push_last_p50_ms": q(0.5, push_last),
+        "filed_to_known_p50_ms": q(0.5, filed_to_known),
+        "filed_to_known_p90_ms": q(0.9, filed_to_known),
     }
 
 

@@ -343,8 +343,9 @@ class NetworkConfig:
     dht_port: int = 0
     """hivemind DHT port (0: any free port)."""
     data_plane: str = "tcp"
-    """How the exchange's bulk streams travel: "tcp" (a TCP listener beside gRPC, same authentication, checks
-    and encryption, ~2x less CPU per byte than Python gRPC) or "grpc"."""
+    """How the exchange's bulk streams and the round's small messages travel: "tcp" (a TCP listener beside gRPC,
+    same authentication, checks and encryption, ~2x less CPU per byte than Python gRPC; the small messages on a
+    kept-open link per peer) or "grpc"."""
     data_port: int = 0
     """Port of the TCP data plane (0: any free port; peers learn it over gRPC)."""
     streams_per_peer: int = 1
@@ -364,11 +365,12 @@ class NetworkConfig:
     the kernel."""
     initial_peers: list[str] = field(default_factory=list)
     """Multiaddrs of DHT peers to join through (e.g. from `farloco bootstrap`)."""
-    dht_niceness: int = 10
-    """How much lower than the agent the DHT child and its libp2p daemon are scheduled (`nice`), 0..19. The DHT
-    is the round's fallback (its messages ride the links to the members) and needs little CPU; on a host whose
-    cores are busy a freeze then waits for no DHT work (8 peers on 2 cores: freeze p50 24 ms at 0, 15-17 ms at
-    10, BENCHMARKS.md). 0 schedules it like the agent."""
+    dht_niceness: int = 0
+    """How much lower than the agent the DHT child and its libp2p daemon are scheduled (`nice`), 0..19; 0
+    (default) schedules them like the agent. The DHT is the round's fallback (its messages ride the links), so
+    with many agents on few busy cores a freeze waits less for DHT work at 10 (8 peers on 2 cores: p50 15-16 ms
+    against 24), but the DHT falls behind when the cores are saturated (16 peers: p99 1.0 s against 0.18 s), and
+    beside CPU training ranks its heartbeats would too (BENCHMARKS.md, "Links")."""
     control_host: str = "127.0.0.1"
     """Address of the local control/metrics HTTP endpoint (keep it on loopback)."""
     control_port: int = 0

@@ -31,6 +31,7 @@ import logging
 import socket
 import ssl
 import struct
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -73,12 +74,24 @@ def tune_malloc() -> bool:
     return bool(mallopt(m_top_pad, 64 << 20)) and ok
 
 
+_SYSCTL_SECONDS = (
+    60.0  # a sysctl read is kept this long: every data-plane connection asks, an operator rarely changes one
+)
+_sysctls: dict[tuple[str, int], tuple[float, int | None]] = {}
+
+
 def _sysctl_int(path: str, field: int = 0) -> int | None:
+    now = time.monotonic()
+    cached = _sysctls.get((path, field))
+    if cached is not None and now - cached[0] < _SYSCTL_SECONDS:
+        return cached[1]
     try:
         with open(path) as f:
-            return int(f.read().split()[field])
+            value: int | None = int(f.read().split()[field])
     except (OSError, ValueError, IndexError):
-        return None
+        value = None
+    _sysctls[path, field] = (now, value)
+    return value
 
 
 _warned_buffers: set[int] = set()

@@ -237,6 +237,11 @@ class DHTMatchmaker:
             self._wake.set()
         return Frame({"ok": True})
 
+    def newest_announced(self) -> int:
+        """The newest round another peer announced over the links that it works on (-1 if none): where a peer
+        that was late catches up to."""
+        return max((round_id for round_id, _, _ in self._at.values()), default=-1)
+
     def _prune_at(self) -> None:
         horizon = self.clock.now() - self.membership.core.ttl
         for peer_id in [p for p, (_, at, _) in self._at.items() if at < horizon]:
