@@ -24,7 +24,7 @@ import msgpack
 from farloco.protocol.auth import Authenticator
 from farloco.protocol.errors import FrameError, Reject, RpcError
 from farloco.protocol.links import LINK_METHOD, LINK_STREAM_SECONDS, NO_LINKS, LinkPool, Opener, serve_link
-from farloco.protocol.tcpstream import DataServer, Sink, open_stream
+from farloco.protocol.tcpstream import ConnectionPool, DataServer, Sink, open_stream
 from farloco.protocol.transport import TlsConfig, ssl_context
 from farloco.protocol.types import NO_INBOUND
 from farloco.util.addresses import join_host_port, split_host_port
@@ -465,6 +465,8 @@ class RpcClient:
         # method -> bytes of our unary calls (request, its auth metadata, the answer): the control traffic, which
         # the benchmarks weigh per peer (gRPC's own framing and the streams' payloads are not counted).
         self.unary_bytes: Counter[str] = Counter()
+        # Idle data-plane connections by peer: the next stream to a peer takes one instead of a new handshake.
+        self.connections = ConnectionPool()
         self.links = LinkPool(self._open_link)
         self._no_links: set[str] = set()  # addresses whose peer serves no links (no data plane)
 
@@ -492,6 +494,7 @@ class RpcClient:
                 decode=lambda data: self._decode_owned(data, address, LINK_METHOD),
                 ssl_context=self._ssl,
                 server_name=None if self.tls is None else self.tls.server_name or host,
+                pool=self.connections,
             ):
                 yield answer
         except RpcError as exc:
@@ -619,6 +622,7 @@ class RpcClient:
                     socket_buffer_bytes=self.socket_buffer_bytes,
                     ssl_context=self._ssl,
                     server_name=None if self.tls is None else self.tls.server_name or host,
+                    pool=self.connections,
                 ):
                     yield answer
             except RpcError as exc:
@@ -685,6 +689,7 @@ class RpcClient:
     async def close(self) -> None:
         """Close every link and channel."""
         await self.links.close()
+        self.connections.close()
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()

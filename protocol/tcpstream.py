@@ -54,6 +54,11 @@ MAX_PREAMBLE_BYTES = 64 << 10
 MAX_ERROR_BYTES = 64 << 10
 # A stream nobody bounded (or that claims more) is cut after this long.
 MAX_STREAM_SECONDS = 3600.0
+# A connection waits this long between streams for the next before the server closes it; a client keeps an
+# idle one for less (`POOL_IDLE_SECONDS`), so it never sends on one the server is closing.
+IDLE_SECONDS = 60.0
+POOL_IDLE_SECONDS = 20.0
+POOL_PER_PEER = 8  # idle connections a client keeps per peer (a part's lanes open several at once)
 _U32 = struct.Struct("<I")
 
 
@@ -201,6 +206,41 @@ class _Conn:
             if len(part):
                 await self.loop.sock_sendall(self.sock, part)
 
+    async def wait_readable(self) -> None:
+        """Until the connection has bytes to read (or the peer's end of it)."""
+        waiter: asyncio.Future[None] = self.loop.create_future()
+        fd = self.sock.fileno()
+
+        def readable() -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        self.loop.add_reader(fd, readable)
+        try:
+            await waiter
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(fd)
+
+    def at_eof(self) -> bool:
+        """Whether the peer closed the connection (or reset it), without reading anything."""
+        try:
+            return not socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def idle_and_open(self) -> bool:
+        """Whether a connection between streams can carry the next: open, and nothing unread on it."""
+        try:
+            socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # bytes nobody asked for, or the peer's end
+
     async def drain(self, seconds: float = 5.0) -> None:
         """Half-close, then discard what the peer still sends until it closes: closing a socket with unread
         bytes makes the kernel send a reset, which can destroy our last frames before the peer reads them."""
@@ -261,6 +301,16 @@ class _TlsConn(_Conn):
                 self._waiting[readable].remove(waiter)
                 if not self._waiting[readable] and self.tls.fileno() >= 0:
                     (self.loop.remove_reader if readable else self.loop.remove_writer)(self.tls.fileno())
+
+    def idle_and_open(self) -> bool:
+        return not self.tls.pending() and super().idle_and_open()
+
+    async def wait_readable(self) -> None:
+        if not self.tls.pending():
+            await super().wait_readable()
+
+    def at_eof(self) -> bool:
+        return not self.tls.pending() and super().at_eof()
 
     async def handshake(self) -> None:
         """The TLS handshake; raises ssl.SSLError (a certificate not of the run's CA, plaintext, ...)."""
@@ -517,17 +567,31 @@ class DataServer:
                 self._on_reject("?", Reject(grpc.StatusCode.UNAUTHENTICATED, TLS_HANDSHAKE, detail), peer)
                 return
         method, sender = "?", "?"
+        served = (
+            0  # streams this connection carried (a client reuses it for the next, tcpstream.ConnectionPool)
+        )
         try:
-            try:
-                method, metadata, timeout = await wait_for(self._read_preamble(conn), timeout=10.0)
-            except TimeoutError:
-                raise Reject(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "TRUNCATED", "no stream preamble within 10 s"
-                ) from None
-            call, handler = await self._open_stream(method, metadata)
-            sender = call.sender
-            async with asyncio.timeout(timeout):
-                await self._run(conn, method, call, handler)
+            while True:
+                if served and not await self._next_stream(conn):
+                    return
+                try:
+                    method, metadata, timeout = await wait_for(self._read_preamble(conn), timeout=10.0)
+                except TimeoutError:
+                    raise Reject(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, "TRUNCATED", "no stream preamble within 10 s"
+                    ) from None
+                except ConnectionError:
+                    if served:  # the client closed it between streams (TLS: its close_notify came first)
+                        return
+                    raise
+                call, handler = await self._open_stream(method, metadata)
+                sender = call.sender
+                async with asyncio.timeout(timeout):
+                    ended = await self._run(conn, method, call, handler)
+                served += 1
+                if not ended:  # the client may still be sending: let it finish, then close
+                    await conn.drain()
+                    return
         except Reject as exc:
             await self._refuse(conn, method, exc, sender)
         except FrameError as exc:  # a TLS record that failed its tag before the handler read frames
@@ -547,6 +611,16 @@ class DataServer:
             await self._refuse(conn, method, failure, sender)
         finally:
             conn.close()
+
+    async def _next_stream(self, conn: _Conn) -> bool:
+        """After a stream both sides ended: wait for the next one's first byte on the same connection, False when
+        the client closes it or leaves it idle for `IDLE_SECONDS`."""
+        try:
+            async with asyncio.timeout(IDLE_SECONDS):
+                await conn.wait_readable()
+        except TimeoutError:
+            return False
+        return not conn.at_eof()
 
     async def _refuse(self, conn: _Conn, method: str, rejection: Reject, sender: str) -> None:
         """Log and count the refusal, tell the caller why, and let it read that before we close."""
@@ -588,10 +662,12 @@ class DataServer:
             )
         return method, metadata, min(timeout, MAX_STREAM_SECONDS)
 
-    async def _run(self, conn: _Conn, method: str, call: Any, handler: Any) -> None:
+    async def _run(self, conn: _Conn, method: str, call: Any, handler: Any) -> bool:
+        """Serve one stream; True when the client's END was read (nothing of it is left on the connection)."""
         from farloco.protocol.rpc import decode_frame_owned
 
         limit = self.max_message_bytes
+        ended = False
 
         def decode(data: memoryview) -> Any:
             try:
@@ -600,6 +676,7 @@ class DataServer:
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, exc.reason, exc.detail) from None
 
         async def frames() -> AsyncIterator[Any]:
+            nonlocal ended
             while True:
                 try:
                     item = await _read_frame_or_marker(conn, limit, decode)
@@ -608,6 +685,7 @@ class DataServer:
                 except (OSError, ConnectionError):
                     return  # the peer went away: the handler sees an early end (TRUNCATED)
                 if item == END:
+                    ended = True
                     return
                 if isinstance(item, tuple):
                     return  # a client never sends errors; treat it as a half-close
@@ -617,7 +695,90 @@ class DataServer:
             head, payload = _frame_parts(response, limit, method)
             await conn.write(head, payload)
         await conn.write(_U32.pack(END))
-        await conn.drain()
+        return ended
+
+
+class ConnectionPool:
+    """A client's idle data-plane connections, by peer: a stream both sides ended leaves its connection here, and
+    the next stream to that peer takes it instead of a new TCP (and TLS) handshake. One per `RpcClient` (its
+    event loop's); `close()` closes what is left."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[Any, ...], list[tuple[float, _Conn]]] = {}
+        self.reused = 0  # streams that went out on a kept connection
+
+    def take(self, key: tuple[Any, ...]) -> _Conn | None:
+        now = time.monotonic()
+        idle = self._idle.get(key, [])
+        while idle:
+            since, conn = idle.pop()
+            if now - since < POOL_IDLE_SECONDS and conn.idle_and_open():
+                self.reused += 1
+                return conn
+            conn.close()
+        return None
+
+    def put(self, key: tuple[Any, ...], conn: _Conn) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= POOL_PER_PEER or not conn.idle_and_open():
+            conn.close()
+            return
+        idle.append((time.monotonic(), conn))
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for _, conn in conns:
+                conn.close()
+
+
+async def _connect(
+    host: str,
+    port: int,
+    where: str,
+    deadline: float,
+    socket_buffer_bytes: int,
+    ssl_context: ssl.SSLContext | None,
+    server_name: str | None,
+) -> _Conn:
+    """A new data-plane connection to host:port (TLS with `ssl_context`); raises RpcError (UNAVAILABLE)."""
+    loop = asyncio.get_running_loop()
+    target: Any = (host, port)
+    if ip_version(host) is None:  # a name (network.announce_host): its first address, of either family
+        try:
+            target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0][4]
+        except OSError as exc:
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot resolve: {exc}"
+            ) from None
+    sock = socket.socket(socket.AF_INET6 if ":" in target[0] else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        size_socket_buffers(sock, socket_buffer_bytes)  # before connect: the window scale is fixed then
+        try:
+            async with asyncio.timeout_at(deadline):
+                await loop.sock_connect(sock, target)
+        except (OSError, TimeoutError) as exc:
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot connect: {exc}"
+            ) from None
+        if ssl_context is None:
+            return _Conn(sock, f"{host}:{port}")
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await _secure(
+                    sock, f"{host}:{port}", ssl_context, server_side=False, server_name=server_name
+                )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                TLS_HANDSHAKE,
+                f"{where}: no TLS session: {getattr(exc, 'reason', None) or exc or 'timed out'} (does the "
+                "peer hold the run's secret or certificates, with the same network.encryption?)",
+            ) from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 async def open_stream(
@@ -634,53 +795,25 @@ async def open_stream(
     socket_buffer_bytes: int = 0,
     ssl_context: ssl.SSLContext | None = None,
     server_name: str | None = None,
+    pool: ConnectionPool | None = None,
 ) -> AsyncIterator[Any]:
     """Client side of one data-plane stream: send `frames`, yield the answers; raises RpcError on any failure.
     With `ssl_context` the connection is TLS (the server's certificate checked against `server_name`).
 
-    The connection is closed when the iterator finishes or is closed early (which is how a caller cancels).
+    With `pool`, the stream goes out on an idle connection to the peer if the pool holds one, and a stream that
+    both sides ended leaves its connection there for the next; otherwise the connection is closed when the
+    iterator finishes or is closed early (which is how a caller cancels).
     """
     where = f"{method} at {host}:{port}"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    target: Any = (host, port)
-    if ip_version(host) is None:  # a name (network.announce_host): its first address, of either family
-        try:
-            target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0][4]
-        except OSError as exc:
-            raise RpcError(
-                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot resolve: {exc}"
-            ) from None
-    sock = socket.socket(socket.AF_INET6 if ":" in target[0] else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    size_socket_buffers(
-        sock, socket_buffer_bytes
-    )  # before connect: the window scale is fixed at the handshake
-    conn: _Conn | None = None
+    key = (host, port, id(ssl_context), server_name, socket_buffer_bytes)
+    conn = pool.take(key) if pool is not None else None
+    if conn is None:
+        conn = await _connect(host, port, where, deadline, socket_buffer_bytes, ssl_context, server_name)
     writer: asyncio.Task[None] | None = None
+    reusable = False
     try:
-        try:
-            async with asyncio.timeout_at(deadline):
-                await loop.sock_connect(sock, target)
-        except (OSError, TimeoutError) as exc:
-            raise RpcError(
-                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"{where}: cannot connect: {exc}"
-            ) from None
-        if ssl_context is None:
-            conn = _Conn(sock, f"{host}:{port}")
-        else:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    conn = await _secure(
-                        sock, f"{host}:{port}", ssl_context, server_side=False, server_name=server_name
-                    )
-            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-                raise RpcError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    TLS_HANDSHAKE,
-                    f"{where}: no TLS session: {getattr(exc, 'reason', None) or exc or 'timed out'} (does the "
-                    "peer hold the run's secret or certificates, with the same network.encryption?)",
-                ) from None
         preamble = msgpack.packb(
             {"m": method, "md": [list(item) for item in metadata], "t": max(0.001, timeout)},
             use_bin_type=True,
@@ -705,7 +838,7 @@ async def open_stream(
             # Our own side failed (e.g. a frame over the limit): unblock the reader below, which re-raises it.
             if not task.cancelled() and task.exception() is not None:
                 with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                    socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
 
         writer.add_done_callback(stop_reading)
         while True:
@@ -732,12 +865,14 @@ async def open_stream(
             yield item
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise _writer_error(writer, where) from None
+        # Both sides ended (the server's END read, ours written): nothing of this stream is left on the wire.
+        reusable = writer.done() and not writer.cancelled()
     finally:
         if writer is not None and not writer.done():
             writer.cancel()
             with contextlib.suppress(BaseException):
                 await writer
-        if conn is not None:
-            conn.close()
+        if reusable and pool is not None:
+            pool.put(key, conn)
         else:
-            sock.close()
+            conn.close()

@@ -281,3 +281,86 @@ def test_socket_buffers_are_sized_for_long_fat_links() -> None:
         assert explicit.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * min(
             1 << 20, _sysctl("/proc/sys/net/core/rmem_max")
         )
+
+
+async def doubled(client: RpcClient, address: str, n: int, round_id: int = 7) -> list[bytes]:
+    items = [({"i": i}, bytes([i + 1]) * (100 + i)) for i in range(n)]
+    return [
+        bytes(f.payload)
+        async for f in client.stream(
+            address, "Double", frames_of(*items), round_id=round_id, timeout=10, bulk=True
+        )
+    ]
+
+
+def test_a_stream_both_sides_ended_leaves_its_connection_to_the_next() -> None:
+    async def body() -> None:
+        server, address = await started()
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            for round_id in range(5):
+                assert await doubled(client, address, 3, round_id) == [
+                    bytes([i + 1]) * (200 + 2 * i) for i in range(3)
+                ]
+            assert client.connections.reused == 4  # one TCP connection for the five streams
+            # two streams at once need two connections; both are kept for the next two
+            first, second = await asyncio.gather(doubled(client, address, 2), doubled(client, address, 4))
+            assert len(first) == 2 and len(second) == 4
+            assert client.connections.reused == 5
+            await asyncio.gather(doubled(client, address, 1), doubled(client, address, 1))
+            assert client.connections.reused == 7
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_a_stream_closed_early_takes_its_connection_with_it() -> None:
+    async def body() -> None:
+        server, address = await started()
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            items = [({"i": i}, b"x" * 10) for i in range(4)]
+            answers = client.stream(address, "Double", frames_of(*items), round_id=1, timeout=10, bulk=True)
+            async for _ in answers:
+                break  # the caller cancels after the first answer
+            await answers.aclose()
+            assert await doubled(client, address, 2) == [b"\x01" * 200, b"\x02" * 202]
+            assert client.connections.reused == 0  # the cancelled stream's connection was not kept
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
+def test_a_kept_connection_the_server_closed_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server closes a connection idle for IDLE_SECONDS, and a stopped server closes all of its own: the
+    client's next stream finds the kept one closed and opens a new one; nothing fails."""
+    import farloco.protocol.tcpstream as tcpstream
+
+    monkeypatch.setattr(tcpstream, "IDLE_SECONDS", 0.2)
+
+    async def body() -> None:
+        server, address = await started()
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            await doubled(client, address, 1)
+            await asyncio.sleep(0.5)  # past the server's idle time: it closed its end
+            assert await doubled(client, address, 2) == [b"\x01" * 200, b"\x02" * 202]
+            assert client.connections.reused == 0
+            port, data_port = int(address.rsplit(":", 1)[1]), server.data_port
+            await server.stop(0)
+            again = RpcServer(Authenticator(RUN, SECRET, "server"), port=port, data_port=data_port)
+            again.add_stream("Double", doubler)
+            assert await again.start() == address
+            try:
+                assert await doubled(client, address, 1) == [b"\x01" * 200]
+                assert client.connections.reused == 0
+            finally:
+                await again.stop(0)
+        finally:
+            await client.close()
+
+    run(body)

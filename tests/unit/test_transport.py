@@ -162,6 +162,14 @@ def test_data_plane_and_grpc_under_tls_carry_no_plaintext_and_answer_in_full() -
                     )
                 ]
                 assert len(streamed) == 2 and client._data_ports[address] == server.data_port
+                # the next stream rides the same TLS session: no second handshake
+                again = [
+                    f
+                    async for f in client.stream(
+                        address, "Echo", payloads(3, 1000), round_id=2, timeout=30, bulk=True
+                    )
+                ]
+                assert [f.header["i"] for f in again] == [0, 1, 2] and client.connections.reused == 1
             finally:
                 await client.close()
             assert not server.rejections
