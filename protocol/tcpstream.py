@@ -20,7 +20,9 @@ Connection layout (all integers little-endian):
     then, both ways    u32 L | frame of L bytes        (L <= max_message_bytes, checked before allocating)
                        u32 END                        (this side has no more frames: a half-close)
                        u32 ERROR | u32 n | msgpack {"code": grpc status name, "reason": str, "detail": str}
-One connection per stream call; the server answers with the handler's frames, then END, then closes.
+The server answers with the handler's frames, then END. A stream both sides ended leaves the connection open:
+the client may send the next stream's preamble on it (`ConnectionPool`: a client keeps an idle connection per
+peer 20 s, the server waits 60 s for the next preamble); any other end closes it.
 """
 
 from __future__ import annotations
