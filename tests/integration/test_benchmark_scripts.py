@@ -141,8 +141,8 @@ def test_protocol_scale_benchmark_runs_several_peers_per_process() -> None:
 
 
 def test_matchmaking_and_fanout_benchmarks_break_the_freeze_down() -> None:
-    """2 farloco peers for a few rounds (with the ready-record ablation, so that path runs too), then one gRPC and
-    one TCP fan-out to 2 receivers: each row has what BENCHMARKS.md quotes."""
+    """2 farloco peers for a few rounds (with the ready-record ablation, so that path runs too), then one gRPC, one
+    link and one TCP fan-out to 2 receivers: each row has what BENCHMARKS.md quotes."""
     proc = run_script(
         "matchmaking.py", "--impl", "farloco", "--peers", "2", "--work", "0.1", "--rounds", "30",
         "--no-ready-dht-copy", timeout=180, env={"BENCH_MAX_SECONDS": "4"},
@@ -150,8 +150,8 @@ def test_matchmaking_and_fanout_benchmarks_break_the_freeze_down() -> None:
     [row] = json_lines(proc.stdout)
     assert row["impl"] == "farloco" and row["peers"] == 2 and row["rounds"] >= 1
     assert row["match_p50_ms"] is not None and row["push_last_p50_ms"] is not None
-    assert 0.0 <= row["one_hop_share"] <= 1.0
+    assert 0.0 <= row["one_hop_share"] <= 1.0 and row["filed_to_known_p50_ms"] is not None
     rows = json_lines(run_script("fanout.py", "--receivers", "2", "--calls", "3", "--gaps", "0").stdout)
-    assert {r["transport"] for r in rows} == {"grpc", "tcp"}
+    assert {r["transport"] for r in rows} == {"grpc", "link", "tcp"}
     for r in rows:
         assert r["receivers"] == 2 and 0 < r["first_ms"]["p50"] <= r["last_ms"]["p50"] <= r["all_ms"]["p90"]
