@@ -481,17 +481,33 @@ class RpcClient:
         port = await self._data_port(address, 0, 10.0)
         if port is None:
             raise RpcError(grpc.StatusCode.UNIMPLEMENTED, "UNKNOWN_METHOD", f"{address} has no data plane")
+        async for answer in self._data_stream(address, port, LINK_METHOD, 0, frames, LINK_STREAM_SECONDS):
+            yield answer
+
+    async def _data_stream(
+        self,
+        address: str,
+        port: int,
+        method: str,
+        round_id: int,
+        frames: AsyncIterator[Frame],
+        timeout: float,
+        sink: Sink | None = None,
+    ) -> AsyncIterator[Frame]:
+        """One stream on the peer's data plane (tcpstream.open_stream), on a kept connection when there is one."""
         host = split_host_port(address)[0]
         try:
             async for answer in open_stream(
                 host,
                 port,
-                LINK_METHOD,
-                self.auth.metadata(LINK_METHOD, 0),
+                method,
+                self.auth.metadata(method, round_id),
                 frames,
-                timeout=LINK_STREAM_SECONDS,
+                timeout=timeout,
                 max_message_bytes=self.max_message_bytes,
-                decode=lambda data: self._decode_owned(data, address, LINK_METHOD),
+                decode=lambda data: self._decode_owned(data, address, method),
+                sink=sink,
+                socket_buffer_bytes=self.socket_buffer_bytes,
                 ssl_context=self._ssl,
                 server_name=None if self.tls is None else self.tls.server_name or host,
                 pool=self.connections,
@@ -607,30 +623,8 @@ class RpcClient:
         _check_dialable(address)  # before any frame is taken
         port = await self._data_port(address, round_id, timeout) if bulk else None
         if port is not None:
-            host = split_host_port(address)[0]
-            try:
-                async for answer in open_stream(
-                    host,
-                    port,
-                    method,
-                    self.auth.metadata(method, round_id),
-                    frames,
-                    timeout=timeout,
-                    max_message_bytes=limit,
-                    decode=lambda data: self._decode_owned(data, address, method),
-                    sink=sink,
-                    socket_buffer_bytes=self.socket_buffer_bytes,
-                    ssl_context=self._ssl,
-                    server_name=None if self.tls is None else self.tls.server_name or host,
-                    pool=self.connections,
-                ):
-                    yield answer
-            except RpcError as exc:
-                if exc.code == grpc.StatusCode.UNAVAILABLE:
-                    self._data_ports.pop(
-                        address, None
-                    )  # it may have restarted elsewhere: ask again next time
-                raise
+            async for answer in self._data_stream(address, port, method, round_id, frames, timeout, sink):
+                yield answer
             return
 
         async def requests() -> AsyncIterator[bytes]:
