@@ -351,8 +351,13 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
         if len({e.get("group") for e in entries.values() if e.get("group")}) > 1:
             splits += 1
         biggest = max(groups, key=len, default=())
+        # every peer in the group and in every contributor set, and none of them failed or late there (a member
+        # whose own exchange failed after the others' committed counts as out)
         if set(biggest) == everyone and all(
-            set(e.get("contributors", e.get("members", ()))) == everyone for e in entries.values()
+            set(e.get("contributors", e.get("members", ()))) == everyone
+            and "late" not in e
+            and "failed" not in e
+            for e in entries.values()
         ):
             full += 1
         for peer in everyone:
