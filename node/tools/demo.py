@@ -68,12 +68,11 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "logs" / "agent.jsonl"
     if not path.exists():
         return []
-    events = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            events.append(json.loads(line))
-    return events
+    text = path.read_text()
+    # A node still running may be midway through writing its last line (a long event leaves its buffer in more
+    # than one write): only whole lines are events yet.
+    lines = text.split("\n")[:-1]
+    return [json.loads(line) for line in (line.strip() for line in lines) if line]
 
 
 def demo_strategy(overrides: Sequence[str]) -> str:
