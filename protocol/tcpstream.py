@@ -5,8 +5,8 @@ slices) and wakes its poller thread per message; for the exchange's tens to hund
 farloco's fp32 exchange cost ~3x the CPU of torch.distributed's gloo all_reduce (see BENCHMARKS.md). Here a
 chunk goes from the tensor's memory to `send` and from `recv_into` to a buffer the reducer sums from: the kernel
 copies are the only ones. It also carries links (protocol/links.py: the round's small unary messages on
-one kept-open stream per peer). Everything else stays on gRPC: votes, state sync, and the way a caller finds
-this listener (`DataAddress`, a unary gRPC method answered with the port).
+one kept-open stream per peer, votes among them). Everything else stays on gRPC: state sync, and the way a
+caller finds this listener (`DataAddress`, a unary gRPC method answered with the port).
 
 It serves the handlers registered on an `RpcServer` with `add_stream` (the exchange's `ExchangePush`), with the
 same `Authenticator` tokens (sender, method, round, time, one-time nonce), the same frames (`rpc.encode_frame`),
@@ -81,9 +81,8 @@ def tune_malloc() -> bool:
     return bool(mallopt(m_top_pad, 64 << 20)) and ok
 
 
-_SYSCTL_SECONDS = (
-    60.0  # a sysctl read is kept this long: every data-plane connection asks, an operator rarely changes one
-)
+# A sysctl read is kept this long: every data-plane connection asks, an operator rarely changes one.
+_SYSCTL_SECONDS = 60.0
 _sysctls: dict[tuple[str, int], tuple[float, int | None]] = {}
 
 
@@ -224,24 +223,23 @@ class _Conn:
             with contextlib.suppress(ValueError, OSError):
                 self.loop.remove_reader(fd)
 
+    def _peek(self) -> bytes | None:
+        """The next byte of the TCP socket without reading it: None when there is none yet, b"" at the peer's
+        end (or a reset)."""
+        try:
+            return socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
     def at_eof(self) -> bool:
         """Whether the peer closed the connection (or reset it), without reading anything."""
-        try:
-            return not socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        return self._peek() == b""
 
     def idle_and_open(self) -> bool:
         """Whether a connection between streams can carry the next: open, and nothing unread on it."""
-        try:
-            socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return False  # bytes nobody asked for, or the peer's end
+        return self._peek() is None
 
     async def drain(self, seconds: float = 5.0) -> None:
         """Half-close, then discard what the peer still sends until it closes: closing a socket with unread
@@ -569,9 +567,8 @@ class DataServer:
                 self._on_reject("?", Reject(grpc.StatusCode.UNAUTHENTICATED, TLS_HANDSHAKE, detail), peer)
                 return
         method, sender = "?", "?"
-        served = (
-            0  # streams this connection carried (a client reuses it for the next, tcpstream.ConnectionPool)
-        )
+        # Streams this connection carried: a client reuses it for the next (ConnectionPool).
+        served = 0
         try:
             while True:
                 if served and not await self._next_stream(conn):
