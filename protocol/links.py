@@ -313,12 +313,6 @@ class LinkPool:
         link = self._link(address)
         return await link.call(method, frame, round_id=round_id, timeout=left)
 
-    def forget(self, address: str) -> None:
-        link = self._links.pop(address, None)
-        if link is not None:
-            link.drain()
-            self._draining.add(link)
-
     async def close(self) -> None:
         links = [*self._links.values(), *self._draining]
         self._links, self._draining = {}, set()
