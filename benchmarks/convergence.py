@@ -357,9 +357,23 @@ def sweep_configs() -> list[RunConfig]:
         for update in ("delayed", "eager")
         for lr, momentum in ((0.25, 0.9), (0.5, 0.5), (0.7, 0.0), (1.0, 0.0))
     ]
+    # The error feedback's residual in float32 instead of bfloat16 (DiLoCo's `feedback_bf16`, on by default).
+    feedback_fp32 = [
+        RunConfig(
+            f"diloco-h10-{codec}-feedback-fp32",
+            "outer",
+            "diloco",
+            codec,
+            hparams={"lr": 0.5, "momentum": 0.9, "feedback_bf16": False},
+            sync_every=10,
+            note="the error-feedback residual in float32",
+        )
+        for codec in ("int8", "int4")
+    ]
     return [
         *outer_lrs,
         *delayed,
+        *feedback_fp32,
         demo_config(k=12, chunk=1024, lr=3e-3, beta=0.999, name="demo-top12of1024"),  # the untuned start
         demo_config(k=12, chunk=1024, lr=3e-3, beta=0.99),
         demo_config(k=12, chunk=1024, lr=3e-4, beta=0.999),

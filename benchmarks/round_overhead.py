@@ -129,6 +129,8 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     baseline = private_bytes()
     codec = get_codec(args.codec)
     hparams: dict[str, Any] = {"lr": 0.7, "momentum": 0.9} if "diloco" in args.strategy else {}
+    if "diloco" in args.strategy and args.feedback_fp32:
+        hparams["feedback_bf16"] = False
     if args.strategy == "streaming-diloco":
         hparams["num_fragments"] = 4
     strategy = make_strategy(args.strategy, numel, codec, **hparams)
@@ -343,6 +345,11 @@ def main() -> None:
         action="store_true",
         help="on demand, a fresh mean each round, freed with it (an agent whose ranks train on the host)",
     )
+    parser.add_argument(
+        "--feedback-fp32",
+        action="store_true",
+        help="diloco, streaming-diloco: the error-feedback residual in float32 (feedback_bf16 = false)",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -367,6 +374,8 @@ def main() -> None:
                     command.append("--whole")
                 if args.mean_per_round:
                     command.append("--mean-per-round")
+                if args.feedback_fp32:
+                    command.append("--feedback-fp32")
                 if args.checkpoint_dir:
                     command += ["--checkpoint-dir", args.checkpoint_dir]
                 result = subprocess.run(command, capture_output=True, text=True)

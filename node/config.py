@@ -61,9 +61,9 @@ class RunConfig:
     codec: str = "fp32"
     """Codec of the outer update on the wire: fp32, fp16, bf16, int8, int4, topk, dct-topk."""
     strategy_options: dict[str, SCALAR] = field(default_factory=dict)
-    """Extra hyper-parameters passed to the strategy (e.g. {beta = 0.95} for sparseloco; streaming-diloco:
-    num_fragments, alpha, lr, momentum, error_feedback and tau, the overlapped inner steps, 0 <= tau <
-    inner_steps, default 1)."""
+    """Extra hyper-parameters passed to the strategy (e.g. {beta = 0.95} for sparseloco; diloco: lr, momentum,
+    error_feedback and feedback_bf16, the error-feedback residual kept in bfloat16, default true; streaming-diloco:
+    those, num_fragments, alpha and tau, the overlapped inner steps, 0 <= tau < inner_steps, default 1)."""
     codec_options: dict[str, SCALAR] = field(default_factory=dict)
     """Extra options passed to the codec (e.g. {block_size = 256} for int8)."""
     inner_steps: int = 20

@@ -30,6 +30,12 @@ range the exchange encoded. So a node need not hold either: `contribution_range(
 exchange's chunks, as it sends them), and `stage_in_place(...)` writes the new state straight into its buffer,
 range by range, once the round commits: the same bits as `make_contribution` + `propose` + `commit`, with no
 vector of the model's size beside the state (the agent's memory: 12 bytes per parameter with int8 instead of 22).
+
+The residual in bfloat16. DiLoCo's and Streaming DiLoCo's error-feedback residual (`feedback_bf16`, on by
+default) is kept in bfloat16, 2 bytes per parameter instead of 4: what the codec lost, rounded to 8 significant
+bits (a relative error of at most 2^-9 of each residual value, which is itself at most half a step of a lossy
+codec). The contribution adds it back in float32, and both paths round the new residual once, from the same float32
+difference: the same bits on demand as through `propose`. `feedback_bf16 = false` keeps it in float32.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ from farloco.optim.wire import Codec, all_finite
 HParam = float | int | bool
 
 __all__ = ["CHUNK", "OuterStrategy", "StrategyError", "available_strategies", "chunks", "make_strategy"]
+
+
+# The dtypes an error-feedback residual may be kept in (`feedback_bf16`).
+_FEEDBACK_DTYPES = {torch.float32, torch.bfloat16}
 
 
 class StrategyError(ValueError):
@@ -173,8 +183,14 @@ class OuterStrategy(abc.ABC):
         freed = None
         for key, tensor in self._staged.items():
             buffer = state[key]
-            if tensor.shape == buffer.shape and tensor.is_contiguous() and tensor.storage_offset() == 0:
-                # A whole-vector staged tensor of its own (never a view into live state): swap, no copy.
+            if (
+                tensor.shape == buffer.shape
+                and tensor.dtype == buffer.dtype
+                and tensor.is_contiguous()
+                and tensor.storage_offset() == 0
+            ):
+                # A whole-vector staged tensor of its own (never a view into live state): swap, no copy. A float32
+                # residual staged for a bfloat16 one is copied in (rounded), and its buffer stays the caller's.
                 setattr(self, key, tensor)
                 freed = buffer
             else:
@@ -256,15 +272,22 @@ class OuterStrategy(abc.ABC):
                 f"{len(ranges)} ranges from {ranges[:1]} to {ranges[-1:]}"
             )
         longest = max(b - a for a, b in ranges)
+        # A bfloat16 residual: rounded once, from the float32 difference.
+        rounded = feedback.dtype != torch.float32
 
         def stage(first: int, last: int) -> None:
             scratch = torch.empty(longest)
+            decoded = torch.empty(longest) if rounded else None
             for a, b in ranges[first:last]:
                 contribution = self.contribution_range(theta_outer, theta_local, a, b, scratch)
                 # Decoded in place over the contribution's copy would lose it: into the state's range first.
                 piece = feedback[offset + a : offset + b]
-                self.codec.encode_decoded(contribution, checksum=False, out=piece)
-                torch.sub(contribution, piece, out=piece)
+                if decoded is None:
+                    self.codec.encode_decoded(contribution, checksum=False, out=piece)
+                    torch.sub(contribution, piece, out=piece)
+                else:
+                    _, lost = self.codec.encode_decoded(contribution, checksum=False, out=decoded[: b - a])
+                    piece.copy_(torch.sub(contribution, lost, out=lost))
 
         run_ranges(stage, len(ranges), 12 * numel)
 
@@ -365,7 +388,14 @@ class OuterStrategy(abc.ABC):
             )
         for key, live in buffers.items():
             value = state[key]
-            if not isinstance(value, torch.Tensor) or value.dtype != live.dtype or value.shape != live.shape:
+            # A residual saved in the other precision (a checkpoint from before `feedback_bf16` was switched, or
+            # from an older version) is converted on load: rounded to bfloat16, or widened exactly to float32.
+            convertible = key == "residual" and {value.dtype, live.dtype} <= _FEEDBACK_DTYPES
+            if (
+                not isinstance(value, torch.Tensor)
+                or (value.dtype != live.dtype and not convertible)
+                or value.shape != live.shape
+            ):
                 got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
                 raise StrategyError(
                     f"{self.name} state {key}: expected {live.dtype} {list(live.shape)}, got {got}"
@@ -488,6 +518,13 @@ def _decayed_plus_gradient_range(
     return torch.mul(state[part], decay, out=out).add_(delta)
 
 
+def _residual_buffer(num_params: int, hparams: Mapping[str, HParam]) -> torch.Tensor | None:
+    """The error-feedback residual of `error_feedback` / `feedback_bf16` (zeros), or None without feedback."""
+    if not hparams["error_feedback"]:
+        return None
+    return torch.zeros(num_params, dtype=torch.bfloat16 if hparams["feedback_bf16"] else torch.float32)
+
+
 def _nesterov_step(
     theta: torch.Tensor, momentum_buffer: torch.Tensor, gradient: torch.Tensor, lr: float, momentum: float
 ) -> None:
@@ -515,20 +552,26 @@ class DiLoCo(OuterStrategy):
     """DiLoCo: Nesterov outer SGD on the mean pseudo-gradient theta_outer - theta_local.
 
     With `error_feedback` (default: on for lossy codecs) the part of the contribution the codec lost is kept as
-    a residual and added to the next round's pseudo-gradient.
+    a residual and added to the next round's pseudo-gradient; in bfloat16 with `feedback_bf16` (default on; the
+    module docstring).
     """
 
     name = "diloco"
-    hparam_types: ClassVar[Mapping[str, type]] = {"lr": float, "momentum": float, "error_feedback": bool}
+    hparam_types: ClassVar[Mapping[str, type]] = {
+        "lr": float,
+        "momentum": float,
+        "error_feedback": bool,
+        "feedback_bf16": bool,
+    }
 
     def _defaults(self) -> dict[str, HParam]:
-        return {"lr": 0.7, "momentum": 0.9, "error_feedback": not self.codec.lossless}
+        return {"lr": 0.7, "momentum": 0.9, "error_feedback": not self.codec.lossless, "feedback_bf16": True}
 
     def _configure(self) -> None:
         self._require("lr", self._float("lr") > 0, "> 0")
         self._require("momentum", 0 <= self._float("momentum") < 1, "0 <= momentum < 1")
         self.momentum_buffer = torch.zeros(self.num_params)
-        self.residual = torch.zeros(self.num_params) if self.hparams["error_feedback"] else None
+        self.residual = _residual_buffer(self.num_params, self.hparams)
 
     def make_contribution(
         self, theta_outer: torch.Tensor, theta_local: torch.Tensor, out: torch.Tensor | None = None
@@ -704,6 +747,7 @@ class StreamingDiLoCo(OuterStrategy):
         "lr": float,
         "momentum": float,
         "error_feedback": bool,
+        "feedback_bf16": bool,
         "num_fragments": int,
         "alpha": float,
     }
@@ -713,6 +757,7 @@ class StreamingDiLoCo(OuterStrategy):
             "lr": 0.7,
             "momentum": 0.9,
             "error_feedback": not self.codec.lossless,
+            "feedback_bf16": True,
             "num_fragments": 4,
             "alpha": 0.5,
         }
@@ -730,7 +775,7 @@ class StreamingDiLoCo(OuterStrategy):
         starts = [sum(sizes[:p]) for p in range(num_fragments)]
         self.fragments = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
         self.momentum_buffer = torch.zeros(self.num_params)
-        self.residual = torch.zeros(self.num_params) if self.hparams["error_feedback"] else None
+        self.residual = _residual_buffer(self.num_params, self.hparams)
         self._merge_fragment: slice | None = None
         self._staged_fragment = self.fragments[0]
 

@@ -34,11 +34,20 @@ CODEC_CASES: dict[str, tuple[str, dict[str, int]]] = {
 # The dct-topk encoder runs a float32 matmul whose rounding may differ between BLAS builds; its decoder is exact.
 ENCODER_EXACT = {case for case in CODEC_CASES if case != "dct-topk"}
 
-STRATEGY_CASES: dict[str, tuple[str, dict[str, int], dict[str, float | int | bool]]] = {
-    "diloco": ("int8", {"block_size": 64}, {}),
-    "sparseloco": ("topk", {"k": 16, "chunk": 256, "value_bits": 2}, {}),
-    "streaming-diloco": ("int4", {"block_size": 32}, {"num_fragments": 3}),
-    "demo": ("dct-topk", {"k": 8, "chunk": 64}, {"lr": 0.01, "beta": 0.9}),
+# case -> (strategy, codec, codec options, hyper-parameters); `-feedback-fp32`: the error-feedback residual in
+# float32 instead of the default bfloat16.
+STRATEGY_CASES: dict[str, tuple[str, str, dict[str, int], dict[str, float | int | bool]]] = {
+    "diloco": ("diloco", "int8", {"block_size": 64}, {}),
+    "diloco-feedback-fp32": ("diloco", "int8", {"block_size": 64}, {"feedback_bf16": False}),
+    "sparseloco": ("sparseloco", "topk", {"k": 16, "chunk": 256, "value_bits": 2}, {}),
+    "streaming-diloco": ("streaming-diloco", "int4", {"block_size": 32}, {"num_fragments": 3}),
+    "streaming-diloco-feedback-fp32": (
+        "streaming-diloco",
+        "int4",
+        {"block_size": 32},
+        {"num_fragments": 3, "feedback_bf16": False},
+    ),
+    "demo": ("demo", "dct-topk", {"k": 8, "chunk": 64}, {"lr": 0.01, "beta": 0.9}),
 }
 NUM_PARAMS = 1001  # ragged against every block and chunk size above
 NUM_PEERS = 3
@@ -92,9 +101,9 @@ def test_codec_golden(case: str) -> None:
 
 def run_strategy(case: str, theta0: torch.Tensor, drifts: torch.Tensor) -> dict[str, torch.Tensor]:
     """NUM_PEERS peers, NUM_ROUNDS committed rounds; returns theta after every round and the final state."""
-    codec_name, options, hparams = STRATEGY_CASES[case]
+    strategy_name, codec_name, options, hparams = STRATEGY_CASES[case]
     codec = get_codec(codec_name, **options)
-    peers = [make_strategy(case, NUM_PARAMS, codec, **hparams) for _ in range(NUM_PEERS)]
+    peers = [make_strategy(strategy_name, NUM_PARAMS, codec, **hparams) for _ in range(NUM_PEERS)]
     theta = theta0.clone()
     locals_ = [theta0.clone() for _ in range(NUM_PEERS)]
     out: dict[str, torch.Tensor] = {}
@@ -126,8 +135,9 @@ def test_strategy_golden(case: str) -> None:
     theta0 = torch.randn(NUM_PARAMS, generator=generator)
     drifts = 0.01 * torch.randn(NUM_ROUNDS, NUM_PEERS, NUM_PARAMS, generator=generator)
     produced = {"theta0": theta0, "drifts": drifts, **run_strategy(case, theta0, drifts)}
-    codec_name, options, hparams = STRATEGY_CASES[case]
+    strategy_name, codec_name, options, hparams = STRATEGY_CASES[case]
     meta = {
+        "strategy": strategy_name,
         "codec": codec_name,
         "options": repr(sorted(options.items())),
         "hparams": repr(sorted(hparams.items())),

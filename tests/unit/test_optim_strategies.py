@@ -60,7 +60,12 @@ def test_registry() -> None:
 
 def test_diloco_outer_step_matches_a_hand_computation() -> None:
     strategy = make_strategy("diloco", 3, get_codec("fp32"))
-    assert strategy.hparams == {"lr": 0.7, "momentum": 0.9, "error_feedback": False}  # fp32 is lossless
+    assert strategy.hparams == {  # fp32 is lossless
+        "lr": 0.7,
+        "momentum": 0.9,
+        "error_feedback": False,
+        "feedback_bf16": True,
+    }
     theta = torch.tensor([1.0, 2.0, 3.0])
     local = torch.tensor([0.5, 2.5, 3.0])
     contribution = strategy.make_contribution(theta, local)
@@ -94,9 +99,12 @@ def test_diloco_matches_torch_sgd_nesterov() -> None:
     torch.testing.assert_close(theta, reference.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_error_feedback_is_staged_committed_and_rolled_back() -> None:
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_error_feedback_is_staged_committed_and_rolled_back(bf16: bool) -> None:
     codec = get_codec("int4", block_size=16)
-    strategy = make_strategy("diloco", 100, codec)
+    strategy = make_strategy("diloco", 100, codec, feedback_bf16=bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    assert strategy.state_dict()["residual"].dtype == dtype
     assert strategy.hparams["error_feedback"] is True  # lossy codec: on by default
     generator = torch.Generator().manual_seed(1)
     theta = torch.randn(100, generator=generator)
@@ -105,22 +113,52 @@ def test_error_feedback_is_staged_committed_and_rolled_back() -> None:
     assert torch.equal(first, theta - local)  # residual starts at zero
     assert torch.equal(strategy.make_contribution(theta, local), first)  # pure: no state change
     transmitted = round_trip(codec, first)
-    lost = first - transmitted
+    lost = (first - transmitted).to(dtype)  # kept rounded to the residual's dtype
     assert float(lost.abs().max()) > 0
 
     strategy.propose(first, transmitted)
     strategy.rollback()  # aborted round: the residual is not eaten
-    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))
+    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100, dtype=dtype))
     with pytest.raises(StrategyError, match="expected a proposed round, got none"):
         strategy.commit()
 
     strategy.propose(first, transmitted)
-    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))  # staged only
+    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100, dtype=dtype))  # staged only
     strategy.commit()
     assert torch.equal(strategy.state_dict()["residual"], lost)
-    assert torch.equal(strategy.make_contribution(theta, local), (theta - local) + lost)
+    assert torch.equal(strategy.make_contribution(theta, local), (theta - local) + lost.float())
     with pytest.raises(StrategyError, match="call propose first"):
         strategy.commit()
+
+
+def test_a_residual_saved_in_the_other_precision_loads_converted() -> None:
+    """A checkpoint from before `feedback_bf16` was switched (or from an older version, float32) still loads:
+    rounded to bfloat16, or widened exactly to float32; every other buffer keeps its strict dtype."""
+    codec = get_codec("int8")
+    values = torch.tensor([1.0, 1.0 + 2**-10, -3e-7, 0.0, 2.5])
+    source = make_strategy("diloco", 5, codec, feedback_bf16=False)
+    state = {**source.state_dict(), "residual": values.clone()}
+    compact = make_strategy("diloco", 5, codec)
+    compact.load_state_dict(state)
+    assert torch.equal(compact.state_dict()["residual"], values.to(torch.bfloat16))
+    wide = make_strategy("diloco", 5, codec, feedback_bf16=False)
+    wide.load_state_dict(compact.state_dict())
+    assert torch.equal(wide.state_dict()["residual"], values.to(torch.bfloat16).float())
+
+
+def test_a_bf16_residual_costs_two_bytes_a_parameter_and_feeds_back_what_the_codec_lost() -> None:
+    """The default residual is bfloat16; over rounds, a coarse codec's swarm still tracks the exact mean as
+    closely as with a float32 residual (what error feedback is for)."""
+    for name in ("diloco", "streaming-diloco"):
+        strategy = make_strategy(name, 1000, get_codec("int8"))
+        residual = strategy.live_buffers()["residual"]
+        assert residual.dtype == torch.bfloat16 and residual.element_size() == 2
+    codec = get_codec("int4", block_size=256)
+    compact = toy_swarm_distance("diloco", codec, 40)  # about 0.0752 on this seed
+    wide = toy_swarm_distance("diloco", codec, 40, feedback_bf16=False)  # about 0.0752
+    without = toy_swarm_distance("diloco", codec, 40, error_feedback=False)  # about 0.094
+    assert compact < 0.85 * without
+    assert abs(compact - wide) < 0.01 * wide
 
 
 def test_error_feedback_can_be_switched_off() -> None:
@@ -260,8 +298,12 @@ def test_load_state_dict_refuses_what_does_not_fit() -> None:
         match=re.escape("state momentum_buffer: expected torch.float32 [10], got torch.float32 [11]"),
     ):
         strategy.load_state_dict({**good, "momentum_buffer": torch.zeros(11)})
-    with pytest.raises(StrategyError, match=r"expected torch.float32 .10., got torch.float64"):
+    with pytest.raises(StrategyError, match=r"residual: expected torch.bfloat16 .10., got torch.float64"):
         strategy.load_state_dict({**good, "residual": torch.zeros(10, dtype=torch.float64)})
+    with pytest.raises(
+        StrategyError, match=r"momentum_buffer: expected torch.float32 .10., got torch.bfloat16"
+    ):
+        strategy.load_state_dict({**good, "momentum_buffer": torch.zeros(10, dtype=torch.bfloat16)})
     with pytest.raises(StrategyError, match="residual: expected only finite values"):
         strategy.load_state_dict({**good, "residual": torch.full((10,), float("nan"))})
     with pytest.raises(StrategyError, match="num_rounds: expected a 0-d int64 tensor >= 0"):
@@ -274,7 +316,9 @@ def test_hyper_parameters_are_checked() -> None:
     codec = get_codec("int8")
     with pytest.raises(
         StrategyError,
-        match=re.escape("expected a subset of ['error_feedback', 'lr', 'momentum'], got ['beta']"),
+        match=re.escape(
+            "expected a subset of ['error_feedback', 'feedback_bf16', 'lr', 'momentum'], got ['beta']"
+        ),
     ):
         make_strategy("diloco", 10, codec, beta=0.9)
     with pytest.raises(StrategyError, match="lr: expected a finite float, got bool True"):
@@ -391,8 +435,8 @@ def test_streaming_diloco_residual_lands_on_the_proposed_fragment_whatever_the_c
             strategy.commit()
             strategy.apply(theta.clone(), transmitted)
         residual = strategy.state_dict()["residual"]
-        assert torch.equal(residual[:4], contribution - transmitted)
-        assert torch.equal(residual[4:], torch.zeros(8))
+        assert torch.equal(residual[:4], (contribution - transmitted).to(torch.bfloat16))
+        assert torch.equal(residual[4:], torch.zeros(8, dtype=torch.bfloat16))
 
 
 def ranges_of(numel: int, cuts: list[int]) -> list[tuple[int, int]]:
@@ -400,17 +444,24 @@ def ranges_of(numel: int, cuts: list[int]) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-@pytest.mark.parametrize("name", ["diloco", "sparseloco", "streaming-diloco", "demo"])
+@pytest.mark.parametrize(
+    ("name", "feedback"),
+    [("diloco", "bf16"), ("diloco", "fp32"), ("sparseloco", ""), ("streaming-diloco", "bf16"),
+     ("streaming-diloco", "fp32"), ("demo", "")],
+)  # fmt: skip
 @pytest.mark.parametrize("codec_name", ["int8", "int4", "bf16", "fp32"])
-def test_a_contribution_on_demand_gives_the_same_bits_as_one_made_whole(name: str, codec_name: str) -> None:
+def test_a_contribution_on_demand_gives_the_same_bits_as_one_made_whole(
+    name: str, feedback: str, codec_name: str
+) -> None:
     """`contribution_range` is `make_contribution`'s values, and `stage_in_place` over the ranges an exchange
     encoded in leaves the state `propose` + `commit` would, bit for bit, over three rounds (streaming: three
-    fragments) and after a round alone (None: nothing lost). The outer steps then agree too."""
+    fragments) and after a round alone (None: nothing lost), with the residual in either precision. The outer
+    steps then agree too."""
     numel = 3_001
     codec = get_codec(codec_name, **({"block_size": 32} if codec_name in ("int8", "int4") else {}))
     hparams: dict[str, float | int | bool] = {"num_fragments": 3} if name == "streaming-diloco" else {}
-    if name in ("diloco", "streaming-diloco"):
-        hparams["error_feedback"] = True
+    if feedback:
+        hparams.update(error_feedback=True, feedback_bf16=feedback == "bf16")
     whole, on_demand = (make_strategy(name, numel, codec, **hparams) for _ in range(2))
     generator = torch.Generator().manual_seed(7)
     theta_w = torch.randn(numel, generator=generator)
