@@ -119,6 +119,8 @@ class TreeSampler:
         self.peak_rss_at = 0.0
         self.peak_pss_at = 0.0
         self.samples = 0
+        # (seconds, summed PSS, {role: PSS}) per sample: when the tree peaked, and what each process held then
+        self.timeline: list[tuple[float, int, dict[str, int]]] = []
         self.processes: dict[int, dict[str, Any]] = {}
         self._known: dict[int, psutil.Process] = {}
         self._stop = threading.Event()
@@ -158,6 +160,7 @@ class TreeSampler:
 
     def sample(self) -> None:
         rss = pss = 0
+        by_role: dict[str, int] = {}
         elapsed = time.monotonic() - self._started
         for process in self._members():
             try:
@@ -168,6 +171,8 @@ class TreeSampler:
                 continue
             rss += info.rss
             pss += info.pss
+            name = role or process.name()
+            by_role[name] = by_role.get(name, 0) + info.pss
             entry = self.processes.setdefault(
                 process.pid,
                 {
@@ -187,6 +192,7 @@ class TreeSampler:
             entry["peak_pss"] = max(entry["peak_pss"], info.pss)
             entry["vm_hwm"] = max(entry["vm_hwm"], _vm_hwm(process.pid))
         self.samples += 1
+        self.timeline.append((round(elapsed, 2), pss, by_role))
         if rss > self.peak_rss:
             self.peak_rss, self.peak_rss_at = rss, elapsed
         if pss > self.peak_pss:
@@ -209,6 +215,11 @@ class TreeSampler:
             "sum_vm_hwm": sum(p["vm_hwm"] for p in processes),
             "samples": self.samples,
             "processes": processes,
+            # what each process held at the tree's peak
+            "at_peak": next(
+                (roles for at, _, roles in self.timeline if at == round(self.peak_pss_at, 2)), {}
+            ),
+            "timeline": self.timeline,
         }
 
 
@@ -238,6 +249,8 @@ def run_farloco(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         codec=args.codec,
         outer_update="sync",
     )
+    if args.feedback_fp32:
+        sections["run"]["strategy_options"] = {"feedback_bf16": False}
     sections["node"]["device"] = "cpu"
     sections["checkpoint"] = {"every_rounds": 0}
     lines = []
@@ -522,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", nargs="+", default=["farloco", "torchft"], choices=("farloco", "torchft"))
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("--max-seconds", type=float, default=1800.0, help="per side")
+    parser.add_argument(
+        "--feedback-fp32",
+        action="store_true",
+        help="farloco's error-feedback residual in float32 (strategy_options feedback_bf16 = false)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--work", type=Path, default=None, help="keep the runs' folders here")

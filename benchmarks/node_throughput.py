@@ -146,6 +146,8 @@ def _toml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + "}"
     return str(value)
 
 
