@@ -35,7 +35,10 @@ also mapped outside the tree, a library the bootstrap maps too, counts in part):
 one `top` shows. The samples span the side's whole life, start-up and shutdown included. Per process it also keeps the peak RSS and PSS it was seen with, and
 its own kernel high-water mark (VmHWM of /proc/PID/status, the exact peak RSS, which a 0.2 s sampler can miss):
 the table's last column lists the biggest processes by peak PSS. A peak shorter than the interval is missed by
-the sums; the JSON has the VmHWMs and their sum (an upper bound of the tree's peak RSS) to show how much.
+the sums; the JSON has the VmHWMs and their sum (an upper bound of the tree's peak RSS) to show how much, and
+the tree's timeline (each sample's time, summed PSS and PSS per process role) with what each process held at
+the tree's peak (`at_peak`). `--feedback-fp32` keeps farloco's error-feedback residual in float32
+(`strategy_options.feedback_bf16 = false`; bfloat16 by default).
 
 Bytes per parameter = peak tree PSS / the model's parameter count (float32 theta alone is 4). Everything a process
 holds counts, the Python interpreter and torch's libraries included (a few hundred MB per process that imports
