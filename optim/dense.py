@@ -128,9 +128,13 @@ class _CastCodec(Codec):
         return values.clone() if self.wire_dtype == torch.float32 else values.to(torch.float32)
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        return self._decode_body_into(header, body, torch.empty(header.numel, dtype=torch.float32))
+
+    def _decode_body_into(self, header: Header, body: memoryview, out: torch.Tensor) -> torch.Tensor:
+        # Converted straight into `out` (a float32 copy for fp32: the bytes are immutable and shared), with no
+        # float32 temporary of the payload's size beside it.
         values, _ = section(body, 0, header.numel, self.wire_dtype)
-        # fp32: clone, since the bytes are immutable and shared and the caller gets its own tensor.
-        out = values.clone() if self.wire_dtype == torch.float32 else values.to(torch.float32)
+        out.copy_(values)
         if not all_finite(out):
             raise nonfinite_error(f"{self.name} payload values", out)
         return out
@@ -313,6 +317,10 @@ class Int8Codec(_BlockQuantCodec):
         return decoded if out is None else out.copy_(decoded)
 
 
+# Values an int4 decode converts at a time (rounded to whole blocks, an even count): its temporaries' bound.
+INT4_DECODE_SPAN = 1 << 17
+
+
 class Int4Codec(_BlockQuantCodec):
     """Blockwise absmax 4-bit (codes -7..7), two values per byte."""
 
@@ -333,14 +341,24 @@ class Int4Codec(_BlockQuantCodec):
         return [scales, pairs[:, 0] | (pairs[:, 1] << 4)]
 
     def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
-        numel = header.numel
-        scales, offset = section(body, 0, ceil_div(numel, header.block), torch.float32)
+        return self._decode_body_into(header, body, torch.empty(header.numel, dtype=torch.float32))
+
+    def _decode_body_into(self, header: Header, body: memoryview, out: torch.Tensor) -> torch.Tensor:
+        numel, block = header.numel, header.block
+        scales, offset = section(body, 0, ceil_div(numel, block), torch.float32)
         self._check_scales(scales)
         packed, _ = section(body, offset, ceil_div(numel, 2), torch.uint8)
-        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)
-        if bool((nibbles[:numel] == 0).any()):
-            raise CodecError("int4 payload codes: expected nibbles in 1..15 (q + 8, q in [-7, 7]), got 0")
-        if numel % 2 and int(nibbles[-1]) != 8:
-            raise CodecError(f"int4 payload padding nibble: expected 8, got {int(nibbles[-1])}")
-        q = nibbles[:numel].to(torch.int8).sub_(8)
-        return self._dequantize(q, scales, header.block)
+        # Piece by piece (whole blocks, an even count of values), so that the nibbles, codes and their float32
+        # values are temporaries of a piece, not of the payload: the same values, each scaled by its own block.
+        span = max(2 * block, block * (INT4_DECODE_SPAN // block)) // (2 * block) * (2 * block)
+        for start in range(0, numel, span):
+            stop = min(start + span, numel)
+            pairs = packed[start // 2 : ceil_div(stop, 2)]
+            nibbles = torch.stack((pairs & 15, pairs >> 4), dim=1).view(-1)
+            if bool((nibbles[: stop - start] == 0).any()):
+                raise CodecError("int4 payload codes: expected nibbles in 1..15 (q + 8, q in [-7, 7]), got 0")
+            if stop == numel and numel % 2 and int(nibbles[-1]) != 8:
+                raise CodecError(f"int4 payload padding nibble: expected 8, got {int(nibbles[-1])}")
+            q = nibbles[: stop - start].to(torch.int8).sub_(8)
+            out[start:stop].copy_(self._dequantize(q, scales[start // block : ceil_div(stop, block)], block))
+        return out

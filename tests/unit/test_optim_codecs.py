@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import struct
 import zlib
@@ -546,3 +547,51 @@ def test_decode_out_of_the_wrong_size_or_type_is_refused_before_writing() -> Non
         with pytest.raises(CodecError, match="out: expected a contiguous float32 CPU tensor of 100 values"):
             codec.encode_decoded(torch.randn(100), out=bad)
         assert torch.equal(bad, keep)
+
+
+@pytest.mark.parametrize("block_size", [8, 50, 64])
+def test_an_int4_payload_decodes_piece_by_piece_to_the_same_values(
+    block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int4 decodes a payload in pieces of whole blocks (its temporaries bounded by a piece, not the payload): any
+    piece size gives the bits a one-piece decode gives, and a bad nibble or padding in a later piece is still
+    refused."""
+    from farloco.optim import dense
+
+    codec = get_codec("int4", block_size=block_size)
+    x = torch.randn(2_001, generator=torch.Generator().manual_seed(block_size)) * 3
+    x[700:760] = 0.0  # an all-zero block or two
+    data = codec.encode(x)
+    whole = codec.decode(data)
+    for span in (1, 2 * block_size, 333, 1_000):
+        monkeypatch.setattr(dense, "INT4_DECODE_SPAN", span)
+        assert torch.equal(codec.decode(data).view(torch.int32), whole.view(torch.int32)), span
+        assert torch.equal(
+            codec.decode(data, out=torch.empty(2_001)).view(torch.int32), whole.view(torch.int32)
+        )
+        with pytest.raises(CodecError, match=re.escape("nibbles in 1..15")):
+            codec.decode(rewrite(data, len(data) - 5, "<B", 0x80))
+        with pytest.raises(CodecError, match="padding nibble: expected 8"):
+            codec.decode(rewrite(data, len(data) - 1, "<B", 0x18))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "int4", "int8"])
+def test_a_dense_decode_into_out_holds_no_float32_copy_of_the_payload(name: str) -> None:
+    """decode(out=) writes straight into `out`: a payload of 8M values (a float32 copy: 32 MiB) decodes with the
+    peak RSS rising by less than a quarter of that."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+    numel = 8 << 20
+    codec = get_codec(name)
+    data = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(3)))
+    out = torch.empty(numel).fill_(0.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM <- VmRSS
+    before = status("VmRSS")
+    codec.decode(data, out=out)
+    grown = (status("VmHWM") - before) / 1024
+    assert grown < 8, f"decoding {name} into out raised the peak by {grown:.1f} MiB"
