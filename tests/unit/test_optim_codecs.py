@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import struct
 import zlib
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import scipy.fft
 import torch
+from helpers.memory import CAN_MEASURE, peak_growth_mib
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -575,23 +575,14 @@ def test_an_int4_payload_decodes_piece_by_piece_to_the_same_values(
             codec.decode(rewrite(data, len(data) - 1, "<B", 0x18))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(not CAN_MEASURE, reason="needs Linux's /proc/self/clear_refs")
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "int4", "int8"])
 def test_a_dense_decode_into_out_holds_no_float32_copy_of_the_payload(name: str) -> None:
     """decode(out=) writes straight into `out`: a payload of 8M values (a float32 copy: 32 MiB) decodes with the
     peak RSS rising by less than a quarter of that."""
-
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
     numel = 8 << 20
     codec = get_codec(name)
     data = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(3)))
     out = torch.empty(numel).fill_(0.0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM <- VmRSS
-    before = status("VmRSS")
-    codec.decode(data, out=out)
-    grown = (status("VmHWM") - before) / 1024
+    grown = peak_growth_mib(lambda: codec.decode(data, out=out))
     assert grown < 8, f"decoding {name} into out raised the peak by {grown:.1f} MiB"

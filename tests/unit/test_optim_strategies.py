@@ -4,13 +4,12 @@ hyper-parameter checks, and bit-identical outer steps across simulated peers."""
 from __future__ import annotations
 
 import itertools
-import os
 import re
-from collections.abc import Callable
 
 import pytest
 import safetensors.torch
 import torch
+from helpers.memory import CAN_MEASURE, peak_growth_mib
 
 from farloco.optim import (
     Codec,
@@ -504,21 +503,7 @@ def test_stage_in_place_refuses_ranges_that_do_not_cover_the_contribution() -> N
     assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))  # nothing written
 
 
-def _peak_growth_mib(work: Callable[[], object]) -> float:
-    """How far the process's peak RSS rose above its RSS while `work` ran (VmHWM reset first), in MiB."""
-
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM <- VmRSS
-    before = status("VmRSS")
-    work()
-    return (status("VmHWM") - before) / 1024
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(not CAN_MEASURE, reason="needs Linux's /proc/self/clear_refs")
 @pytest.mark.parametrize("name", ["diloco", "streaming-diloco"])
 def test_a_bf16_residual_is_added_without_a_float32_copy_of_it(name: str) -> None:
     """torch converts an operand of another dtype whole before adding it: a whole-range contribution (a group of
@@ -531,9 +516,9 @@ def test_a_bf16_residual_is_added_without_a_float32_copy_of_it(name: str) -> Non
     feedback = strategy.live_buffers()["residual"]
     feedback.fill_(0.5)
     assert feedback.dtype == torch.bfloat16
-    grown = _peak_growth_mib(lambda: strategy.contribution_range(theta, local, 0, numel, out))
+    grown = peak_growth_mib(lambda: strategy.contribution_range(theta, local, 0, numel, out))
     assert grown < 8, f"the peak grew {grown:.1f} MiB"
     assert torch.equal(out, torch.full((numel,), 1.5))
-    grown = _peak_growth_mib(lambda: strategy.make_contribution(theta, local, out))
+    grown = peak_growth_mib(lambda: strategy.make_contribution(theta, local, out))
     assert grown < 8, f"the peak grew {grown:.1f} MiB"
     assert torch.equal(out, torch.full((numel,), 1.5))
