@@ -18,14 +18,17 @@ flat theta of `--params` float32 values; the network is left out. Each round, as
 - `stage`, `step`, `install`, `hash`: error feedback staged in place, the outer step on theta, the staged state
   swapped in, theta's digest (the sha256 tree hash: protocol/digest.py);
 
-With a dense codec the agent's synchronous loop makes its contribution on demand (`OuterRound.on_demand`), and so
+The agent's synchronous loop makes its contribution on demand (`OuterRound.on_demand`), and so
 does this benchmark unless `--whole` (the path of an island's node and of run.outer_update delayed/eager):
 `contribution` is then the finiteness check, chunk by chunk, with nothing written; `encode` makes each of the
 exchange's chunks (1 MiB of float32) as it goes out, encodes it with its decoded values, and sums those with the
 peer's decoded chunk already in the mean buffer (`decode+sum` is then only the peer's decode); `stage` makes each
 chunk once more and writes the error feedback straight into the state (`install` has nothing to swap).
 `--mean-per-round` allocates the mean afresh each round, as an agent whose ranks train on the host does (its
-page faults land in `decode+sum`).
+page faults land in `decode+sum`). A sparse codec's contribution is made on demand too: `encode` makes it piece by
+piece as the codec chooses each chunk's top values (the payload, small, is all that is kept of it); `decode+sum`
+is the exchange's own `sparse_mean` over the two parsed payloads, piece by piece in member order; `stage` makes
+each piece once more and subtracts what our payload decodes to there.
 - `publish`: what the ranks load next (theta, or the merged weights for streaming-diloco) into the hand-off.
 
 Reported apart, because they do not happen every round: `snapshot` (the copies a donor serves, built on a
@@ -115,6 +118,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     from farloco.optim import get_codec, make_strategy
     from farloco.optim.strategies import CHUNK, chunks
     from farloco.protocol.exchange import OnDemand
+    from farloco.protocol.exchange.reduce import sparse_mean
     from farloco.protocol.tcpstream import tune_malloc
 
     tune_malloc()  # as the agent does
@@ -137,7 +141,8 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     theta = torch.randn(numel, generator=generator).mul_(0.02)
     outer = OuterRound(theta, strategy, codec)
-    outer.on_demand = bool(codec.dense) and not args.whole  # as the agent's synchronous loop (OuterState)
+    # as the agent's synchronous loop (OuterState)
+    outer.on_demand = (bool(codec.dense) or hasattr(codec, "encode_on_demand")) and not args.whole
     outer.mean_per_round = (
         outer.on_demand and args.mean_per_round
     )  # as an agent whose ranks train on the host
@@ -196,7 +201,20 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
             t = timed("contribution", t)
             payload = next(p for length, p in peer_payloads if length == n)
             transmitted: Any
-            if isinstance(contribution, OnDemand):
+            if isinstance(contribution, OnDemand) and not codec.dense:
+                # A sparse codec: our payload encoded piece by piece as the contribution is made, then the
+                # mean summed piece by piece from the parsed payloads, in member order (the exchange's own
+                # sparse_mean), and the error feedback staged from the payload we sent.
+                sent = codec.encode_on_demand(n, contribution.fill, checksum=False)
+                t = timed("encode", t)
+                mean = outer.mean_buffer(n)
+                terms = [codec.parse(sent, checksum=False), codec.parse(payload, checksum=False)]
+                sparse_mean(None, terms, [1.0, 1.0], mean)
+                del terms
+                t = timed("decode+sum", t)
+                outer.stage(contribution, sent, mean)
+                t = timed("stage", t)
+            elif isinstance(contribution, OnDemand):
                 # The peer's chunks decoded into the mean buffer as they come in; ours made, encoded and
                 # summed with them chunk by chunk as the exchange sends them.
                 mean = outer.mean_buffer(n)

@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
+from farloco.optim.ranges import run_ranges
 from farloco.optim.wire import (
     Codec,
     CodecError,
     Header,
     all_finite,
     ceil_div,
+    check_input,
     nonfinite_error,
     positive_int_option,
     section,
@@ -85,29 +88,151 @@ class _ChunkedSparseCodec(Codec):
         idx, _ = idx.sort(dim=1)
         return idx, rows.gather(1, idx)
 
-    def _read_indices(
-        self, body: memoryview, offset: int, header: Header, num_full: int, tail: int, count: int
-    ) -> tuple[torch.Tensor, int]:
-        """Read and validate the index section: strictly ascending per chunk and inside the chunk."""
+    # ---- pieces: an encode made piece by piece, a payload decoded range by range ---------------------------------
+    def encode_on_demand(
+        self, numel: int, fill: Callable[[int, int, torch.Tensor], torch.Tensor], *, checksum: bool = True
+    ) -> bytes:
+        """`encode` of a vector of `numel` values that is never held whole: `fill(a, b, out)` writes values [a, b)
+        into `out` (b - a float32 values) and returns it, from any thread, for pieces of whole chunks in any
+        order. Every chunk is encoded on its own, so the bytes are those of `encode` on the whole vector (dct-topk:
+        up to its encoder's float32 matmul, which need not be reproducible: only its output bytes travel)."""
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise CodecError(f"{self.name} encode_on_demand numel: expected an int >= 0, got {numel!r}")
+        span = self._piece_values()
+        pieces = ceil_div(numel, span)
+
+        def encode_pieces(first: int, last: int) -> list[list[torch.Tensor]]:
+            scratch = torch.empty(min(span, numel))
+            encoded = []
+            for piece in range(first, last):
+                a, b = piece * span, min((piece + 1) * span, numel)
+                values = fill(a, b, scratch[: b - a])
+                check_input(values)
+                if values.numel() != b - a:
+                    raise CodecError(
+                        f"{self.name} encode_on_demand piece [{a}, {b}): expected {b - a} values, "
+                        f"got {values.numel()}"
+                    )
+                encoded.append(self._encode_unpacked(values.contiguous()))
+            return encoded
+
+        parts = [piece for run in run_ranges(encode_pieces, pieces, 8 * numel) for piece in run]
+        if not parts:
+            parts = [self._encode_unpacked(torch.empty(0))]
+        sections = self._finish([_cat([piece[i] for piece in parts]) for i in range(len(parts[0]))])
+        return self._pack(sections, numel, checksum)
+
+    def parse(self, data: bytes | memoryview, *, checksum: bool = True) -> SparsePayload:
+        """A payload checked whole as `decode` checks it (header, CRC, every section's values), decoded later
+        range by range (`SparsePayload.decode_into`) instead of into a vector of the whole length."""
+        header, body = self._checked(data, checksum)
+        return SparsePayload(self, header, self._parse_body(header, body))
+
+    def _piece_values(self) -> int:
+        """Values per piece of an encode made on demand or a range decode: whole chunks, about 1 MiB."""
+        return max(1, PIECE_VALUES // self.chunk) * self.chunk
+
+    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
+        return self._decode_body_into(header, body, torch.empty(header.numel, dtype=torch.float32))
+
+    def _decode_body_into(self, header: Header, body: memoryview, out: torch.Tensor) -> torch.Tensor:
+        payload = SparsePayload(self, header, self._parse_body(header, body))
+        span = max(1, PIECE_VALUES // header.block) * header.block
+        for a in range(0, header.numel, span):  # in pieces: a piece's temporaries, not the payload's
+            b = min(a + span, header.numel)
+            payload.decode_into(a, b, out[a:b])
+        return out
+
+    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._finish(self._encode_unpacked(tensor))
+
+    def _encode_unpacked(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The body's sections for a run of whole chunks (the last may be short), before `_finish`: sections of
+        consecutive runs concatenate into the sections of the runs together."""
+        raise NotImplementedError
+
+    def _finish(self, sections: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The body's sections from `_encode_unpacked`'s (topk packs its 2-bit codes here)."""
+        return sections
+
+    def _parse_body(self, header: Header, body: memoryview) -> dict[str, torch.Tensor]:
+        """The body's sections as views, every value checked; what `_decode_rows` reads."""
+        raise NotImplementedError
+
+    def _decode_rows(self, payload: SparsePayload, first: int, last: int, out: torch.Tensor) -> None:
+        """Chunks [first, last) of the payload decoded into `out` (their values, in order)."""
+        raise NotImplementedError
+
+    def _indices(self, body: memoryview, offset: int, header: Header) -> tuple[torch.Tensor, int]:
+        """The index section (a view, in the payload's own width), checked: strictly ascending per chunk and
+        inside the chunk; checked in pieces, so nothing of the section's length is widened at once."""
+        num_full, tail, count = _chunk_layout(header.numel, header.block, header.k)
         raw, offset = section(body, offset, count, _index_dtype(header.block))
-        idx = raw.to(torch.int64)
         k = header.k
-        for rows, length in (
-            (idx[: num_full * k].view(num_full, k), header.block),
-            (idx[num_full * k :].view(1, -1), tail),
-        ):
-            if rows.numel() == 0:
-                continue
-            if not bool((rows[:, 1:] > rows[:, :-1]).all()):
-                raise CodecError(
-                    f"{self.name} payload indices: expected strictly ascending within each chunk"
-                )
-            if int(rows[:, 0].min()) < 0:  # only int32 indices (chunk > 65536) can be negative
-                raise CodecError(f"{self.name} payload index: expected >= 0, got {int(rows[:, 0].min())}")
-            top = int(rows[:, -1].max())
-            if top >= length:
-                raise CodecError(f"{self.name} payload index: expected < {length} (chunk length), got {top}")
-        return idx, offset
+        rows_per_piece = max(1, PIECE_VALUES // k)
+        for first in range(0, num_full, rows_per_piece):
+            last = min(first + rows_per_piece, num_full)
+            self._check_index_rows(
+                raw[first * k : last * k].to(torch.int64).view(last - first, k), header.block
+            )
+        if tail:
+            self._check_index_rows(raw[num_full * k :].to(torch.int64).view(1, -1), tail)
+        return raw, offset
+
+    def _check_index_rows(self, rows: torch.Tensor, length: int) -> None:
+        if rows.numel() == 0:
+            return
+        if not bool((rows[:, 1:] > rows[:, :-1]).all()):
+            raise CodecError(f"{self.name} payload indices: expected strictly ascending within each chunk")
+        if int(rows[:, 0].min()) < 0:  # only int32 indices (chunk > 65536) can be negative
+            raise CodecError(f"{self.name} payload index: expected >= 0, got {int(rows[:, 0].min())}")
+        top = int(rows[:, -1].max())
+        if top >= length:
+            raise CodecError(f"{self.name} payload index: expected < {length} (chunk length), got {top}")
+
+
+# Values per piece of an encode made on demand and of a range decode (whole chunks): 1 MiB of float32.
+PIECE_VALUES = 1 << 18
+
+
+class SparsePayload:
+    """A topk or dct-topk payload whose every section was checked (`parse`), decoded range by range.
+
+    It holds views of the payload's bytes (k values of every chunk: a small share of the vector), so a node that
+    keeps every member's payload of a round and sums them range by range (the exchange's sparse mean, in member
+    order) holds no decoded vector of the model's size per member; a range decodes to the same bits as that
+    range of `decode`."""
+
+    def __init__(self, codec: _ChunkedSparseCodec, header: Header, sections: dict[str, torch.Tensor]) -> None:
+        self.codec = codec
+        self.header = header
+        self.sections = sections
+        self.numel = header.numel
+        self.unit = header.block  # a range starts at a multiple of it and ends at one or at `numel`
+
+    def decode_into(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Values [a, b) of the decoded payload into `out` (b - a contiguous float32 values), returned."""
+        numel, unit = self.numel, self.unit
+        if not (0 <= a <= b <= numel and a % unit == 0 and (b % unit == 0 or b == numel)):
+            raise CodecError(
+                f"{self.codec.name} decode range: expected whole chunks of {unit} inside [0, {numel}], "
+                f"got [{a}, {b})"
+            )
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != b - a:
+            raise CodecError(
+                f"{self.codec.name} decode range out: expected {b - a} contiguous float32 values, "
+                f"got {out.numel()} {out.dtype}"
+            )
+        if b > a:
+            self.codec._decode_rows(self, a // unit, ceil_div(b, unit), out)
+        return out
+
+    def rows(self, first: int, last: int) -> tuple[int, int, bool]:
+        """For chunks [first, last): (full chunks among them, their first value's index, whether the short
+        last chunk is one of them)."""
+        num_full, tail, _ = _chunk_layout(self.numel, self.header.block, self.header.k)
+        full = max(0, min(last, num_full) - first)
+        return full, first * self.header.k, bool(tail) and last > num_full
 
 
 class TopKCodec(_ChunkedSparseCodec):
@@ -144,11 +269,11 @@ class TopKCodec(_ChunkedSparseCodec):
         num_chunks = num_full + (1 if tail else 0)
         return 8 * num_chunks + index_bytes + ceil_div(count, 4)
 
-    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def _encode_unpacked(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         if not all_finite(tensor):
             raise nonfinite_error("topk encode input", tensor)
         numel, chunk, k = tensor.numel(), self.chunk, self.k
-        num_full, tail, count = _chunk_layout(numel, chunk, k)
+        num_full, tail, _ = _chunk_layout(numel, chunk, k)
         parts = []
         if num_full:
             rows = tensor[: num_full * chunk].view(num_full, chunk)
@@ -166,7 +291,7 @@ class TopKCodec(_ChunkedSparseCodec):
                     f"got max |x| = {float(values.abs().max()):g}"
                 )
             return [indices, half]
-        # 2-bit codes: bit 1 = sign, bit 0 = high magnitude level; four codes per byte, first in the low bits.
+        # 2-bit codes: bit 1 = sign, bit 0 = high magnitude level (packed four to a byte by `_finish`).
         levels = [_two_level_magnitudes(v) for _, v in parts]
         # Each value takes the nearer level: the midpoint in float64, exact (in float32 the midpoint of two
         # subnormal levels rounds, and a zero went to the high level, off by the chunk's whole range).
@@ -176,17 +301,25 @@ class TopKCodec(_ChunkedSparseCodec):
                 for lv, (_, v) in zip(levels, parts, strict=True)
             ]
         )
+        codes = (values < 0).to(torch.uint8) * 2 + high.to(torch.uint8)
+        return [_cat([lv.view(-1) for lv in levels]), indices, codes]
+
+    def _finish(self, sections: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.value_bits == 16:
+            return sections
+        levels, indices, unpacked = sections
+        # Four codes per byte, the first in the low bits.
+        count = unpacked.numel()
         codes = torch.zeros(4 * ceil_div(count, 4), dtype=torch.uint8)
-        codes[:count] = (values < 0).to(torch.uint8) * 2 + high.to(torch.uint8)
+        codes[:count] = unpacked
         quads = codes.view(-1, 4)
         packed = (quads[:, 0] | (quads[:, 1] << 2)) | ((quads[:, 2] << 4) | (quads[:, 3] << 6))
-        return [_cat([lv.view(-1) for lv in levels]), indices, packed]
+        return [levels, indices, packed]
 
-    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
-        numel, chunk, k = header.numel, header.block, header.k
-        num_full, tail, count = _chunk_layout(numel, chunk, k)
+    def _parse_body(self, header: Header, body: memoryview) -> dict[str, torch.Tensor]:
+        num_full, tail, count = _chunk_layout(header.numel, header.block, header.k)
         offset = 0
-        levels = torch.empty(0, 2)
+        sections: dict[str, torch.Tensor] = {}
         if header.value_bits == 2:
             num_chunks = num_full + (1 if tail else 0)
             flat_levels, offset = section(body, 0, 2 * num_chunks, torch.float32)
@@ -198,24 +331,49 @@ class TopKCodec(_ChunkedSparseCodec):
                     f"topk payload levels of chunk {bad}: expected finite 0 <= lo <= hi, "
                     f"got {levels[bad].tolist()}"
                 )
-        idx, offset = self._read_indices(body, offset, header, num_full, tail, count)
+            sections["levels"] = levels
+        sections["indices"], offset = self._indices(body, offset, header)
         if header.value_bits == 16:
-            raw, _ = section(body, offset, count, torch.float16)
-            values = raw.to(torch.float32)
-            if not all_finite(values):
-                raise nonfinite_error("topk payload values", values)
+            values, _ = section(body, offset, count, torch.float16)
+            for a in range(0, count, PIECE_VALUES):
+                piece = values[a : a + PIECE_VALUES].to(torch.float32)
+                if not all_finite(piece):
+                    raise nonfinite_error("topk payload values", piece)
+            sections["values"] = values
         else:
             packed, _ = section(body, offset, ceil_div(count, 4), torch.uint8)
-            codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)
-            if bool(codes[count:].any()):
+            if count % 4 and int(packed[-1]) >> (2 * (count % 4)):
                 raise CodecError("topk payload padding codes: expected 0, got non-zero")
-            codes = codes[:count]
-            chunk_of_value = torch.arange(num_full, dtype=torch.int64).repeat_interleave(k)
-            if tail:
-                chunk_of_value = torch.cat([chunk_of_value, torch.full((min(k, tail),), num_full)])
-            magnitude = levels[chunk_of_value, (codes & 1).to(torch.int64)]
-            values = torch.where((codes & 2) > 0, -magnitude, magnitude)
-        return _scatter_chunks(numel, chunk, k, num_full, tail, idx, values)
+            sections["packed"] = packed
+        return sections
+
+    def _decode_rows(self, payload: SparsePayload, first: int, last: int, out: torch.Tensor) -> None:
+        header, sections = payload.header, payload.sections
+        chunk, k = header.block, header.k
+        full, v0, short = payload.rows(first, last)
+        count = _chunk_layout(header.numel, chunk, k)[2]
+
+        def values(a: int, b: int, chunk_of_value: torch.Tensor) -> torch.Tensor:
+            if header.value_bits == 16:
+                return sections["values"][a:b].to(torch.float32)
+            packed = sections["packed"][a // 4 : ceil_div(b, 4)]
+            codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)
+            codes = codes[a % 4 : a % 4 + b - a]
+            magnitude = sections["levels"][chunk_of_value, (codes & 1).to(torch.int64)]
+            return torch.where((codes & 2) > 0, -magnitude, magnitude)
+
+        indices = sections["indices"]
+        if full:
+            v1 = v0 + full * k
+            rows = out[: full * chunk].view(full, chunk).zero_()
+            chunk_of_value = torch.arange(first, first + full, dtype=torch.int64).repeat_interleave(k)
+            taken = values(v0, v1, chunk_of_value).view(full, k)
+            rows.scatter_(1, indices[v0:v1].to(torch.int64).view(full, k), taken)
+        if short:
+            a = v0 + full * k
+            rest = out[full * chunk :].zero_()
+            chunk_of_value = torch.full((count - a,), first + full, dtype=torch.int64)
+            rest.scatter_(0, indices[a:count].to(torch.int64), values(a, count, chunk_of_value))
 
 
 class DctTopKCodec(_ChunkedSparseCodec):
@@ -247,7 +405,7 @@ class DctTopKCodec(_ChunkedSparseCodec):
         index_bytes = count * torch.empty((), dtype=_index_dtype(block)).element_size()
         return 4 * num_chunks + 2 * count + index_bytes
 
-    def _encode_sections(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def _encode_unpacked(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         if not all_finite(tensor):
             raise nonfinite_error("dct-topk encode input", tensor)
         numel, chunk, k = tensor.numel(), self.chunk, self.k
@@ -276,9 +434,8 @@ class DctTopKCodec(_ChunkedSparseCodec):
         indices = _cat([idx.view(-1) for idx, _ in parts]).to(_index_dtype(chunk))
         return [_cat(scales), _cat(codes).to(torch.int16), indices]
 
-    def _decode_body(self, header: Header, body: memoryview) -> torch.Tensor:
-        numel, chunk, k = header.numel, header.block, header.k
-        num_full, tail, count = _chunk_layout(numel, chunk, k)
+    def _parse_body(self, header: Header, body: memoryview) -> dict[str, torch.Tensor]:
+        num_full, tail, count = _chunk_layout(header.numel, header.block, header.k)
         num_chunks = num_full + (1 if tail else 0)
         scales, offset = section(body, 0, num_chunks, torch.float32)
         ok = torch.isfinite(scales) & (scales >= 0)
@@ -290,24 +447,31 @@ class DctTopKCodec(_ChunkedSparseCodec):
         codes, offset = section(body, offset, count, torch.int16)
         if bool((codes == -32768).any()):
             raise CodecError("dct-topk payload codes: expected values in [-32767, 32767], got -32768")
-        idx, _ = self._read_indices(body, offset, header, num_full, tail, count)
-        out = torch.empty(numel, dtype=torch.float32)
-        if num_full:
+        indices, _ = self._indices(body, offset, header)
+        return {"scales": scales, "codes": codes, "indices": indices}
+
+    def _decode_rows(self, payload: SparsePayload, first: int, last: int, out: torch.Tensor) -> None:
+        header, sections = payload.header, payload.sections
+        chunk, k = header.block, header.k
+        full, v0, short = payload.rows(first, last)
+        codes, indices, scales = sections["codes"], sections["indices"], sections["scales"]
+        if full:
+            v1 = v0 + full * k
             _inverse_dct_rows(
-                codes[: num_full * k].view(num_full, k),
-                idx[: num_full * k].view(num_full, k),
-                scales[:num_full],
-                out[: num_full * chunk].view(num_full, chunk),
+                codes[v0:v1].view(full, k),
+                indices[v0:v1].to(torch.int64).view(full, k),
+                scales[first : first + full],
+                out[: full * chunk].view(full, chunk),
             )
-        if tail:
-            kt = min(k, tail)
+        if short:
+            a = v0 + full * k
+            rest = out[full * chunk :]
             _inverse_dct_rows(
-                codes[num_full * k :].view(1, kt),
-                idx[num_full * k :].view(1, kt),
-                scales[num_full:],
-                out[num_full * chunk :].view(1, tail),
+                codes[a:].view(1, -1),
+                indices[a:].to(torch.int64).view(1, -1),
+                scales[first + full :],
+                rest.view(1, -1),
             )
-        return out
 
 
 def _two_level_magnitudes(values: torch.Tensor) -> torch.Tensor:
@@ -320,18 +484,6 @@ def _two_level_magnitudes(values: torch.Tensor) -> torch.Tensor:
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors) if tensors else torch.empty(0)
-
-
-def _scatter_chunks(
-    numel: int, chunk: int, k: int, num_full: int, tail: int, idx: torch.Tensor, values: torch.Tensor
-) -> torch.Tensor:
-    out = torch.zeros(numel, dtype=torch.float32)
-    if num_full:
-        head = out[: num_full * chunk].view(num_full, chunk)
-        head.scatter_(1, idx[: num_full * k].view(num_full, k), values[: num_full * k].view(num_full, k))
-    if tail:
-        out[num_full * chunk :].scatter_(0, idx[num_full * k :], values[num_full * k :])
-    return out
 
 
 # Values handled per decoder block: bounds the float64 temporaries (~32 MiB) without many Python iterations.

@@ -50,6 +50,7 @@ import torch
 
 from farloco.optim import dense
 from farloco.optim.ranges import CHUNK, chunks, run_chunked, run_ranges, run_split
+from farloco.optim.sparse import SparsePayload
 from farloco.optim.wire import Codec, all_finite
 
 HParam = float | int | bool
@@ -244,12 +245,13 @@ class OuterStrategy(abc.ABC):
         self,
         theta_outer: torch.Tensor,
         theta_local: torch.Tensor,
-        encoded_in: Sequence[tuple[int, int]] | None,
+        encoded_in: Sequence[tuple[int, int]] | SparsePayload | None,
     ) -> None:
         """`propose` for a contribution made on demand, written straight into the state buffer: for each range
         [a, b) the exchange encoded our contribution in (`encoded_in`, covering it in order), the state becomes
-        c[a:b] - decode(encode(c[a:b])), c being `contribution_range`; with None (a lossless codec, or a group of
-        one: nothing was lost) it becomes c - c. The same bits as `propose(make_contribution(...), transmitted)`
+        c[a:b] - decode(encode(c[a:b])), c being `contribution_range`; for a sparse codec's payload (what the
+        exchange sent of it, parsed: `encoded_in` a `SparsePayload`) it becomes c - decode(payload), range by
+        range; with None (a lossless codec, or a group of one: nothing was lost) it becomes c - c. The same bits as `propose(make_contribution(...), transmitted)`
         then `commit()`, which must follow (it installs nothing more). Only once the round commits: the old state
         is gone (theta_outer must not have moved yet: the contribution is measured from it)."""
         self._check_vector("theta_outer", theta_outer, self.num_params)
@@ -263,6 +265,9 @@ class OuterStrategy(abc.ABC):
         offset = self._offset()
         if encoded_in is None:  # nothing lost: c - c, zeros (c is finite: checked before it was sent)
             run_split(lambda part: feedback[offset + part.start : offset + part.stop].zero_(), numel, 4)
+            return
+        if isinstance(encoded_in, SparsePayload):
+            self._stage_from_payload(theta_outer, theta_local, encoded_in, feedback, offset)
             return
         ranges = list(encoded_in)
         ends = [a for _, a in ranges]
@@ -290,6 +295,38 @@ class OuterStrategy(abc.ABC):
                     piece.copy_(torch.sub(contribution, lost, out=lost))
 
         run_ranges(stage, len(ranges), 12 * numel)
+
+    def _stage_from_payload(
+        self,
+        theta_outer: torch.Tensor,
+        theta_local: torch.Tensor,
+        payload: SparsePayload,
+        feedback: torch.Tensor,
+        offset: int,
+    ) -> None:
+        """The state of `stage_in_place` from the sparse payload we sent: c - decode(payload), a piece of whole
+        codec chunks at a time (the same bits as `propose` with the payload decoded whole as `transmitted`)."""
+        numel = self.contribution_numel()
+        if payload.numel != numel:
+            raise StrategyError(
+                f"{self.name} stage_in_place: expected a payload of {numel} values, got {payload.numel}"
+            )
+        span = max(1, CHUNK // payload.unit) * payload.unit
+
+        def stage(first: int, last: int) -> None:
+            scratch = torch.empty(min(span, numel))
+            decoded = torch.empty(min(span, numel))
+            for piece in range(first, last):
+                a, b = piece * span, min((piece + 1) * span, numel)
+                contribution = self.contribution_range(theta_outer, theta_local, a, b, scratch)
+                sent = payload.decode_into(a, b, decoded[: b - a])
+                target = feedback[offset + a : offset + b]
+                if target.dtype == torch.float32:
+                    torch.sub(contribution, sent, out=target)
+                else:  # a bfloat16 residual: rounded once, from the float32 difference
+                    target.copy_(torch.sub(contribution, sent, out=sent))
+
+        run_ranges(stage, -(-numel // span), 12 * numel)
 
     def _stage_started(self) -> None:
         """Hook: what a strategy remembers when a round's state is staged (the fragment, for streaming)."""

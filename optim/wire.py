@@ -131,19 +131,21 @@ class Codec(abc.ABC):
     ) -> tuple[bytes, list[torch.Tensor], int]:
         check_input(tensor)
         tensor = tensor.detach().contiguous()  # a Parameter is encoded by value; autograd has no say here
-        value_bits, block, k = self._header_params()
         raw = self._encode_sections(tensor)
+        return self._pack(raw, tensor.numel(), checksum), raw, tensor.numel()
+
+    def _pack(self, raw: list[torch.Tensor], numel: int, checksum: bool) -> bytes:
+        """The payload of body sections `raw` for `numel` values: the header, the CRC unless left out, the body."""
+        value_bits, block, k = self._header_params()
         sections = [s.contiguous().view(torch.uint8) for s in raw if s.numel()]
-        expected = self._body_bytes(tensor.numel(), value_bits, block, k)
+        expected = self._body_bytes(numel, value_bits, block, k)
         if sum(s.numel() for s in sections) != expected:  # pragma: no cover - a codec bug, not bad input
             raise AssertionError(
                 f"{self.name} wrote {sum(s.numel() for s in sections)} body bytes, not {expected}"
             )
         flags = 0 if checksum else FLAG_NO_CRC
         header = bytearray(
-            HEADER.pack(
-                MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, flags, tensor.numel(), block, k, 0
-            )
+            HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[self.name], value_bits, flags, numel, block, k, 0)
         )
         views = [s.numpy().data for s in sections]
         if checksum:
@@ -152,7 +154,7 @@ class Codec(abc.ABC):
                 crc = zlib.crc32(view, crc)
             struct.pack_into("<I", header, _CRC_OFFSET, crc)
         # One copy from the section tensors into the immutable result: no zero-filled staging buffer.
-        return b"".join([header, *views]), raw, tensor.numel()
+        return b"".join([header, *views])
 
     def decode(
         self, data: bytes | memoryview, *, checksum: bool = True, out: torch.Tensor | None = None
@@ -164,6 +166,15 @@ class Codec(abc.ABC):
         before any numel-sized buffer is allocated. `checksum=False` accepts a payload written without a CRC
         (and skips the check of one that has it): only for bytes that came over an integrity-checked transport.
         """
+        header, body = self._checked(data, checksum)
+        if out is not None:
+            _check_out(out, header.numel)
+            return self._decode_body_into(header, body, out)
+        return self._decode_body(header, body)
+
+    def _checked(self, data: bytes | memoryview, checksum: bool) -> tuple[Header, memoryview]:
+        """The header and body of a payload for this codec, checked as `decode` describes (not the body's
+        values: the codec's own decoder checks those)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise CodecError(f"payload: expected bytes or memoryview, got {type(data).__name__}")
         try:
@@ -191,10 +202,7 @@ class Codec(abc.ABC):
                 )
         elif checksum:
             check_crc(view)
-        if out is not None:
-            _check_out(out, header.numel)
-            return self._decode_body_into(header, view[HEADER_BYTES:], out)
-        return self._decode_body(header, view[HEADER_BYTES:])
+        return header, view[HEADER_BYTES:]
 
     def _decode_body_into(self, header: Header, body: memoryview, out: torch.Tensor) -> torch.Tensor:
         """`_decode_body` written into `out`; codecs that can decode in place override this."""

@@ -11,10 +11,11 @@ A round on the agent, phase by phase (`benchmarks/round_overhead.py` times each 
     load = outer.merged(handoff)                     # what the ranks load next round
     tensors = outer.snapshot()                       # only when a joiner asks, or a checkpoint is due
 
-On demand (`on_demand`, the synchronous loop with a dense codec and no island: the agent sets it), nothing of the
-model's size is written for the contribution at all: `contribution` checks it chunk by chunk and returns an
-`OnDemand` the exchange fills each chunk from as it sends it; `commit` writes the error feedback straight into
-its state range by range (`OuterStrategy.stage_in_place`). That leaves the strategy's state and the mean: 12 bytes
+On demand (`on_demand`, the synchronous loop with no island: the agent sets it), nothing of the model's size is
+written for the contribution at all: `contribution` checks it chunk by chunk and returns an `OnDemand` the
+exchange fills each chunk from as it sends it (a sparse codec: as it encodes it, piece by piece); `commit` writes
+the error feedback straight into its state range by range (`OuterStrategy.stage_in_place`, from the chunks
+encoded again, or from the sparse payload we sent). That leaves the strategy's state and the mean: 12 bytes
 per parameter with int8 and error feedback (momentum, residual, mean) instead of 22; with `mean_per_round` (ranks
 training on the host) the mean is allocated for the round and freed with it, so while the ranks train the agent
 holds 8. It needs the round's inputs to stay put until the commit: theta_outer, the ranks' weights (they wait
@@ -40,9 +41,9 @@ from farloco.optim.wire import all_finite, nonfinite_error
 from farloco.protocol.exchange import OnDemand
 
 # What the swarm saw of our contribution, as `commit` takes it: a tensor; for an OnDemand contribution the
-# ranges the exchange encoded it in (AverageResult.encoded_in), or None where nothing was lost (a lossless
-# codec, a group of one).
-Transmitted = torch.Tensor | tuple[tuple[int, int], ...] | None
+# ranges the exchange encoded it in (AverageResult.encoded_in: a dense codec) or the payload it sent
+# (AverageResult.payload: a sparse codec), or None where nothing was lost (a lossless codec, a group of one).
+Transmitted = torch.Tensor | tuple[tuple[int, int], ...] | bytes | None
 
 
 class OuterError(RuntimeError):
@@ -232,7 +233,13 @@ class OuterRound:
         # The state is written before the step: a mean the step refuses must find it whole.
         self.strategy.check_averaged(averaged)
         start, local = self._inputs
-        self.strategy.stage_in_place(start, local, None if self.codec.lossless else transmitted)
+        if isinstance(transmitted, bytes):  # a sparse codec's payload, as the exchange sent it (no CRC)
+            parse = getattr(self.codec, "parse", None)
+            if parse is None:
+                raise ValueError(f"commit: a payload for codec {self.codec.name!r}, which parses none")
+            self.strategy.stage_in_place(start, local, parse(transmitted, checksum=False))
+        else:
+            self.strategy.stage_in_place(start, local, None if self.codec.lossless else transmitted)
         self._inputs = None
 
     def step(self, averaged: torch.Tensor) -> None:

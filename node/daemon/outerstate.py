@@ -65,9 +65,12 @@ class OuterState:
         self.round: OuterRound = OuterRound(theta, self.strategy, self.codec)
         # The contribution made chunk by chunk as the exchange sends it (no vector of the model's size for it):
         # where its inputs stay put until the commit (the synchronous loop: the ranks wait, or we read a copy) and
-        # it goes to the exchange as it is (a dense codec, no island reducing it first).
+        # it goes to the exchange as it is (no island reducing it first). Sparse codecs too: each chunk's top
+        # values are chosen within the chunk, so the payload is encoded piece by piece.
         self.round.on_demand = (
-            config.run.outer_update == "sync" and bool(self.codec.dense) and not config.node.island
+            config.run.outer_update == "sync"
+            and (bool(self.codec.dense) or callable(getattr(self.codec, "encode_on_demand", None)))
+            and not config.node.island
         )
         # Ranks that train in host memory peak while the agent waits for them: the mean is then allocated for
         # each round and freed with it (off that peak). GPU ranks' host memory peaks in the round itself, and the

@@ -502,8 +502,11 @@ class RoundRunner:
                     weight=weight,
                 )
                 self.state.metrics.exchange_duration.observe(time.monotonic() - exchange_started)
+                sent: Transmitted = result.transmitted
+                if sent is None:  # made again at commit: from the payload we sent, or the ranges encoded
+                    sent = result.payload or result.encoded_in
                 averaged = Averaged(
-                    result.transmitted if result.transmitted is not None else result.encoded_in,
+                    sent,
                     result.averaged,
                     tuple(result.contributors),
                     result.bytes_sent,

@@ -58,7 +58,8 @@ class OnDemand:
     calls it from its codec threads, and again for a retry), until `average` returns. A node whose contribution
     is a pure function of buffers that stay put during the exchange (its weights and its optimizer state) passes
     one, and no vector of the model's size is written for the contribution, nor for what the swarm saw of it.
-    Dense codecs only (a sparse payload is chosen over the whole vector)."""
+    Dense codecs, and sparse ones that encode piece by piece and parse (codec.py's `payload_terms`: each chunk's
+    top values are chosen within the chunk)."""
 
     numel: int
     fill: Callable[[int, int, torch.Tensor], torch.Tensor]
@@ -92,6 +93,9 @@ class AverageResult:
     # order, within our span): for a lossy codec, `transmitted[a:b]` is decode(encode(contribution[a:b])) for
     # each, so a caller that kept no `transmitted` (OnDemand) rebuilds it range by range, bit for bit.
     encoded_in: tuple[tuple[int, int], ...] = ()
+    # An `OnDemand` contribution with a sparse codec: our payload as it went on the wire (without the codec's
+    # CRC where the codec leaves it out: parse it with checksum=False); decoding it gives `transmitted`.
+    payload: bytes = b""
     # With `average(keep_mean=True)` and a coded (not raw float32) dense codec: the mean's chunks as they travelled,
     # (start, end, bytes) in order over our span; decoding each gives `averaged[start:end]` bit for bit.
     mean_chunks: tuple[tuple[int, int, bytes], ...] = ()

@@ -95,7 +95,8 @@ class Attempt:
     pending: dict[int, dict[int, Any]] = field(default_factory=dict)
     chunks_reduced: int = 0
     payload: bytes = b""  # sparse: our encoded payload, sent to every member
-    decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse: member index -> decoded payload
+    # sparse: member index -> its term of the mean (a decoded tensor, or a parsed payload: reduce.sparse_mean)
+    decoded: dict[int, Any] = field(default_factory=dict)
     # (member index, lane) -> what goes back on that stream; made when the stream arrives
     outboxes: dict[tuple[int, int], asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[Vote] | None = None  # our vote, once cast

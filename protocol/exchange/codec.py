@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 
@@ -38,6 +39,28 @@ def decode(
     if out is not None and tensor is not out:
         return out.copy_(tensor.reshape(-1))
     return tensor.reshape(-1)
+
+
+def payload_terms(codec: TensorCodec) -> bool:
+    """Whether a sparse codec's payloads can be kept parsed and summed range by range (farloco.optim's topk and
+    dct-topk: `parse(data) -> payload` with `payload.decode_into(a, b, out)` over ranges of whole `payload.unit`s,
+    and `encode_on_demand(numel, fill)`), instead of each decoded into a vector of the whole length."""
+    return callable(getattr(codec, "parse", None)) and callable(getattr(codec, "encode_on_demand", None))
+
+
+def take_payload(codec: TensorCodec, data: bytes | memoryview, numel: int, what: str, fast: bool) -> Any:
+    """A member's whole sparse payload, checked: parsed (`payload_terms`: decoded later, range by range, into
+    the mean), or else decoded. A refusal becomes a Reject, as in `decode`."""
+    if not payload_terms(codec):
+        return decode(codec, data, numel, what, fast)
+    parse = codec.parse  # type: ignore[attr-defined]
+    try:
+        payload = parse(data, checksum=False) if fast else parse(data)
+    except Exception as exc:  # codecs raise their own error types (CodecError is a ValueError)
+        raise invalid("BAD_PAYLOAD", f"{what}: {type(exc).__name__}: {exc}") from None
+    if payload.numel != numel:
+        raise invalid("SIZE_MISMATCH", f"{what}: expected {numel} float32 values, got {payload.numel}")
+    return payload
 
 
 def encode(codec: TensorCodec, tensor: torch.Tensor, fast: bool) -> bytes:

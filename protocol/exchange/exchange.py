@@ -19,6 +19,7 @@ import torch
 
 from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDemand, RobustRule, TensorCodec
 from farloco.protocol.exchange.attempt import Attempt, Attempts
+from farloco.protocol.exchange.codec import payload_terms
 from farloco.protocol.exchange.codecpool import MAX_CODEC_THREADS, CodecPool
 from farloco.protocol.exchange.gone import GoneWatch
 from farloco.protocol.exchange.owner import Owner
@@ -123,18 +124,19 @@ class Exchange:
         `span` = (g0, g1): contribute to slices g0 .. g1 - 1 only (see Spans in plan.py; dense codecs, an Exchange
         made with `slices`); the mean (and `transmitted`) is then defined on that range only, and `contributors`
         names every member of the final attempt, whatever its span.
-        `tensor` may be an `OnDemand` (dense codecs): the contribution is then made chunk by chunk as each is
-        sent or reduced, and with a lossy codec nothing is kept of `transmitted` (None in the result; pass no
-        `transmitted_out`): `encoded_in` says how to rebuild it."""
+        `tensor` may be an `OnDemand`: the contribution is then made chunk by chunk as each is sent or reduced
+        (a sparse codec: encoded piece by piece, `payload_terms`), and with a lossy codec nothing is kept of
+        `transmitted` (None in the result; pass no `transmitted_out`): `encoded_in` (dense) or `payload`
+        (sparse) says how to rebuild it."""
         if isinstance(tensor, OnDemand):
-            if not codec.dense:
+            if not codec.dense and not payload_terms(codec):
                 raise ValueError(
-                    f"an OnDemand contribution needs a dense codec, got {codec.name!r} (a sparse payload is "
-                    "chosen over the whole vector)"
+                    f"an OnDemand contribution needs a dense codec or a sparse one that encodes on demand and "
+                    f"parses, got {codec.name!r}"
                 )
             if transmitted_out is not None:
                 raise ValueError(
-                    "transmitted_out: expected None with an OnDemand contribution (encoded_in says it)"
+                    "transmitted_out: expected None with an OnDemand contribution (encoded_in or payload says it)"
                 )
             numel = tensor.numel
         else:
@@ -248,6 +250,7 @@ class Exchange:
                     seconds=loop.time() - started_at,
                     fp32_bytes=round(fp32_sent),
                     encoded_in=attempt.encoded_in(),
+                    payload=attempt.payload if attempt.source is not None and not attempt.dense else b"",
                     mean_chunks=()
                     if attempt.mean_chunks is None
                     else tuple((a, b, data) for a, (b, data) in sorted(attempt.mean_chunks.items())),

@@ -8,8 +8,9 @@ thread at once), so a member that sent bad data is named by every owner it sent 
 member why on its own stream. The contributions to a chunk are reduced in member order whatever the order of
 arrival (reduce.py); a member absent on a chunk (outside its span) gets an absent frame instead of the mean. A
 failed attempt keeps checking, without reducing, what its members still send (evidence for the vote). Sparse
-codecs: each member's whole payload is reassembled (its size checked before allocating), decoded and confirmed;
-with the last, the mean of every payload is summed.
+codecs: each member's whole payload is reassembled (its size checked before allocating), checked whole (parsed,
+or decoded where the codec cannot parse) and confirmed; with the last, the mean of every payload is summed, piece
+by piece in member order (reduce.py's `sparse_mean`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from farloco.protocol.exchange.attempt import Attempt, Attempts
-from farloco.protocol.exchange.codec import all_finite, decode, own_chunk_error, raw_view
+from farloco.protocol.exchange.codec import all_finite, decode, own_chunk_error, raw_view, take_payload
 from farloco.protocol.exchange.codecpool import CodecPool
 from farloco.protocol.exchange.plan import lanes_for, max_chunk_payload
 from farloco.protocol.exchange.reduce import (
@@ -64,10 +65,10 @@ class Owner:
         self.max_payload_bytes = max_payload_bytes
 
     async def own_sparse(self, attempt: Attempt) -> None:
-        """Our own sparse payload, encoded (and decoded into `transmitted`) for the others: one of the payloads."""
-        attempt.payload = await self.pool.wide(attempt.jobs, encode_sparse, attempt)
-        assert attempt.transmitted is not None, "a sparse contribution is a tensor (average refuses OnDemand)"
-        attempt.decoded[attempt.me] = attempt.transmitted
+        """Our own sparse payload, encoded for the others (see `encode_sparse`): one of the mean's terms."""
+        attempt.payload, attempt.decoded[attempt.me] = await self.pool.wide(
+            attempt.jobs, encode_sparse, attempt
+        )
         await self._sparse_part_done(attempt)
 
     def _check_hello(self, attempt: Attempt, ctx: CallContext, header: dict[str, Any]) -> tuple[int, Hello]:
@@ -363,7 +364,8 @@ class Owner:
     async def _receive_sparse(
         self, attempt: Attempt, sender: int, hello: Frame, total: int | None, incoming: AsyncIterator[Frame]
     ) -> None:
-        """Reassemble `sender`'s whole payload (size checked before allocating), decode it, confirm receipt."""
+        """Reassemble `sender`'s whole payload (size checked before allocating), check it (`take_payload`), confirm
+        receipt."""
         peer = attempt.member_ids[sender]
         try:
             if total is None or total > self.max_payload_bytes:
@@ -391,7 +393,7 @@ class Owner:
                 attempt.bytes_received += wire_size(frame)
             attempt.decoded[sender] = await self.pool.wide(
                 attempt.jobs,
-                decode,
+                take_payload,
                 attempt.codec,
                 memoryview(buffer),
                 attempt.plan.numel,
@@ -405,7 +407,7 @@ class Owner:
             attempt.fail(f"refused data from {peer}: {exc.reason}", blame(exc, peer))
 
     async def _sparse_part_done(self, attempt: Attempt) -> None:
-        """One payload (ours or a member's) is decoded; with the last, the mean is summed, then the attempt
+        """One payload (ours or a member's) is checked; with the last, the mean is summed, then the attempt
         holds it."""
         if attempt.parts_missing == 1 and not attempt.finished.is_set():
             decoded = [attempt.decoded[i] for i in range(len(attempt.members))]

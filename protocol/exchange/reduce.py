@@ -19,8 +19,16 @@ import torch
 
 from farloco.protocol.exchange.api import RobustRule
 from farloco.protocol.exchange.attempt import Attempt
-from farloco.protocol.exchange.codec import all_finite, decode, encode, encode_decoded, raw_bytes
+from farloco.protocol.exchange.codec import (
+    all_finite,
+    decode,
+    encode,
+    encode_decoded,
+    raw_bytes,
+    take_payload,
+)
 from farloco.protocol.exchange.wire import Blamed
+from farloco.util.parallel import map_ranges
 
 
 def encode_chunk(attempt: Attempt, a: int, b: int) -> bytes:
@@ -106,22 +114,57 @@ def chunk_mean(
     return encode_decoded(codec, total, attempt.fast, attempt.result[a:b])[0]
 
 
-def sparse_mean(
-    rule: RobustRule | None, decoded: list[torch.Tensor], weights: list[float], total: torch.Tensor
-) -> None:
-    """Every member's decoded payload, in member order, reduced into `total`."""
+def sparse_mean(rule: RobustRule | None, terms: list[Any], weights: list[float], total: torch.Tensor) -> None:
+    """Every member's payload, in member order, reduced into `total`. A term is a decoded tensor, or a parsed
+    payload (`payload_terms`) decoded here a piece at a time: the weighted sum is made piece by piece over
+    every term (one pass over `total`, nothing of its length per member), each value through the same
+    operations in the same order as a sum of whole decoded tensors, so every member gets the same bits."""
+    numel = total.numel()
     if rule is not None:
         # Every member applies the rule to every payload, in member order: a rule whose arithmetic could differ
         # between machines (a norm's reduction) must not be used with sparse codecs (the agent refuses it).
-        total.copy_(rule(decoded))
+        total.copy_(rule([_whole(term, numel) for term in terms]))
         return
-    for index, (values, weight) in enumerate(zip(decoded, weights, strict=True)):
-        term = values if weight == 1.0 else values * weight
-        if index == 0:
-            total.copy_(term)
-        else:
-            total.add_(term)
-    total.div_(math.fsum(weights))
+    unit = math.lcm(1, *(term.unit for term in terms if not isinstance(term, torch.Tensor)))
+    span = max(1, SPARSE_PIECE // unit) * unit
+    divisor = math.fsum(weights)
+
+    def reduce_pieces(first: int, last: int) -> None:
+        scratch = torch.empty(min(span, numel))
+        for piece in range(first, last):
+            a, b = piece * span, min((piece + 1) * span, numel)
+            part = total[a:b]
+            for index, (term, weight) in enumerate(zip(terms, weights, strict=True)):
+                into = part if index == 0 else scratch[: b - a]
+                if isinstance(term, torch.Tensor):
+                    values = term[a:b]
+                    if index == 0:
+                        values = part.copy_(values)
+                    elif weight != 1.0:
+                        values = torch.mul(values, weight, out=into)
+                        weight = 1.0
+                else:
+                    values = term.decode_into(a, b, into)
+                if weight != 1.0:
+                    values.mul_(weight)
+                if index:
+                    part.add_(values)
+            part.div_(divisor)
+
+    map_ranges(reduce_pieces, -(-numel // span), 8 * numel * max(1, len(terms)))
+
+
+# Values per piece of the sparse mean (whole codec chunks): 1 MiB of float32, the piece and one term in cache.
+SPARSE_PIECE = 1 << 18
+
+
+def _whole(term: Any, numel: int) -> torch.Tensor:
+    """A term of `sparse_mean` as one decoded tensor."""
+    if isinstance(term, torch.Tensor):
+        return term
+    out = torch.empty(numel, dtype=torch.float32)
+    term.decode_into(0, numel, out)
+    return out
 
 
 def _own_decoded(attempt: Attempt, a: int, b: int) -> torch.Tensor:
@@ -145,12 +188,23 @@ def reduce_alone(attempt: Attempt) -> None:
             attempt.mean_chunks[a] = (b, bytes(data))
 
 
-def encode_sparse(attempt: Attempt) -> bytes:
-    """Our sparse payload, and what the others will decode of it in `transmitted`."""
-    assert attempt.transmitted is not None, "a sparse contribution is a tensor (average refuses OnDemand)"
-    payload = encode(attempt.codec, attempt.flat, attempt.fast)
-    decode(attempt.codec, payload, attempt.plan.numel, "own payload", attempt.fast, attempt.transmitted)
-    return payload
+def encode_sparse(attempt: Attempt) -> tuple[bytes, Any]:
+    """Our sparse payload, and our term of the mean: what the others will decode of it, decoded into
+    `transmitted`, or for an OnDemand contribution (encoded piece by piece as it is made) the payload parsed."""
+    codec, numel = attempt.codec, attempt.plan.numel
+    if attempt.source is not None:
+        source = attempt.source
+        encode_pieces = codec.encode_on_demand
+        payload = (
+            encode_pieces(numel, source.fill, checksum=False)
+            if attempt.fast
+            else encode_pieces(numel, source.fill)
+        )
+        return payload, take_payload(codec, payload, numel, "own payload", attempt.fast)
+    assert attempt.transmitted is not None, "a tensor contribution's transmitted is kept"
+    payload = encode(codec, attempt.flat, attempt.fast)
+    decode(codec, payload, numel, "own payload", attempt.fast, attempt.transmitted)
+    return payload, attempt.transmitted
 
 
 def blame_nonfinite(member_ids: list[str], contributions: dict[int, torch.Tensor | None]) -> NoReturn:

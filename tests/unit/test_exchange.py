@@ -5,6 +5,7 @@ and kills them)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -793,13 +794,129 @@ def test_an_on_demand_contribution_gives_the_tensor_paths_bits(name: str) -> Non
     run(body())
 
 
+class WholeSparse:
+    """A sparse codec that can only encode and decode whole vectors (no `parse`, no `encode_on_demand`)."""
+
+    name = "topk"
+    dense = False
+
+    def __init__(self) -> None:
+        self._codec = TopKCodec()
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        return self._codec.encode(tensor)
+
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        return self._codec.decode(data)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("topk", {"k": 5, "chunk": 64}), ("topk", {"k": 3, "chunk": 50, "value_bits": 2}), ("dct-topk", {})],
+)
+def test_a_sparse_on_demand_contribution_gives_the_tensor_paths_bits(
+    name: str, options: dict[str, int]
+) -> None:
+    """A sparse codec's contribution made piece by piece as it is encoded (OnDemand), with weights: the same mean,
+    bit for bit, as the tensor itself (every member's payload summed piece by piece, in member order), no
+    `transmitted` kept, and `payload` decodes to the tensor path's `transmitted`; a codec that parses no payload
+    (decoded whole) gives the same bits too; again after a member of another shape is dropped."""
+    from farloco.optim import get_codec
+
+    codec = get_codec(name, **options)
+    numel = 300_007  # more than one piece of the sparse mean, and a short last chunk
+    weights = [1.0, 2.5, 0.75]
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3, codec_threads=2)
+        try:
+            inputs = [make_input(i, numel).mul_(0.01) for i in range(3)]
+
+            async def average(tensors: Sequence[torch.Tensor | OnDemand]) -> list[AverageResult]:
+                return list(
+                    await asyncio.gather(
+                        *(
+                            node.exchange.average(group, tensors[i], codec, timeout=30, weight=weights[i])
+                            for i, node in enumerate(nodes)
+                        )
+                    )
+                )
+
+            whole = await average(inputs)
+            made = await average([on_demand(t) for t in inputs])
+            mixed = await average([on_demand(inputs[0]), inputs[1], on_demand(inputs[2])])
+            terms = [codec.decode(codec.encode(t)) for t in inputs]
+            exact = sum(t * w for t, w in zip(terms, weights, strict=True)) / sum(weights)
+            for w, m, x in zip(whole, made, mixed, strict=True):
+                assert torch.equal(m.averaged, w.averaged) and torch.equal(x.averaged, w.averaged)
+                assert m.transmitted is None and m.contributors == w.contributors and not w.payload
+                assert torch.equal(codec.decode(m.payload, checksum=False), w.transmitted)
+                assert float((w.averaged - exact).abs().max()) <= 1e-6
+            # The decoded-whole path (a codec that cannot parse) agrees bit for bit.
+            alike = WholeSparse() if name == "topk" and "value_bits" not in options else None
+            if alike is not None:
+                alike._codec = codec  # type: ignore[assignment]
+                plain = await asyncio.gather(
+                    *(
+                        node.exchange.average(group, inputs[i], alike, timeout=30, weight=weights[i])
+                        for i, node in enumerate(nodes)
+                    )
+                )
+                assert all(torch.equal(p.averaged, whole[0].averaged) for p in plain)
+            # A member of another shape is dropped: the survivors' retry encodes again, for two.
+            outcomes = await asyncio.gather(
+                nodes[0].exchange.average(group, on_demand(inputs[0]), codec, timeout=30),
+                nodes[1].exchange.average(group, inputs[1], codec, timeout=30),
+                nodes[2].exchange.average(group, make_input(2, numel - 1), codec, timeout=30),
+                return_exceptions=True,
+            )
+            first, second = outcomes[0], outcomes[1]
+            assert isinstance(first, AverageResult) and isinstance(second, AverageResult), outcomes
+            assert first.contributors == ("peer-0", "peer-1") and torch.equal(first.averaged, second.averaged)
+            assert torch.equal(codec.decode(first.payload, checksum=False), terms[0])
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_the_sparse_mean_piece_by_piece_is_the_sum_of_whole_terms() -> None:
+    """reduce.sparse_mean over parsed payloads and decoded tensors, of chunk sizes whose pieces do not line up,
+    with weights: bit for bit the weighted sum of whole decoded terms in member order, over one thread or
+    several."""
+    from farloco.optim import get_codec
+    from farloco.protocol.exchange.reduce import sparse_mean
+    from farloco.util import parallel
+
+    numel = 700_001
+    codecs = [get_codec("topk", k=7, chunk=1000), get_codec("dct-topk", k=4, chunk=96), get_codec("topk")]
+    payloads = [c.encode(make_input(i, numel)) for i, c in enumerate(codecs)]
+    decoded = [c.decode(p) for c, p in zip(codecs, payloads, strict=True)]
+    weights = [1.0, 0.3, 2.0]
+    expected = decoded[0].clone()
+    for values, weight in zip(decoded[1:], weights[1:], strict=True):
+        expected.add_(values * weight)
+    expected.div_(math.fsum(weights))
+    terms: list[Any] = [codecs[0].parse(payloads[0]), decoded[1], codecs[2].parse(payloads[2])]
+    for threads in (1, 3):
+        previous = parallel.get_threads()
+        parallel.set_threads(threads)
+        try:
+            total = torch.full((numel,), float("nan"))
+            sparse_mean(None, terms, weights, total)
+        finally:
+            parallel.set_threads(previous)
+        assert torch.equal(total, expected)
+
+
 def test_an_on_demand_contribution_refuses_what_it_cannot_serve() -> None:
     async def body() -> None:
         nodes, group = await start_nodes(1)
         try:
             source = on_demand(torch.ones(3))
-            with pytest.raises(ValueError, match="OnDemand contribution needs a dense codec, got 'topk'"):
-                await nodes[0].exchange.average(group, source, TopKCodec(), timeout=5)
+            with pytest.raises(ValueError, match="OnDemand contribution needs a dense codec or a sparse one"):
+                await nodes[0].exchange.average(group, source, WholeSparse(), timeout=5)
             with pytest.raises(ValueError, match="transmitted_out: expected None with an OnDemand"):
                 await nodes[0].exchange.average(
                     group, source, Fp32Codec(), timeout=5, transmitted_out=torch.empty(3)

@@ -586,3 +586,153 @@ def test_a_dense_decode_into_out_holds_no_float32_copy_of_the_payload(name: str)
     out = torch.empty(numel).fill_(0.0)
     grown = peak_growth_mib(lambda: codec.decode(data, out=out))
     assert grown < 8, f"decoding {name} into out raised the peak by {grown:.1f} MiB"
+
+
+SPARSE_CASES = {
+    "topk": {"k": 5, "chunk": 300},
+    "topk-2bit": {"k": 3, "chunk": 50, "value_bits": 2},
+    "topk-default": {},
+    "dct-topk": {"k": 4, "chunk": 96},
+}
+
+
+def sparse_codec(case: str) -> Codec:
+    return get_codec("dct-topk" if case == "dct-topk" else "topk", **SPARSE_CASES[case])
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+@pytest.mark.parametrize("numel", [0, 1, 299, 300_001])
+def test_a_sparse_payload_encoded_on_demand_is_the_whole_vectors(case: str, numel: int) -> None:
+    """encode_on_demand asks for pieces of whole chunks (none twice, together the vector) and writes the payload
+    `encode` writes for the whole vector (dct-topk: the same values decoded, its float32 matmul aside)."""
+    codec = sparse_codec(case)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    asked: list[tuple[int, int]] = []
+
+    def fill(a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        asked.append((a, b))
+        return out.copy_(x[a:b])
+
+    for checksum in (True, False):
+        asked.clear()
+        made = codec.encode_on_demand(numel, fill, checksum=checksum)
+        whole = codec.encode(x, checksum=checksum)
+        if case != "dct-topk":
+            assert made == whole
+        assert torch.equal(codec.decode(made, checksum=checksum), codec.decode(whole, checksum=checksum))
+        bounds = [0, *(b for _, b in asked)]
+        assert [a for a, _ in asked] == bounds[:-1] and bounds[-1] == numel
+        unit = SPARSE_CASES[case].get("chunk", 4096)
+        assert all(a % unit == 0 for a, _ in asked)
+
+
+def test_encode_on_demand_refuses_what_encode_refuses() -> None:
+    codec = get_codec("topk", k=2, chunk=10)
+    x = torch.randn(100)
+    x[57] = float("nan")
+    with pytest.raises(CodecError, match="topk encode input"):
+        codec.encode_on_demand(100, lambda a, b, out: out.copy_(x[a:b]))
+    with pytest.raises(CodecError, match=re.escape("encode input dtype: expected torch.float32")):
+        codec.encode_on_demand(100, lambda a, b, out: torch.zeros(b - a, dtype=torch.float64))
+    with pytest.raises(CodecError, match=r"piece \[0, 100\): expected 100 values, got 99"):
+        codec.encode_on_demand(100, lambda a, b, out: out[1:])
+    with pytest.raises(CodecError, match="numel: expected an int >= 0, got -1"):
+        codec.encode_on_demand(-1, lambda a, b, out: out)
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_a_parsed_sparse_payload_decodes_any_range_of_whole_chunks_alike(case: str) -> None:
+    """parse + decode_into over ranges of whole chunks gives the bits of `decode`, whatever the cut; a range
+    off the chunks, or an `out` of the wrong size, is refused by name."""
+    codec = sparse_codec(case)
+    numel = 10_007
+    data = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(5)))
+    whole = codec.decode(data)
+    payload = codec.parse(data)
+    unit = payload.unit
+    assert payload.numel == numel and unit == SPARSE_CASES[case].get("chunk", 4096)
+    for step in (1, 2, 7, numel):
+        out = torch.full((numel,), float("nan"))
+        for a in range(0, numel, step * unit):
+            b = min(a + step * unit, numel)
+            payload.decode_into(a, b, out[a:b])
+        assert torch.equal(out.view(torch.int32), whole.view(torch.int32)), step
+    with pytest.raises(CodecError, match=rf"whole chunks of {unit} inside \[0, {numel}\], got \[1, {unit}\)"):
+        payload.decode_into(1, unit, torch.empty(unit - 1))
+    with pytest.raises(CodecError, match=rf"expected {unit} contiguous float32 values, got {unit + 1}"):
+        payload.decode_into(0, unit, torch.empty(unit + 1))
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_parse_refuses_every_payload_decode_refuses(case: str) -> None:
+    """parse checks what decode checks, before any range is decoded: a flipped byte (the CRC), a bad index, a
+    payload of another codec."""
+    codec = sparse_codec(case)
+    data = codec.encode(torch.randn(1_000, generator=torch.Generator().manual_seed(1)))
+    flipped = bytearray(data)
+    flipped[-1] ^= 0xFF
+    with pytest.raises(CodecError, match="CRC-32"):
+        codec.parse(bytes(flipped))
+    with pytest.raises(CodecError):
+        codec.parse(bytes(flipped), checksum=False) if case == "dct-topk" else codec.decode(bytes(flipped))
+    with pytest.raises(CodecError, match="payload codec"):
+        codec.parse(get_codec("int8").encode(torch.ones(8)))
+
+
+FLAT_PEAK_SCRIPT = """
+import json, sys, torch
+from helpers.memory import peak_growth_mib
+from farloco.optim import get_codec
+
+numel = 8 << 20
+x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+out = torch.empty(1 << 18).fill_(0.0)
+grown = {}
+for name, options in json.loads(sys.argv[1]):
+    codec = get_codec(name, **options)
+    data = codec.encode(x)
+    piece = (1 << 18) // codec.chunk * codec.chunk
+
+    def parse_and_decode():
+        payload = codec.parse(data)
+        for a in range(0, numel, piece):
+            payload.decode_into(a, min(a + piece, numel), out[: min(piece, numel - a)])
+
+    def on_demand():
+        codec.encode_on_demand(numel, lambda a, b, o: o.copy_(x[a:b]))
+
+    parse_and_decode(), on_demand()  # the first calls' one-off allocations (kernels, tables) aside
+    grown[name + str(options)] = [peak_growth_mib(parse_and_decode), peak_growth_mib(on_demand), len(data)]
+print(json.dumps(grown))
+"""
+
+
+@pytest.mark.skipif(not CAN_MEASURE, reason="needs Linux's /proc/self/clear_refs")
+def test_a_sparse_payload_parses_and_encodes_on_demand_with_a_flat_peak() -> None:
+    """A payload of 8M values (32 MiB as float32) parses, decodes range by range and is encoded on demand with
+    the peak RSS rising by far less than a decoded vector: what the exchange's sparse mean holds per member. In
+    a process of its own whose allocator hands pieces of this size back at once (a fixed mmap threshold):
+    glibc's adaptive one may keep freed pieces in its heap, and the peak then says more about the heap's
+    history than about what the code holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = [("topk", {}), ("topk", SPARSE_CASES["topk-2bit"]), ("dct-topk", {})]
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env["PYTHONPATH"] = os.pathsep.join([tests, *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-c", FLAT_PEAK_SCRIPT, json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case, (decoded, encoded, payload_bytes) in json.loads(done.stdout.splitlines()[-1]).items():
+        assert decoded < 8, f"parsing and decoding {case} by ranges raised the peak by {decoded:.1f} MiB"
+        limit = 3 * payload_bytes / (1 << 20) + 8
+        assert encoded < limit, f"encoding {case} on demand raised the peak by {encoded:.1f} MiB"

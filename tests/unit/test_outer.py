@@ -228,14 +228,17 @@ def test_a_contribution_measured_from_a_reference_leaves_theta_outer_alone() -> 
         make_strategy("demo", NUMEL, get_codec("int8")).eager_scale()
 
 
-@pytest.mark.parametrize(("name", "codec_name", "hparams"), [c for c in CASES if c[1] != "topk"])
+@pytest.mark.parametrize(
+    ("name", "codec_name", "hparams"), [*CASES, ("diloco", "dct-topk", {}), ("demo", "dct-topk", {})]
+)
 def test_the_on_demand_round_matches_the_plain_strategy_api(
     name: str, codec_name: str, hparams: dict[str, float], agent_threads: int
 ) -> None:
     """OuterRound with `on_demand`: the contribution is an OnDemand (checked, never written whole), the exchange's
-    ranges stand for what the swarm saw, and commit writes the state straight in; theta, the state and the hash
-    agree bit for bit with the plain strategy API after every round, a round alone among them. Nothing of the
-    model's size is allocated for the contribution or for `transmitted`."""
+    ranges (a sparse codec: the payload it sent, encoded piece by piece) stand for what the swarm saw, and commit
+    writes the state straight in; theta, the state and the hash agree bit for bit with the plain strategy API
+    after every round, a round alone among them. Nothing of the model's size is allocated for the contribution
+    or for `transmitted`."""
     from farloco.protocol.exchange import OnDemand
 
     codec = get_codec(codec_name)
@@ -257,6 +260,10 @@ def test_the_on_demand_round_matches_the_plain_strategy_api(
             sent, averaged = fast.alone(contribution)
             assert sent is None and torch.equal(averaged, expected)
             transmitted, averaged = expected, averaged.clone()
+        elif not codec.dense:  # what the exchange does with an OnDemand and a sparse codec
+            sent = codec.encode_on_demand(n, contribution.fill, checksum=False)
+            transmitted = codec.decode(sent, checksum=False)
+            averaged = (transmitted + torch.randn(n, generator=generator).mul_(1e-3)) * 0.5
         else:
             sent = tuple((a, min(a + 50_000, n)) for a in range(0, n, 50_000))
             transmitted = torch.cat([codec.encode_decoded(expected[a:b])[1] for a, b in sent])
@@ -311,3 +318,37 @@ def test_an_on_demand_round_names_nonfinite_weights_and_a_refused_mean_leaves_th
     assert torch.equal(outer.strategy.state_dict()["residual"], residual)
     with pytest.raises(ValueError, match="commit: an OnDemand contribution takes the ranges"):
         outer.commit(contribution, torch.zeros(NUMEL), torch.zeros(NUMEL))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "codec", "update", "island", "expected"),
+    [
+        ("diloco", "int8", "sync", False, True),
+        ("sparseloco", "topk", "sync", False, True),
+        ("demo", "dct-topk", "sync", False, True),
+        ("sparseloco", "topk", "delayed", False, False),
+        ("diloco", "int8", "sync", True, False),
+    ],
+)
+def test_the_agent_makes_its_contribution_on_demand_in_the_synchronous_loop(
+    strategy: str, codec: str, update: str, island: bool, expected: bool
+) -> None:
+    """The agent's outer state (the run's tiny model) takes the on-demand round wherever its inputs stay put
+    (the synchronous loop) and nothing reduces the contribution first (no island): dense and sparse codecs
+    alike."""
+    from farloco.node.config import build_config, run_hash
+    from farloco.node.daemon.outerstate import OuterState
+
+    run: dict[str, object] = {"strategy": strategy, "codec": codec, "outer_update": update}
+    if strategy == "demo":
+        run["inner_steps"] = 1
+    node: dict[str, object] = {}
+    if island:
+        run["island_slices"] = 4
+        node = {"island": "a", "island_endpoint": "127.0.0.1:29500"}
+    config = build_config({"run": run, "node": node})
+    outer = OuterState(config, run_hash(config))
+    try:
+        assert outer.round.on_demand is expected
+    finally:
+        outer.close()
