@@ -172,6 +172,10 @@ class ByzantineExchange:
         self._on_sent(group.round_id, attack)
         self._stale = contribution.clone()
         result = await self._exchange.average(group, sent, codec, **kwargs)
+        if on_demand and not codec.dense:
+            # The node stages its error feedback from the payload it sent: the honest update's, as it would
+            # have gone out.
+            return replace(result, transmitted=None, payload=codec.encode(contribution, checksum=False))
         if on_demand:
             # The node rebuilds what the swarm saw of its honest update from the ranges encoded in, which depend
             # on the attempt alone, not on the values sent.

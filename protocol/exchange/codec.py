@@ -60,6 +60,11 @@ def take_payload(codec: TensorCodec, data: bytes | memoryview, numel: int, what:
         raise invalid("BAD_PAYLOAD", f"{what}: {type(exc).__name__}: {exc}") from None
     if payload.numel != numel:
         raise invalid("SIZE_MISMATCH", f"{what}: expected {numel} float32 values, got {payload.numel}")
+    # Every member of a run codes with the same options (the run's hash covers them). A payload cut in other
+    # chunks would make the mean's pieces (whole chunks of every payload) as long as their common multiple.
+    chunk = getattr(codec, "chunk", None)
+    if isinstance(chunk, int) and payload.unit != chunk:
+        raise invalid("BAD_PAYLOAD", f"{what}: expected chunks of {chunk} values, got {payload.unit}")
     return payload
 
 

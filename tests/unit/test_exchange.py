@@ -881,6 +881,46 @@ def test_a_sparse_on_demand_contribution_gives_the_tensor_paths_bits(
     run(body())
 
 
+def test_a_sparse_payload_cut_in_other_chunks_is_refused_and_its_sender_dropped() -> None:
+    """A member whose payload's chunks differ from the round's codec is named by the others (BAD_PAYLOAD, the
+    chunk sizes in the message) and the retry goes on without it."""
+    from farloco.optim import get_codec
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            inputs = [make_input(i, 20_000) for i in range(3)]
+            codecs = [
+                get_codec("topk", chunk=1000),
+                get_codec("topk", chunk=1000),
+                get_codec("topk", chunk=500),
+            ]
+            outcomes = await asyncio.gather(
+                *(
+                    node.exchange.average(group, on_demand(inputs[i]), codecs[i], timeout=30)
+                    for i, node in enumerate(nodes)
+                ),
+                return_exceptions=True,
+            )
+            first, second, odd = outcomes
+            assert isinstance(first, AverageResult) and isinstance(second, AverageResult), outcomes
+            assert first.contributors == ("peer-0", "peer-1") and torch.equal(first.averaged, second.averaged)
+            assert isinstance(odd, ExchangeAborted), odd
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+    from farloco.protocol.exchange.codec import take_payload
+    from farloco.protocol.rpc import Reject
+
+    codec = get_codec("topk", chunk=1000)
+    with pytest.raises(Reject, match="payload of peer-2: expected chunks of 1000 values, got 500"):
+        take_payload(
+            codec, get_codec("topk", chunk=500).encode(torch.ones(5000)), 5000, "payload of peer-2", False
+        )
+
+
 def test_the_sparse_mean_piece_by_piece_is_the_sum_of_whole_terms() -> None:
     """reduce.sparse_mean over parsed payloads and decoded tensors, of chunk sizes whose pieces do not line up,
     with weights: bit for bit the weighted sum of whole decoded terms in member order, over one thread or
@@ -954,6 +994,50 @@ def test_two_members_of_equal_weight_other_than_one_get_the_mean_not_a_multiple_
             err = float((results[0].averaged - exact).abs().max())
             assert err <= tolerance(codec_name, inputs), err
             assert results[0].total_weight == 2 * weight
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "topk"])
+def test_a_byzantine_member_on_demand_reports_what_the_swarm_saw_of_its_honest_update(
+    codec_name: str,
+) -> None:
+    """The Byzantine fault (node/faults/wrappers.py) over a real exchange, with an OnDemand contribution: the
+    wrong update goes out, and what the node stages its error feedback from is its honest update's round trip
+    (dense: the ranges encoded in; sparse: the honest payload)."""
+    from farloco.node.faults.wrappers import ByzantineExchange
+    from farloco.optim import get_codec
+
+    codec = get_codec(codec_name)
+    numel = 20_000
+
+    async def body() -> None:
+        nodes, group = await start_nodes(2)
+        try:
+            inputs = [make_input(i, numel).mul_(0.01) for i in range(2)]
+            sent: list[str] = []
+            byzantine = ByzantineExchange(
+                nodes[0].exchange, lambda _r: "constant", lambda _r, kind: sent.append(kind)
+            )
+            mine, theirs = await asyncio.gather(
+                byzantine.average(group, on_demand(inputs[0]), codec, timeout=30),
+                nodes[1].exchange.average(group, inputs[1], codec, timeout=30),
+            )
+            assert sent == ["constant"] and torch.equal(mine.averaged, theirs.averaged)
+            assert mine.transmitted is None
+            # Dense: the ranges cover the contribution, in order (the commit encodes the honest one again).
+            if codec.dense:
+                bounds = [0, *(b for _, b in mine.encoded_in)]
+                assert [a for a, _ in mine.encoded_in] == bounds[:-1] and bounds[-1] == numel
+                assert not mine.payload
+            else:
+                honest = codec.decode(codec.encode(inputs[0]))
+                assert torch.equal(codec.decode(mine.payload, checksum=False), honest)
+            # The mean holds the wrong update (every value 50 from member 0), not the honest one.
+            assert float(mine.averaged.abs().max()) > 10
         finally:
             for node in nodes:
                 await node.stop()
