@@ -440,6 +440,20 @@ def test_streaming_diloco_residual_lands_on_the_proposed_fragment_whatever_the_c
         assert torch.equal(residual[4:], torch.zeros(8, dtype=torch.bfloat16))
 
 
+def two_alike(
+    name: str, feedback: str, numel: int, codec: Codec, *, seed: int
+) -> tuple[OuterStrategy, OuterStrategy, torch.Tensor, torch.Tensor, torch.Generator]:
+    """Two strategies of one config (one for the whole path, one on demand; streaming: three fragments;
+    `feedback`: "bf16", "fp32" or "" for the strategy's default), a theta for each, alike, and the generator."""
+    hparams: dict[str, float | int | bool] = {"num_fragments": 3} if name == "streaming-diloco" else {}
+    if feedback:
+        hparams.update(error_feedback=True, feedback_bf16=feedback == "bf16")
+    whole, on_demand = (make_strategy(name, numel, codec, **hparams) for _ in range(2))
+    generator = torch.Generator().manual_seed(seed)
+    theta = torch.randn(numel, generator=generator)
+    return whole, on_demand, theta, theta.clone(), generator
+
+
 def ranges_of(numel: int, cuts: list[int]) -> list[tuple[int, int]]:
     bounds = [0, *sorted({c for c in cuts if 0 < c < numel}), numel]
     return list(itertools.pairwise(bounds))
@@ -460,13 +474,7 @@ def test_a_contribution_on_demand_gives_the_same_bits_as_one_made_whole(
     steps then agree too."""
     numel = 3_001
     codec = get_codec(codec_name, **({"block_size": 32} if codec_name in ("int8", "int4") else {}))
-    hparams: dict[str, float | int | bool] = {"num_fragments": 3} if name == "streaming-diloco" else {}
-    if feedback:
-        hparams.update(error_feedback=True, feedback_bf16=feedback == "bf16")
-    whole, on_demand = (make_strategy(name, numel, codec, **hparams) for _ in range(2))
-    generator = torch.Generator().manual_seed(7)
-    theta_w = torch.randn(numel, generator=generator)
-    theta_d = theta_w.clone()
+    whole, on_demand, theta_w, theta_d, generator = two_alike(name, feedback, numel, codec, seed=7)
     for round_index in range(4):
         local = theta_w + torch.randn(numel, generator=generator) * 0.01
         contribution = whole.make_contribution(theta_w, local)
@@ -509,13 +517,7 @@ def test_a_sparse_contribution_on_demand_gives_the_same_bits_as_one_made_whole(
     if codec_name == "topk-2bit":
         options["value_bits"] = 2
     codec = get_codec(codec_name.removesuffix("-2bit"), **options)
-    hparams: dict[str, float | int | bool] = {"num_fragments": 3} if name == "streaming-diloco" else {}
-    if feedback:
-        hparams.update(error_feedback=True, feedback_bf16=feedback == "bf16")
-    whole, on_demand = (make_strategy(name, numel, codec, **hparams) for _ in range(2))
-    generator = torch.Generator().manual_seed(11)
-    theta_w = torch.randn(numel, generator=generator)
-    theta_d = theta_w.clone()
+    whole, on_demand, theta_w, theta_d, generator = two_alike(name, feedback, numel, codec, seed=11)
     for round_index in range(4):
         local = theta_w + torch.randn(numel, generator=generator) * 0.01
         contribution = whole.make_contribution(theta_w, local)
