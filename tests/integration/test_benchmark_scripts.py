@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import ROOT
 
 
@@ -57,15 +58,17 @@ def test_exchange_benchmark_runs_farloco_and_gloo_and_checks_their_means() -> No
         assert "wrong_result" not in row and row["max_err"] < (0.1 if row["codec"] == "int8" else 1e-5)
 
 
-def test_round_overhead_benchmark_measures_every_phase() -> None:
+@pytest.mark.parametrize(("strategy", "codec"), [("diloco", "int8"), ("sparseloco", "topk")])
+def test_round_overhead_benchmark_measures_every_phase(strategy: str, codec: str) -> None:
     proc = run_script(
-        "round_overhead.py", "--params", "1e6", "--rounds", "2", "--strategy", "diloco", "--codec", "int8"
+        "round_overhead.py", "--params", "1e6", "--rounds", "2", "--strategy", strategy, "--codec", codec
     )
     (row,) = json_lines(proc.stdout)
-    assert row["params"] == 1_000_000 and row["strategy"] == "diloco" and row["codec"] == "int8"
+    assert row["params"] == 1_000_000 and row["strategy"] == strategy and row["codec"] == codec
+    assert row["contribution"].startswith("on demand")
     phases = row["ns_per_param"]
-    assert {"contribution", "encode", "decode+sum", "step", "hash", "publish"} <= set(phases)
-    assert row["round_ns_per_param"] > 0
+    assert {"contribution", "encode", "decode+sum", "stage", "step", "hash", "publish"} <= set(phases)
+    assert row["round_ns_per_param"] > 0 and all(phases[p] > 0 for p in ("encode", "decode+sum", "stage"))
 
 
 def test_outer_step_and_digest_benchmarks_print_their_tables() -> None:
