@@ -95,8 +95,13 @@ class Attempt:
     pending: dict[int, dict[int, Any]] = field(default_factory=dict)
     chunks_reduced: int = 0
     payload: bytes = b""  # sparse: our encoded payload, sent to every member
-    # sparse: member index -> its term of the mean (a decoded tensor, or a parsed payload: reduce.sparse_mean)
+    # sparse: member index -> its term of the mean (a decoded tensor, or a parsed payload: reduce.sparse_sum),
+    # until it is summed; the terms summed (members 0 .. summed - 1), the payloads checked, and the lock that
+    # keeps the sums in member order (owner.py `_sparse_part_done`)
     decoded: dict[int, Any] = field(default_factory=dict)
+    summed: int = 0
+    terms_in: int = 0
+    summing: asyncio.Lock = field(default_factory=asyncio.Lock)
     # (member index, lane) -> what goes back on that stream; made when the stream arrives
     outboxes: dict[tuple[int, int], asyncio.Queue[Frame | Reject]] = field(default_factory=dict)
     status: asyncio.Future[Vote] | None = None  # our vote, once cast

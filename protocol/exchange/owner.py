@@ -9,8 +9,8 @@ member why on its own stream. The contributions to a chunk are reduced in member
 arrival (reduce.py); a member absent on a chunk (outside its span) gets an absent frame instead of the mean. A
 failed attempt keeps checking, without reducing, what its members still send (evidence for the vote). Sparse
 codecs: each member's whole payload is reassembled (its size checked before allocating), checked whole (parsed,
-or decoded where the codec cannot parse) and confirmed; with the last, the mean of every payload is summed, piece
-by piece in member order (reduce.py's `sparse_mean`).
+or decoded where the codec cannot parse) and confirmed, and summed into the mean in member order as soon as the
+members before it are in (reduce.py's `sparse_sum`); with the last, the rest and the division.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
@@ -36,6 +37,7 @@ from farloco.protocol.exchange.reduce import (
     chunk_mean,
     encode_sparse,
     sparse_mean,
+    sparse_sum,
 )
 from farloco.protocol.exchange.wire import (
     AttemptRef,
@@ -407,13 +409,36 @@ class Owner:
             attempt.fail(f"refused data from {peer}: {exc.reason}", blame(exc, peer))
 
     async def _sparse_part_done(self, attempt: Attempt) -> None:
-        """One payload (ours or a member's) is checked; with the last, the mean is summed, then the attempt
-        holds it."""
-        if attempt.parts_missing == 1 and not attempt.finished.is_set():
-            decoded = [attempt.decoded[i] for i in range(len(attempt.members))]
-            weights = [attempt.weights[i] for i in range(len(attempt.members))]
-            attempt.decoded.clear()
-            await self.pool.wide(attempt.jobs, sparse_mean, attempt.rule, decoded, weights, attempt.result)
+        """One payload (ours or a member's) is checked. The terms are summed into the mean in member order as
+        soon as they can be: each time, the run of consecutive members in after those summed (`sparse_sum`), so
+        the decodes overlap the wait for the others; with the last payload, the rest and the division, then the
+        attempt holds the mean. A robust rule takes every payload at once, with the last."""
+        members = len(attempt.members)
+        attempt.terms_in += 1  # before any wait: the last payload's call is the last to take the lock
+        final = attempt.terms_in == members
+        async with attempt.summing:  # one run at a time, in member order (FIFO)
+            if attempt.finished.is_set():  # failed meanwhile: nothing more is reduced
+                pass
+            elif attempt.rule is not None:
+                if final:
+                    terms = [attempt.decoded.pop(i) for i in range(members)]
+                    weights = [attempt.weights[i] for i in range(members)]
+                    await self.pool.wide(
+                        attempt.jobs, sparse_mean, attempt.rule, terms, weights, attempt.result
+                    )
+            else:
+                first = attempt.summed
+                last = first
+                while last < members and last in attempt.decoded:
+                    last += 1
+                if last > first or final:
+                    terms = [attempt.decoded.pop(i) for i in range(first, last)]
+                    weights = [attempt.weights[i] for i in range(first, last)]
+                    divisor = math.fsum(attempt.weights[i] for i in range(members)) if final else None
+                    attempt.summed = last
+                    await self.pool.wide(
+                        attempt.jobs, sparse_sum, terms, weights, attempt.result, first == 0, divisor
+                    )
         attempt.part_done()
 
 

@@ -115,30 +115,40 @@ def chunk_mean(
 
 
 def sparse_mean(rule: RobustRule | None, terms: list[Any], weights: list[float], total: torch.Tensor) -> None:
-    """Every member's payload, in member order, reduced into `total`. A term is a decoded tensor, or a parsed
-    payload (`payload_terms`) decoded here a piece at a time: the weighted sum is made piece by piece over
-    every term (one pass over `total`, nothing of its length per member), each value through the same
-    operations in the same order as a sum of whole decoded tensors, so every member gets the same bits."""
-    numel = total.numel()
+    """Every member's payload, in member order, reduced into `total`: the robust rule over the whole decoded
+    payloads, or the weighted mean (`sparse_sum` of every term at once)."""
     if rule is not None:
         # Every member applies the rule to every payload, in member order: a rule whose arithmetic could differ
         # between machines (a norm's reduction) must not be used with sparse codecs (the agent refuses it).
-        total.copy_(rule([_whole(term, numel) for term in terms]))
+        total.copy_(rule([_whole(term, total.numel()) for term in terms]))
         return
+    sparse_sum(terms, weights, total, True, math.fsum(weights))
+
+
+def sparse_sum(
+    terms: list[Any], weights: list[float], total: torch.Tensor, first: bool, divisor: float | None
+) -> None:
+    """Consecutive members' terms, in member order, weighted, added into `total` (`first`: the round's first
+    term is among them and sets `total`), then with `divisor` every value divided by it (the weights' sum: the
+    round's last run). A term is a decoded tensor, or a parsed payload (`payload_terms`) decoded here a piece at
+    a time: each piece of `total` takes every term of the run before the next piece (one pass over `total`,
+    nothing of its length per member). Every value goes through the same operations in the same order as in a
+    sum of whole decoded tensors, however the members are cut into runs, so every member gets the same bits."""
+    numel = total.numel()
     unit = math.lcm(1, *(term.unit for term in terms if not isinstance(term, torch.Tensor)))
     span = max(1, SPARSE_PIECE // unit) * unit
-    divisor = math.fsum(weights)
 
-    def reduce_pieces(first: int, last: int) -> None:
+    def reduce_pieces(first_piece: int, last_piece: int) -> None:
         scratch = torch.empty(min(span, numel))
-        for piece in range(first, last):
+        for piece in range(first_piece, last_piece):
             a, b = piece * span, min((piece + 1) * span, numel)
             part = total[a:b]
             for index, (term, weight) in enumerate(zip(terms, weights, strict=True)):
-                into = part if index == 0 else scratch[: b - a]
+                sets = first and index == 0
+                into = part if sets else scratch[: b - a]
                 if isinstance(term, torch.Tensor):
                     values = term[a:b]
-                    if index == 0:
+                    if sets:
                         values = part.copy_(values)
                     elif weight != 1.0:
                         values = torch.mul(values, weight, out=into)
@@ -147,9 +157,10 @@ def sparse_mean(rule: RobustRule | None, terms: list[Any], weights: list[float],
                     values = term.decode_into(a, b, into)
                 if weight != 1.0:
                     values.mul_(weight)
-                if index:
+                if not sets:
                     part.add_(values)
-            part.div_(divisor)
+            if divisor is not None:
+                part.div_(divisor)
 
     map_ranges(reduce_pieces, -(-numel // span), 8 * numel * max(1, len(terms)))
 

@@ -5,6 +5,7 @@ and kills them)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections import Counter
@@ -921,12 +922,70 @@ def test_a_sparse_payload_cut_in_other_chunks_is_refused_and_its_sender_dropped(
         )
 
 
-def test_the_sparse_mean_piece_by_piece_is_the_sum_of_whole_terms() -> None:
-    """reduce.sparse_mean over parsed payloads and decoded tensors, of chunk sizes whose pieces do not line up,
-    with weights: bit for bit the weighted sum of whole decoded terms in member order, over one thread or
-    several."""
+def test_a_sparse_mean_summed_as_payloads_come_in_is_the_same_whichever_comes_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The members' terms are summed in member order as they come in (a run of consecutive members at a time,
+    owner.py): whichever member starts late (its payload last), every member gets the mean of the round where all
+    started together, bit for bit, and it is the weighted mean of the decoded payloads. With the last member
+    late, the others sum the first three terms before its payload comes."""
     from farloco.optim import get_codec
-    from farloco.protocol.exchange.reduce import sparse_mean
+    from farloco.protocol.exchange import owner, reduce
+
+    runs: list[tuple[int, bool, bool]] = []  # (terms, first, divided) of every run summed
+
+    def counted(
+        terms: list[Any], weights: list[float], total: torch.Tensor, first: bool, divisor: Any
+    ) -> None:
+        runs.append((len(terms), first, divisor is not None))
+        reduce.sparse_sum(terms, weights, total, first, divisor)
+
+    monkeypatch.setattr(owner, "sparse_sum", counted)
+
+    codec = get_codec("dct-topk")
+    numel = 300_001
+    weights = [1.0, 0.5, 2.0, 1.25]
+
+    async def body() -> None:
+        nodes, group = await start_nodes(4, codec_threads=2)
+        try:
+            inputs = [make_input(i, numel).mul_(0.01) for i in range(4)]
+
+            async def average(late: int | None) -> list[AverageResult]:
+                rounds = Group.make(group.round_id + 1 + (-1 if late is None else late), list(group.members))
+
+                async def one(i: int) -> AverageResult:
+                    if i == late:
+                        await asyncio.sleep(0.5)
+                    return await nodes[i].exchange.average(
+                        rounds, on_demand(inputs[i]), codec, timeout=30, weight=weights[i]
+                    )
+
+                return list(await asyncio.gather(*(one(i) for i in range(4))))
+
+            together = await average(None)
+            terms = [codec.decode(codec.encode(t)) for t in inputs]
+            exact = sum(t * w for t, w in zip(terms, weights, strict=True)) / sum(weights)
+            assert float((together[0].averaged - exact).abs().max()) <= 1e-6
+            for late in range(4):
+                runs.clear()
+                results = await average(late)
+                assert all(torch.equal(r.averaged, together[0].averaged) for r in results), late
+                if late == 3:  # the three others summed their first three terms before the fourth came
+                    assert runs.count((3, True, False)) >= 3 and runs.count((1, False, True)) >= 3, runs
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_the_sparse_mean_piece_by_piece_is_the_sum_of_whole_terms() -> None:
+    """reduce.sparse_sum over parsed payloads and decoded tensors, of chunk sizes whose pieces do not line up,
+    with weights, the members cut into runs in every way (as their payloads come in): bit for bit the weighted
+    sum of whole decoded terms in member order, over one thread or several."""
+    from farloco.optim import get_codec
+    from farloco.protocol.exchange.reduce import sparse_mean, sparse_sum
     from farloco.util import parallel
 
     numel = 700_001
@@ -945,9 +1004,16 @@ def test_the_sparse_mean_piece_by_piece_is_the_sum_of_whole_terms() -> None:
         try:
             total = torch.full((numel,), float("nan"))
             sparse_mean(None, terms, weights, total)
+            assert torch.equal(total, expected)
+            for cuts in ([1], [2], [1, 2], [3]):  # runs [0, c1), [c1, c2), ...; then the division alone
+                total = torch.full((numel,), float("nan"))
+                runs = list(itertools.pairwise([0, *cuts, 3]))
+                for index, (first, last) in enumerate(runs):
+                    divisor = math.fsum(weights) if index == len(runs) - 1 else None
+                    sparse_sum(terms[first:last], weights[first:last], total, first == 0, divisor)
+                assert torch.equal(total, expected), cuts
         finally:
             parallel.set_threads(previous)
-        assert torch.equal(total, expected)
 
 
 def test_an_on_demand_contribution_refuses_what_it_cannot_serve() -> None:
