@@ -388,10 +388,17 @@ class OuterStrategy(abc.ABC):
         state["num_rounds"] = torch.tensor(self._num_rounds, dtype=torch.int64)
         return state
 
-    def state_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Name -> (dtype, shape) of every tensor `state_dict` returns: what a donor's state must hold."""
-        layout = {key: (tensor.dtype, tuple(tensor.shape)) for key, tensor in self._buffers().items()}
-        layout["num_rounds"] = (torch.int64, ())
+    def state_layout(self) -> dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]]:
+        """Name -> (dtypes, shape) of every tensor `state_dict` returns: what a donor's state must hold. The
+        first dtype is ours; an error-feedback residual may also come in the other precision (a donor with
+        another `feedback_bf16`, or of the version before it): `load_state_dict` converts it."""
+        layout: dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
+        for key, tensor in self._buffers().items():
+            dtypes: tuple[torch.dtype, ...] = (tensor.dtype,)
+            if key == "residual" and tensor.dtype in _FEEDBACK_DTYPES:
+                dtypes += tuple(sorted(_FEEDBACK_DTYPES - {tensor.dtype}, key=str))
+            layout[key] = (dtypes, tuple(tensor.shape))
+        layout["num_rounds"] = ((torch.int64,), ())
         return layout
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

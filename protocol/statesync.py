@@ -477,7 +477,7 @@ async def fetch_state(
     expect_run_hash: str | None = None,
     vouched: Mapping[int, Collection[str]] | None = None,
     on_refused: Callable[[str, str, str], None] | None = None,
-    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+    layout: Mapping[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]] | None = None,
     check: Callable[[dict[str, Any], dict[str, torch.Tensor]], str | None] | None = None,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
@@ -501,7 +501,8 @@ async def fetch_state(
     of every refusal. Raises StateSyncError when no donor can serve a consistent, verified state within
     `timeout` seconds.
 
-    What the state must be for the caller to install it: `layout` (tensor name -> (dtype, shape)) is checked
+    What the state must be for the caller to install it: `layout` (tensor name -> (the dtypes it may come in,
+    shape)) is checked
     against each manifest before a byte is fetched (`WRONG_LAYOUT`); `check(meta, tensors)` on the verified
     tensors (in a worker thread: it may read them all, for finiteness say) returns None or what is wrong with
     them, which refuses every donor that served that manifest (`BAD_STATE_VALUES`: their bytes were its bytes)
@@ -585,19 +586,20 @@ async def fetch_state(
 
 
 def _layout_problem(
-    manifest: Manifest, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    manifest: Manifest, layout: Mapping[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]]
 ) -> str | None:
-    """What in `manifest` differs from the expected tensor layout (name -> (dtype, shape)), or None."""
+    """What in `manifest` differs from the expected tensor layout (name -> (dtypes, shape)), or None."""
     served = {t.name: (DTYPES[t.dtype], tuple(t.shape)) for t in manifest.tensors}
     if served.keys() != layout.keys():
         return (
             f"expected tensors {sorted(layout)}, got {sorted(served)} (missing {sorted(layout.keys() - served)}, "
             f"unexpected {sorted(served.keys() - layout)})"
         )
-    for name, (dtype, shape) in layout.items():
-        if served[name] != (dtype, tuple(shape)):
-            got_dtype, got_shape = served[name]
-            return f"tensor {name}: expected {dtype} {list(shape)}, got {got_dtype} {list(got_shape)}"
+    for name, (dtypes, shape) in layout.items():
+        got_dtype, got_shape = served[name]
+        if got_dtype not in dtypes or got_shape != tuple(shape):
+            expected = " or ".join(str(dtype) for dtype in dtypes)
+            return f"tensor {name}: expected {expected} {list(shape)}, got {got_dtype} {list(got_shape)}"
     return None
 
 

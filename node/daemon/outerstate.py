@@ -238,10 +238,11 @@ class OuterState:
             raise asyncio.CancelledError
         return snapshot
 
-    def state_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Name -> (dtype, shape) of every tensor of the state we serve and install (`OuterRound.snapshot`)."""
-        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            "theta": (torch.float32, (self.num_params,))
+    def state_layout(self) -> dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]]:
+        """Name -> (dtypes, shape) of every tensor of the state we serve and install (`OuterRound.snapshot`;
+        the dtypes a tensor may come in, ours first: `OuterStrategy.state_layout`)."""
+        layout: dict[str, tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {
+            "theta": ((torch.float32,), (self.num_params,))
         }
         layout.update({f"strategy.{k}": v for k, v in self.strategy.state_layout().items()})
         return layout

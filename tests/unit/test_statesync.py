@@ -591,3 +591,61 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
 
     run(body)
     agent.outer.thread().shutdown()
+
+
+def test_a_donor_residual_in_the_other_precision_is_fetched_and_installed_converted(tmp_path: Any) -> None:
+    """A rolling upgrade: a donor whose error-feedback residual is float32 (another `feedback_bf16`, or the version
+    before the bfloat16 residual) serves a joiner that keeps it in bfloat16: its layout is accepted and the
+    install rounds it, as a checkpoint of the other precision loads. A residual of any other dtype is still
+    refused before a byte is fetched (WRONG_LAYOUT), naming both dtypes the joiner takes."""
+    from farloco.node.config import load_config
+    from farloco.node.daemon.agent import Agent
+
+    agent = Agent(load_config(None, ["run.codec=int8"]), tmp_path / "joiner")
+    mine = agent.outer.round.snapshot()
+    assert mine["strategy.residual"].dtype == torch.bfloat16
+    served = {**mine, "theta": mine["theta"] + 0.25}
+    served["strategy.residual"] = torch.linspace(-1e-3, 1e-3, mine["theta"].numel())  # float32
+    half = {**served, "strategy.residual": served["strategy.residual"].half()}
+    meta = {"round_id": 5, "run_hash": agent.state.run_hash}
+    theta_hash = theta_sha(served["theta"])
+
+    async def body() -> None:
+        servers = [await donor((meta, state), name) for name, state in (("fp32", served), ("fp16", half))]
+        (_, _, fp32_addr), (_, _, fp16_addr) = servers
+        client = RpcClient(Authenticator("run", SECRET, "joiner"))
+        refused: list[tuple[str, str, str]] = []
+        try:
+            with pytest.raises(StateSyncError, match="no donor answered with a usable manifest"):
+                await fetch_state(
+                    client,
+                    [fp16_addr],
+                    timeout=30,
+                    vouched={5: {theta_hash}},
+                    on_refused=lambda *r: refused.append(r),
+                    layout=agent.outer.state_layout(),
+                    check=agent.outer.state_problem,
+                )
+            assert [reason for _, reason, _ in refused] == ["WRONG_LAYOUT"]
+            assert "strategy.residual: expected torch.bfloat16 or torch.float32" in refused[0][2]
+            got_meta, got = await fetch_state(
+                client,
+                [fp32_addr],
+                timeout=30,
+                vouched={5: {theta_hash}},
+                layout=agent.outer.state_layout(),
+                check=agent.outer.state_problem,
+            )
+            assert got["strategy.residual"].dtype == torch.float32
+            await agent.outer.install(got_meta, got)
+            residual = agent.outer.strategy.state_dict()["residual"]
+            assert residual.dtype == torch.bfloat16
+            assert torch.equal(residual, served["strategy.residual"].to(torch.bfloat16))
+            assert agent.outer.round_id == 5 and agent.outer.outer_hash == theta_hash
+        finally:
+            await client.close()
+            for server, _, _ in servers:
+                await server.stop(0)
+
+    run(body)
+    agent.outer.thread().shutdown()
