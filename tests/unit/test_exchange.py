@@ -928,7 +928,7 @@ def test_a_sparse_mean_summed_as_payloads_come_in_is_the_same_whichever_comes_la
     """The members' terms are summed in member order as they come in (a run of consecutive members at a time,
     owner.py): whichever member starts late (its payload last), every member gets the mean of the round where all
     started together, bit for bit, and it is the weighted mean of the decoded payloads. With the last member
-    late, the others sum the first three terms before its payload comes."""
+    late (by a second), the others sum the first three terms before its payload comes."""
     from farloco.optim import get_codec
     from farloco.protocol.exchange import owner, reduce
 
@@ -956,7 +956,7 @@ def test_a_sparse_mean_summed_as_payloads_come_in_is_the_same_whichever_comes_la
 
                 async def one(i: int) -> AverageResult:
                     if i == late:
-                        await asyncio.sleep(0.5)
+                        await asyncio.sleep(1.0)
                     return await nodes[i].exchange.average(
                         rounds, on_demand(inputs[i]), codec, timeout=30, weight=weights[i]
                     )
@@ -971,8 +971,10 @@ def test_a_sparse_mean_summed_as_payloads_come_in_is_the_same_whichever_comes_la
                 runs.clear()
                 results = await average(late)
                 assert all(torch.equal(r.averaged, together[0].averaged) for r in results), late
-                if late == 3:  # the three others summed their first three terms before the fourth came
-                    assert runs.count((3, True, False)) >= 3 and runs.count((1, False, True)) >= 3, runs
+                if late == 3:
+                    # The three others summed the first three terms (in one run or several, as they came)
+                    # before the fourth came: their last run holds it alone, with the division.
+                    assert runs.count((1, False, True)) >= 3, runs
         finally:
             for node in nodes:
                 await node.stop()
