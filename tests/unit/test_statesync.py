@@ -510,6 +510,22 @@ def test_a_donor_serving_wrong_bytes_under_the_agreed_manifest_is_found_and_the_
     run(body)
 
 
+async def fetch_as_joiner(
+    client: RpcClient, agent: Any, donors: list[str], theta_hash: str, refused: list[tuple[str, str, str]]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """fetch_state as an agent's join calls it (`Swarm.sync_from`): round 5's theta vouched, the agent's layout
+    and checks, every refusal recorded in `refused`."""
+    return await fetch_state(
+        client,
+        donors,
+        timeout=30,
+        vouched={5: {theta_hash}},
+        on_refused=lambda *r: refused.append(r),
+        layout=agent.outer.state_layout(),
+        check=agent.outer.state_problem,
+    )
+
+
 def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor_gives_it(
     tmp_path: Any,
 ) -> None:
@@ -547,15 +563,7 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
         try:
             # The NaN donor alone: refused after its bytes verified, and nobody else to ask.
             with pytest.raises(StateSyncError, match="no donor answered with a usable manifest"):
-                await fetch_state(
-                    client,
-                    [layout_addr, nan_addr],
-                    timeout=30,
-                    vouched={5: {theta_hash}},
-                    on_refused=lambda *r: refused.append(r),
-                    layout=agent.outer.state_layout(),
-                    check=agent.outer.state_problem,
-                )
+                await fetch_as_joiner(client, agent, [layout_addr, nan_addr], theta_hash, refused)
             assert [(d, reason) for d, reason, _ in refused] == [
                 (layout_addr, "WRONG_LAYOUT"),
                 (nan_addr, "BAD_STATE_VALUES"),
@@ -565,14 +573,8 @@ def test_a_donor_state_the_joiner_could_not_install_is_refused_and_another_donor
             assert ss_layout.bytes_served == 0
             refused.clear()
             # With an honest donor beside them (a manifest of its own): its state, installed as it came.
-            got_meta, got = await fetch_state(
-                client,
-                [layout_addr, nan_addr, nan_too_addr, ok_addr],
-                timeout=30,
-                vouched={5: {theta_hash}},
-                on_refused=lambda *r: refused.append(r),
-                layout=agent.outer.state_layout(),
-                check=agent.outer.state_problem,
+            got_meta, got = await fetch_as_joiner(
+                client, agent, [layout_addr, nan_addr, nan_too_addr, ok_addr], theta_hash, refused
             )
             assert sorted((d, reason) for d, reason, _ in refused) == sorted(
                 [
@@ -617,25 +619,10 @@ def test_a_donor_residual_in_the_other_precision_is_fetched_and_installed_conver
         refused: list[tuple[str, str, str]] = []
         try:
             with pytest.raises(StateSyncError, match="no donor answered with a usable manifest"):
-                await fetch_state(
-                    client,
-                    [fp16_addr],
-                    timeout=30,
-                    vouched={5: {theta_hash}},
-                    on_refused=lambda *r: refused.append(r),
-                    layout=agent.outer.state_layout(),
-                    check=agent.outer.state_problem,
-                )
+                await fetch_as_joiner(client, agent, [fp16_addr], theta_hash, refused)
             assert [reason for _, reason, _ in refused] == ["WRONG_LAYOUT"]
             assert "strategy.residual: expected torch.bfloat16 or torch.float32" in refused[0][2]
-            got_meta, got = await fetch_state(
-                client,
-                [fp32_addr],
-                timeout=30,
-                vouched={5: {theta_hash}},
-                layout=agent.outer.state_layout(),
-                check=agent.outer.state_problem,
-            )
+            got_meta, got = await fetch_as_joiner(client, agent, [fp32_addr], theta_hash, refused)
             assert got["strategy.residual"].dtype == torch.float32
             await agent.outer.install(got_meta, got)
             residual = agent.outer.strategy.state_dict()["residual"]
