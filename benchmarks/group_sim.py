@@ -30,9 +30,11 @@ The plans:
 - **rows**: the exchange's `GroupedExchange` (`farloco.protocol.exchange.grouped`, `run.exchange_group_size`),
   with its own layout and nesting: rows of at most G average the whole contributions (the flat arithmetic),
   column i averages slice i of the row means weighted by each row's weight (a column of more than G: in rows
-  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. A round
-  with a drop fails in rows and the members fall back to the flat exchange among the group, which drops the
-  lost ones (`fell back`: the share of rounds that did).
+  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. With at
+  most G rows a drop is carried through the round (a row or column goes on without the lost member; a lost
+  carrier's slice is the other rows' mean: `partial`, the share of live members missing from some slice);
+  with nesting a round with a drop fails in rows and the members fall back to the flat exchange among the
+  group, which drops the lost ones (`fell back`: the share of rounds that did).
 - **moshpit**: `moshpit_plan`; each round a reduce-scatter and all-gather inside each line of the grid, with
   farloco.optim's codec on every slice. Its replicas differ after a round, so its `err` is after d rounds over
   the same vectors (d = the grid's dimensions: the rounds it takes to mix), and `spread` gives the RMS
@@ -57,6 +59,8 @@ round. A drop is noticed after `--detect-ms` (GONE_SILENCE_SECONDS: 2 s of silen
   partial went up stays in the mean (the mean then differs from the survivors' exact mean: it shows in `err`);
   the mean is sent down the tree of the members left, again re-routing past the gone ones. Nobody live is left
   without the mean, and no live contribution is lost.
+- rows: see that plan above (`rows_round`): with at most G rows a row or a column that loses a member notices
+  it after `--detect-ms` and retries among the rest, the round goes on; with nesting the round falls back.
 - moshpit: a line with a drop retries among its survivors (like flat, within the line); a member that drops
   leaves the run (its replica is gone) and the grid is derived again from the members left.
 
@@ -461,23 +465,39 @@ def grouped_mean(
 
 
 def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]) -> dict[str, Any]:
-    """A round through GroupedExchange. A drop fails the grouped round (a row or column without a member), which
-    the members learn of from a stage's deadline (`detect`); they then average flat among the whole group, and
-    the flat exchange's votes drop the lost members (as flat_round's retry): the round commits the survivors'
-    exact mean, at the cost of the grouped attempt and a flat all-reduce."""
+    """A round through GroupedExchange. Without nesting (at most G rows), a drop is carried through the round
+    (grouped.py, "A member lost"): a member lost in the row stage is left out of its row's mean, the row goes on
+    (its flat exchange notices the drop after `detect` and retries among the rest); a carrier lost by its
+    column stage leaves that slice to the other rows (the column notices and retries likewise); a drop in the
+    gather changes nothing (the slice comes from another row's carrier). Each slice's mean is then the weighted
+    mean of what its column kept, alike on every member; `partial` counts the live members missing from some
+    slice. With nesting (a column of more than G), a drop fails the grouped round and the members fall back
+    to the flat exchange among the group, whose votes drop the lost ones (the survivors' exact mean, at the
+    cost of the grouped attempt and a flat all-reduce)."""
     group = Group.make(round_id, [GroupMember(m, "127.0.0.1:1") for m in sim.ids])
     cost = RowsCost(defaultdict(int), defaultdict(float), defaultdict(set))
     values = {m: x[index(m)] for m in sim.ids}
-    mean, full, prop_full = grouped_mean(sim, group, values, dict.fromkeys(sim.ids, 1.0), 0, cost)
+    plan = layout(group, sim.s.group_size)
     hops = 5 * (1 + max(0, math.ceil(math.log(len(sim.ids), sim.s.group_size)) - 2))
     survivors = [m for m in sim.ids if m not in drops]
+    exact = x[[index(m) for m in survivors]].double().mean(dim=0)
+    if len(plan.rows) <= sim.s.group_size:
+        mean, full, prop_full, partial = carried_round(sim, plan, values, drops, cost)
+        conns = {m: len(cost.peers[m]) for m in sim.ids}
+        row = sim.summary(
+            survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact)
+        )
+        row["fell_back"] = 0.0
+        row["partial"] = len(partial) / max(1, len(survivors))
+        return row
+    mean, full, prop_full = grouped_mean(sim, group, values, dict.fromkeys(sim.ids, 1.0), 0, cost)
     if drops:
         s, coding = sim.s, sim.coding
         flat = flat_plan(sim.ids)
         for m in survivors:  # the fallback's first attempt among all, then the retry among the survivors
-            for plan in (flat, flat_plan(survivors)):
-                cost.msgs[m] += plan.load(m).messages_sent
-                cost.sent[m] += plan.bytes_sent(m, s.numel, coding.bytes_per_value, coding.per_message)
+            for fplan in (flat, flat_plan(survivors)):
+                cost.msgs[m] += fplan.load(m).messages_sent
+                cost.sent[m] += fplan.bytes_sent(m, s.numel, coding.bytes_per_value, coding.per_message)
                 cost.peers[m] |= set(sim.ids) - {m}
         mean = allreduce_mean(coding, x[[index(m) for m in survivors]])
         payload = s.model_params * coding.bytes_per_value
@@ -487,10 +507,105 @@ def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]
         prop_full = u * prop_full + 2 * sim.detect + allreduce_latency(sim.wan, idx, 0.0)
         hops += 4
     conns = {m: len(cost.peers[m]) for m in sim.ids}
-    exact = x[[index(m) for m in survivors]].double().mean(dim=0)
     row = sim.summary(survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact))
     row["fell_back"] = 1.0 if drops else 0.0
+    row["partial"] = 0.0
     return row
+
+
+def carried_round(
+    sim: Sim, plan: Any, values: dict[str, torch.Tensor], drops: dict[str, float], cost: RowsCost
+) -> tuple[torch.Tensor, float, float, set[str]]:
+    """One grouped round of at most G rows whose drops are carried through (see rows_round): the mean every
+    member decodes, the latency with a payload of the model's size and without one, and the live members
+    missing from some slice. A drop at time u (a fraction of the round) falls in the row stage, the column
+    stage or the gather by the stages' shares of the round without drops."""
+    s, coding = sim.s, sim.coding
+    numel = next(iter(values.values())).numel()
+    payload = s.model_params * coding.bytes_per_value * numel / s.numel
+
+    def charge(ids: Sequence[str], n: int) -> None:
+        if len(ids) < 2:
+            return
+        ids = sorted(ids)
+        flat = flat_plan(ids)
+        for m in ids:
+            cost.msgs[m] += flat.load(m).messages_sent
+            cost.sent[m] += flat.bytes_sent(m, n, coding.bytes_per_value, coding.per_message)
+            cost.peers[m] |= set(ids) - {m}
+
+    rows = [[m.peer_id for m in row] for row in plan.rows]
+    row_lat = [allreduce_latency(sim.wan, [index(m) for m in row], payload) for row in rows]
+    row_prop = [allreduce_latency(sim.wan, [index(m) for m in row], 0.0) for row in rows]
+    columns = [[row[i] for row in rows] for i in range(plan.slices)]
+    col_lat = [
+        allreduce_latency(sim.wan, [index(m) for m in col], payload * (hi - lo) / numel)
+        for col, (lo, hi) in zip(columns, (plan.bounds(numel, i) for i in range(plan.slices)), strict=True)
+    ]
+    col_prop = [allreduce_latency(sim.wan, [index(m) for m in col], 0.0) for col in columns]
+    rows_end = max(row_lat)
+    columns_end = rows_end + max(col_lat)
+    total = columns_end * 1.2  # the gather: a carrier's slice to its row, about a fifth of the stages before
+    in_row = {m for m, u in drops.items() if u * total < rows_end}
+    by_column = {m for m, u in drops.items() if u * total < columns_end}
+    row_means: list[torch.Tensor | None] = []
+    row_weights: list[float] = []
+    row_lost: list[set[str]] = []
+    lat, prop = 0.0, 0.0
+    for r, row in enumerate(rows):
+        kept = [m for m in row if m not in in_row]
+        charge(row, numel)
+        if len(kept) < len(row):  # noticed after `detect`, then a retry among the rest
+            charge(kept, numel)
+            retry = allreduce_latency(sim.wan, [index(m) for m in kept], payload)
+            lat = max(lat, row_lat[r] + sim.detect + retry)
+            prop = max(
+                prop, row_prop[r] + sim.detect + allreduce_latency(sim.wan, [index(m) for m in kept], 0.0)
+            )
+        else:
+            lat, prop = max(lat, row_lat[r]), max(prop, row_prop[r])
+        row_lost.append(set(row) - set(kept))
+        row_weights.append(float(len(kept)))
+        row_means.append(allreduce_mean(coding, torch.stack([values[m] for m in kept])) if kept else None)
+    mean = torch.empty(numel)
+    lost_by_slice: list[set[str]] = []
+    c_lat, c_prop = 0.0, 0.0
+    for i, column in enumerate(columns):
+        lo, hi = plan.bounds(numel, i)
+        present = [r for r, c in enumerate(column) if c not in by_column and row_means[r] is not None]
+        charge(column, hi - lo)
+        retry_lat = retry_prop = 0.0
+        if len(present) < len(column):
+            ids = [column[r] for r in present]
+            charge(ids, hi - lo)
+            retry_lat = sim.detect + allreduce_latency(
+                sim.wan, [index(m) for m in ids], payload * (hi - lo) / numel
+            )
+            retry_prop = sim.detect + allreduce_latency(sim.wan, [index(m) for m in ids], 0.0)
+        c_lat, c_prop = max(c_lat, col_lat[i] + retry_lat), max(c_prop, col_prop[i] + retry_prop)
+        part = torch.stack([row_means[r][lo:hi] for r in present])  # type: ignore[index]
+        mean[lo:hi] = allreduce_mean(coding, part, [row_weights[r] for r in present])
+        lost = set().union(*(row_lost[r] for r in present))
+        lost |= {m for r in range(len(rows)) if r not in present for m in rows[r]}
+        lost_by_slice.append(lost)
+        for r, row in enumerate(rows):  # the slice to each member of each row (from another row if need be)
+            carrier = column[r]
+            others = [m for m in row if m != carrier]
+            cost.msgs[carrier] += len(others)
+            cost.sent[carrier] += len(others) * ((hi - lo) * coding.bytes_per_value + coding.per_message)
+    gather, gather_prop = 0.0, 0.0
+    for row in rows:
+        for i, carrier in enumerate(row[: plan.slices]):
+            others = np.asarray([index(m) for m in row if m != carrier])
+            if len(others):
+                lo, hi = plan.bounds(numel, i)
+                owd = float(sim.wan.owd(index(carrier), others).max())
+                link = len(others) * payload * (hi - lo) / numel / sim.wan.bandwidth
+                gather, gather_prop = max(gather, owd + link), max(gather_prop, owd)
+    everywhere = set.intersection(*lost_by_slice)
+    somewhere = set().union(*lost_by_slice)
+    partial = {m for m in somewhere - everywhere if m not in drops}
+    return mean, lat + c_lat + gather, prop + c_prop + gather_prop, partial
 
 
 # -- Moshpit ----------------------------------------------------------------------------------------------
@@ -653,6 +768,7 @@ def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["err"] = statistics.fmean(errors) if errors else math.nan
     out["committed"] = statistics.fmean(r.get("committed", 1.0) for r in rows)
     out["fell_back"] = statistics.fmean(r.get("fell_back", 0.0) for r in rows)
+    out["partial"] = statistics.fmean(r.get("partial", 0.0) for r in rows)
     for key in ("msgs_max", "conns_max", "kb_max", "hops"):
         out[key] = max(r[key] for r in rows)
     out["latency_s"] = statistics.median(r["latency_s"] for r in rows)
@@ -680,8 +796,8 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
         f"drops noticed after {s.detect_ms:g} ms",
         "",
         "| peers | plan | msgs/peer mean | max | conns/peer mean | max | KB sent/peer mean | max | hops "
-        "| prop ms | round s | committed | fell back | err | moshpit spread after 1..d |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prop ms | round s | committed | fell back | partial | err | moshpit spread after 1..d |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hops = f"{r['hops']}" + (f" (x{r['dims']} to mix)" if r["plan"] == "moshpit" else "")
@@ -691,6 +807,7 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
             f"{r['conns_mean']:.1f} | "
             f"{r['conns_max']} | {r['kb_mean']:.1f} | {r['kb_max']:.1f} | {hops} | {r['prop_ms']:.0f} | "
             f"{r['latency_s']:.2f} | {r.get('committed', 1.0):.0%} | {r.get('fell_back', 0.0):.0%} | "
+            f"{r.get('partial', 0.0):.1%} | "
             f"{r['err']:.2g} | {spread} |"
         )
     return "\n".join(lines)

@@ -57,6 +57,7 @@ class Averaged:
     received: int
     fp32_bytes: int
     path: str = "flat"  # AverageResult.path: flat, rows, or rows then flat ("alone": a group of one)
+    partial: tuple[str, ...] = ()  # AverageResult.partial: in some slices' mean only (a row lost a carrier)
 
 
 class RoundRunner:
@@ -513,6 +514,7 @@ class RoundRunner:
                     result.bytes_received,
                     result.fp32_bytes,
                     result.path,
+                    tuple(result.partial),
                 )
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
@@ -547,6 +549,7 @@ class RoundRunner:
                     result.bytes_received,
                     result.fp32_bytes,
                     result.path,
+                    tuple(result.partial),
                 )
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
@@ -644,6 +647,7 @@ class RoundRunner:
             overlap_steps=self._overlap_steps if self._overlap_seq is not None else 0,
             fp32_bytes=averaged.fp32_bytes,
             exchange=averaged.path,  # flat, rows (run.exchange_group_size), rows then flat, alone
+            partial=list(averaged.partial),  # rows: contributors missing from some slices (a carrier lost)
             seconds=self.state.counters.last_round_seconds,
             phases=self._phases,
             # matchmaking: frozen in one hop, and the last member's ready record -> the group known here

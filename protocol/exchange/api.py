@@ -4,7 +4,7 @@ or raises (`ExchangeAborted`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -105,6 +105,13 @@ class AverageResult:
     # How the mean was made: "flat" (Exchange), "rows" (grouped.py's rows and columns) or "rows, then flat" (a
     # grouped round that failed and fell back to the flat exchange among the group)
     path: str = "flat"
+    # The tags of `average(tag=)` as they came in the members' hellos (and ours), by peer id, those not empty;
+    # alike on every member that knows every hello (as total_weight). grouped.py: a row's losses, told to its
+    # column.
+    tags: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # grouped.py: the group's members whose contribution is in some ranges of the mean and not in others (a row
+    # lost the carrier of a slice: that slice's mean is its other rows'); see "A member lost" there.
+    partial: tuple[str, ...] = ()
 
 
 class ExchangeAborted(Exception):

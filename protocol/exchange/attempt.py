@@ -71,6 +71,7 @@ class Attempt:
     lossless: bool = False
     raw: bool = False  # raw float32 chunks, no codec calls (see TensorCodec.raw_float32)
     weight: float = 1.0
+    tag: tuple[int, ...] = ()  # our hello's tag (Hello.tag)
     lo: int = 0  # our span: the element range we contribute to and take the mean of (see Spans in plan.py)
     hi: int = 0
     flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -91,6 +92,7 @@ class Attempt:
     streams_from: set[tuple[int, int]] = field(default_factory=set)  # (member index, lane) streams seen
     lanes_of: dict[int, int] = field(default_factory=dict)  # member index -> lanes of its streams to us
     weights: dict[int, float] = field(default_factory=dict)
+    tags: dict[int, tuple[int, ...]] = field(default_factory=dict)  # member index -> its hello's tag, if any
     # chunk -> member index -> its contribution: a tensor, a decode's job (codecpool.py), or None (absent)
     pending: dict[int, dict[int, Any]] = field(default_factory=dict)
     chunks_reduced: int = 0
@@ -248,6 +250,7 @@ class Attempt:
             lane,
             lanes,
             self.aggregator,
+            tag=self.tag,
         )
 
     def vote(self) -> Vote:

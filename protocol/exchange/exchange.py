@@ -28,7 +28,7 @@ from farloco.protocol.exchange.push import Pusher
 from farloco.protocol.exchange.reduce import reduce_alone
 from farloco.protocol.exchange.vote import Voter
 from farloco.protocol.exchange.vote import excluded as vote_excluded
-from farloco.protocol.exchange.wire import MAX_STAGE, PUSH_METHOD, VOTE_METHOD
+from farloco.protocol.exchange.wire import MAX_STAGE, MAX_TAG_ITEMS, MAX_TAG_VALUE, PUSH_METHOD, VOTE_METHOD
 from farloco.protocol.rpc import RpcClient, RpcServer
 from farloco.protocol.types import Group, GroupMember
 from farloco.util.tasks import cancel_and_wait
@@ -112,6 +112,7 @@ class Exchange:
         span: tuple[int, int] | None = None,
         stage: int = 0,
         keep_mean: bool = False,
+        tag: tuple[int, ...] = (),
     ) -> AverageResult:
         """Weighted mean of `tensor` over the group (see the package docstring). Raises ExchangeAborted if no
         consistent mean can be produced before `timeout` seconds, ValueError on bad arguments.
@@ -127,7 +128,9 @@ class Exchange:
         `tensor` may be an `OnDemand`: the contribution is then made chunk by chunk as each is sent or reduced
         (a sparse codec: encoded piece by piece, `payload_terms`), and with a lossy codec nothing is kept of
         `transmitted` (None in the result; pass no `transmitted_out`): `encoded_in` (dense) or `payload`
-        (sparse) says how to rebuild it."""
+        (sparse) says how to rebuild it.
+        `tag`: small ints our hello carries to every member (wire.py Hello.tag); the result's `tags` has every
+        member's that was not empty."""
         if isinstance(tensor, OnDemand):
             if not codec.dense and not payload_terms(codec):
                 raise ValueError(
@@ -155,6 +158,14 @@ class Exchange:
             raise ValueError(f"stage: expected an int in 0..{MAX_STAGE}, got {stage!r}")
         if keep_mean and not codec.dense:
             raise ValueError(f"keep_mean: expected a dense codec, got {codec.name!r}")
+        tag = tuple(tag)
+        if len(tag) > MAX_TAG_ITEMS or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TAG_VALUE for v in tag
+        ):
+            raise ValueError(
+                f"tag: expected at most {MAX_TAG_ITEMS} ints in 0..{MAX_TAG_VALUE}, got {len(tag)} items "
+                f"({tag[:4]!r}...)"
+            )
         if span is not None:
             if not self.slices:
                 raise ValueError("span: this Exchange was made without slices")
@@ -225,6 +236,7 @@ class Exchange:
                 bounds,
                 stage,
                 keep_mean,
+                tag,
             )
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
@@ -255,6 +267,7 @@ class Exchange:
                     if attempt.mean_chunks is None
                     else tuple((a, b, data) for a, (b, data) in sorted(attempt.mean_chunks.items())),
                     total_weight=attempt.total_weight(),
+                    tags={members[j].peer_id: t for j, t in sorted(attempt.tags.items())},
                 )
             excluded = vote_excluded(alive, votes)
             survivors = tuple(m for m in alive if m.peer_id not in excluded)
@@ -299,6 +312,7 @@ class Exchange:
         bounds: tuple[int, int] | None = None,
         stage: int = 0,
         keep_mean: bool = False,
+        tag: tuple[int, ...] = (),
     ) -> None:
         attempt.round_id = round_id
         attempt.stage = stage
@@ -342,6 +356,8 @@ class Exchange:
         else:
             attempt.transmitted = torch.empty(numel, dtype=torch.float32)
         attempt.weights = {attempt.me: weight}
+        attempt.tag = tag
+        attempt.tags = {attempt.me: tag} if tag else {}
         attempt.status = asyncio.get_running_loop().create_future()
         # Dense: every lane of every other member's part, plus our own part once it is reduced. Sparse: every
         # other payload.

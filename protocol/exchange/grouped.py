@@ -22,21 +22,32 @@ The mean is the group's weighted mean. A lossy codec codes each contribution onc
 coding more than the flat exchange, so the error bound is the codec's for a mean of means. fp32 sums in another order than the flat exchange
 (rows, then columns): within a few ulps of it.
 
-A failed round. A round commits with every member of the group in the grouped mean, or the group falls back to
-the flat exchange. A row whose exchange ends without one of its members (crashed, excluded by the votes) or
-aborts keeps its carriers out of the columns, so every column fails; a column that ends without one of its
-rows fails; a carrier whose row or column failed answers requests for its slice with SLICE_FAILED. A member
-that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among the
-whole group instead, in the time left (stage FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the
+A member lost. A member that crashes (or is excluded by its row's votes) inside the round does not fail it
+where the round's columns are flat (at most G rows): its row's flat exchange goes on without it (its votes drop
+the lost member, as in any flat round), and its row's carriers tell their columns whom the row lost (the tag of
+their hellos, `Exchange.average(tag=)`). A carrier lost by its column stage leaves its column without its row:
+that slice is then the weighted mean of the other rows (the lost carrier's row-mates are in every other slice's
+mean: `AverageResult.partial`). A column goes on without a carrier likewise. Each carrier serves its slice with
+the members its mean lacks (the first chunk's header: the rows its column went on without, and what the rows in
+it lost), so every member that commits holds the same bits and names the same contributors: those in some
+slice's mean. A member that gathers skips the row-mates its row lost and, should a slice's carrier not hold it
+(SLICE_UNKNOWN: its row or its column went on without it), asks the next member of that column. A lost member's
+row took longer (its flat exchange waited out the silence, then retried): the columns end at the same time on
+every row (ROW_SHARE + COLUMN_SHARE of the timeout from the start), so the carriers of quick rows wait for it.
+
+A failed round. Otherwise (a column of more than G, nested: all or nothing; a column that aborted; this member
+left out of its row) the round does not commit in rows, or not here. A row whose exchange ends without one of
+its members (nested) or aborts keeps its carriers out of the columns; a column that ends without one of its
+rows fails (nested); a carrier whose row or column failed answers requests for its slice with SLICE_FAILED. A
+member that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among
+the whole group instead, in the time left (stage FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the
 timeout): its votes and retries drop the members lost, as in any flat round, so a member lost inside the round
-costs the round's time, not the round. Each of these proves that no member can hold every slice, except a row
-failure seen by a member that carries nothing, whose row-mates might (rows end alike but for the flat
-exchange's rare split votes): that member still falls back, since a member left out of the fallback would
-close the round alone and, a round ahead of the others, could start a lineage of its own with whoever joins
-(seen with 16 nodes); and a fallback among a minority cannot commit (the flat exchange drops silent members
-only while the rest is a strict majority). A member that only failed to reach a slice's carriers
-(GATHER_FAILED: others may have it) raises `ExchangeAborted`; it holds none of the round's mean, so no two
-members that commit differ.
+costs the round's time, not the round. A member left out of its row falls back too, since a member left out
+of a fallback would close the round alone and, a round ahead of the others, could start a lineage of its own
+(seen with 16 nodes); where the others committed in rows its fallback finds nobody and raises once they have
+moved on; and a fallback among a minority cannot commit (the flat exchange drops silent members only while the
+rest is a strict majority). A member that only failed to reach a slice's carriers (GATHER_FAILED: others may
+have it) raises `ExchangeAborted`; it holds none of the round's mean, so no two members that commit differ.
 
 Nesting. A column of more than G members (R > G: a group of more than G^2) is itself averaged in rows and
 columns, one level down (its rows at stage 2, its columns at stage 3, and so on, up to MAX_DEPTH), so nobody
@@ -69,7 +80,7 @@ from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDema
 from farloco.protocol.exchange.codec import all_finite, decode, raw_bytes, raw_view
 from farloco.protocol.exchange.plan import max_chunk_payload
 from farloco.protocol.exchange.wire import MAX_STAGE, invalid, precondition, refusing, wire_size
-from farloco.protocol.messages import Fields
+from farloco.protocol.messages import Fields, check_int
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
 from farloco.protocol.types import Group, GroupMember
 
@@ -88,6 +99,9 @@ ROW_FAILED = "ROW_FAILED"
 COLUMN_FAILED = "COLUMN_FAILED"
 SLICE_FAILED = "SLICE_FAILED"
 GATHER_FAILED = "GATHER_FAILED"
+# A carrier that holds no slice, while others of its column may (its row went on without it, its column without
+# it, a nested gather failed): ask the next carrier.
+SLICE_UNKNOWN = "SLICE_UNKNOWN"
 # The least share of `average(timeout=)` left for the fallback to start.
 FALLBACK_MIN_SHARE = 0.15
 MIN_GROUP_SIZE = 2
@@ -197,8 +211,11 @@ class _Round:
     carried: int = -1  # the slice we carry (-1: none)
     over: bool = False  # forgotten (an old round): requests are refused
     # Why a slice is not served once `chunks` is None: SLICE_FAILED (our row or column failed: nobody has it) or
-    # SLICE_UNKNOWN (we failed later, in a nested gather: another carrier may have it)
+    # SLICE_UNKNOWN (another carrier may have it: see there)
     failure: str = SLICE_FAILED
+    # The group's members (indices in the group's order) whose contribution is not in the slice's mean (see "A
+    # member lost"); sent with the slice's first chunk.
+    lost: tuple[int, ...] = ()
     # What this member served of the slice before its own average returned (counted in its AverageResult)
     served_bytes: int = 0
     served_values: int = 0
@@ -339,9 +356,7 @@ class GroupedExchange:
             exc.bytes_received += spent.received
             exc.fp32_bytes += spent.fp32
             if exc.reason == GATHER_FAILED:
-                state.failure = (
-                    "SLICE_UNKNOWN"  # our column may have done well elsewhere: ask another carrier
-                )
+                state.failure = SLICE_UNKNOWN  # our column may have done well elsewhere: ask another carrier
             raise
         finally:
             if not state.chunks.done():
@@ -360,9 +375,13 @@ class GroupedExchange:
         )  # fmt: skip
         depth, keep = call.depth, call.keep
         loop = asyncio.get_running_loop()
-        timeout = deadline - loop.time()
+        started = loop.time()
+        timeout = deadline - started
         row = Group.make(group.round_id, list(plan.rows[r]))
         where = f"round {group.round_id} depth {depth} row {r} of {len(plan.rows)}"
+        # Losses are carried as far as the columns (see "A member lost"): in the round's group, whose columns
+        # are flat; a nested column keeps all or nothing.
+        tolerant = depth == 0 and len(plan.rows) <= self.group_size
         try:
             row_result: AverageResult = await self.inner.average(
                 row,
@@ -375,13 +394,19 @@ class GroupedExchange:
                 stage=2 * depth,
             )
         except ExchangeAborted as exc:
+            if tolerant:
+                state.failure = SLICE_UNKNOWN  # the rest of our row may have gone on without us
             raise _again(exc, ROW_FAILED, f"{where}: {exc}") from None
         spent.add(row_result)
-        if len(row_result.contributors) != len(row.members) or row_result.total_weight is None:
-            missing = sorted({m.peer_id for m in row.members} - set(row_result.contributors))
+        missing = sorted({m.peer_id for m in row.members} - set(row_result.contributors))
+        if (missing and not tolerant) or row_result.total_weight is None:
             raise ExchangeAborted(
                 ROW_FAILED, f"{where}: the row averaged without {missing}, so the round cannot commit"
             )
+        index = {m.peer_id: k for k, m in enumerate(group.members)}
+        row_lost = tuple(sorted(index[p] for p in missing))
+        if missing:
+            log.info("%s: the row went on without %s", where, missing)
         mean = row_result.averaged.view(-1)
         numel = mean.numel()
         raw = bool(getattr(codec, "raw_float32", False))
@@ -392,7 +417,10 @@ class GroupedExchange:
             part = mean[lo:hi]
             column_out = torch.empty(hi - lo, dtype=torch.float32)
             contribution = OnDemand(hi - lo, lambda a, b, into: into.copy_(part[a:b]))
-            budget = max(0.001, deadline - loop.time()) * COLUMN_SHARE / (1 - ROW_SHARE)
+            # The column ends by the same time on every row, however long its row took: a row that waited out a
+            # silent member (its data phase, then the votes) joins its columns late, and the carriers of the rows
+            # that were quick still wait for it.
+            budget = max(0.001, started + (ROW_SHARE + COLUMN_SHARE) * timeout - loop.time())
             column_result: AverageResult
             column_where = f"round {group.round_id} depth {depth} column {i}"
             try:
@@ -412,17 +440,31 @@ class GroupedExchange:
                         out=column_out,
                         stage=2 * depth + 1,
                         keep_mean=True,
+                        **({"tag": row_lost} if row_lost else {}),
                     )
             except ExchangeAborted as exc:
-                # A nested gather that failed proves nothing of the column's other members; anything else does.
-                reason = GATHER_FAILED if exc.reason == GATHER_FAILED else COLUMN_FAILED
+                # A nested gather that failed proves nothing of the column's other members, nor does our own
+                # exclusion where the column may go on without us; anything else does.
+                if exc.reason == GATHER_FAILED or (tolerant and exc.reason == "EXCLUDED"):
+                    state.failure = SLICE_UNKNOWN
+                    reason = GATHER_FAILED if exc.reason == GATHER_FAILED else COLUMN_FAILED
+                else:
+                    reason = COLUMN_FAILED
                 raise _again(exc, reason, f"{column_where}: {exc}") from None
             spent.add(column_result)
-            if len(column_result.contributors) != len(column.members):
-                missing = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
+            absent = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
+            if absent and not tolerant:
                 raise ExchangeAborted(
-                    COLUMN_FAILED, f"{column_where}: averaged without {missing}, so the round cannot commit"
+                    COLUMN_FAILED, f"{column_where}: averaged without {absent}, so the round cannot commit"
                 )
+            # Not in the slice's mean: the rows whose carrier the column went on without, whole, and what the
+            # rows in it lost (their carriers' tags).
+            slice_lost = {index[m.peer_id] for c in absent for m in plan.rows[plan.row_of(c)[0]]}
+            for tag in column_result.tags.values():
+                slice_lost.update(tag)
+            state.lost = tuple(sorted(slice_lost))
+            if absent:
+                log.info("%s: the column went on without %s", column_where, absent)
             part.copy_(column_out)
             if raw:
                 chunks = [
@@ -438,14 +480,21 @@ class GroupedExchange:
             del column_out
             state.chunks.set_result(chunks)
         kept: list[tuple[int, int, bytes]] | None = list(chunks) if keep and not raw else None
-        await self._gather(call, mean, raw, kept)
+        lost = await self._gather(call, mean, raw, kept, skip=set(missing))
+        if i < plan.slices:
+            lost[i] = state.lost
+        # In the mean: every member that is in some slice's (a member a slice lost is in the others'; the
+        # group's members are in every slice unless a row or a column went on without some).
+        everywhere = set.intersection(*(set(lost.get(j, ())) for j in range(plan.slices)))
+        somewhere = set().union(*(lost.get(j, ()) for j in range(plan.slices)))
+        ids = [m.peer_id for m in group.members]
         # What we served of our slice so far (late requests after this are not counted).
         spent.sent += state.served_bytes
         spent.fp32 += 4 * state.served_values
         return AverageResult(
             averaged=row_result.averaged,
             transmitted=row_result.transmitted,
-            contributors=tuple(sorted(m.peer_id for m in group.members)),
+            contributors=tuple(sorted(p for k, p in enumerate(ids) if k not in everywhere)),
             bytes_sent=spent.sent,
             bytes_received=spent.received,
             seconds=time.monotonic() - call.started,
@@ -454,14 +503,22 @@ class GroupedExchange:
             mean_chunks=() if kept is None else tuple(sorted(kept)),
             total_weight=None,
             path="rows",
+            partial=tuple(sorted(ids[k] for k in somewhere - everywhere)),
         )
 
     async def _gather(
-        self, call: _Call, mean: torch.Tensor, raw: bool, kept: list[tuple[int, int, bytes]] | None
-    ) -> None:
+        self,
+        call: _Call,
+        mean: torch.Tensor,
+        raw: bool,
+        kept: list[tuple[int, int, bytes]] | None,
+        skip: set[str],
+    ) -> dict[int, tuple[int, ...]]:
         """Every slice but ours, from its carrier in our row or, failing that, another member of its column (and
-        into `kept`, their coded chunks)."""
+        into `kept`, their coded chunks), never from a member in `skip` (our row went on without it); returns, by
+        slice, the members not in its mean (`_Round.lost`)."""
         plan, r, i = call.plan, call.r, call.i
+        lost: dict[int, tuple[int, ...]] = {}
 
         async def one(j: int) -> None:
             lo, hi = plan.bounds(mean.numel(), j)
@@ -469,10 +526,10 @@ class GroupedExchange:
             errors: list[str] = []
             failed = False
             for carrier in carriers:
-                if carrier.peer_id == self.peer_id:
+                if carrier.peer_id == self.peer_id or carrier.peer_id in skip:
                     continue
                 try:
-                    await self._pull(call, carrier, j, lo, hi, mean, raw, kept)
+                    lost[j] = await self._pull(call, carrier, j, lo, hi, mean, raw, kept)
                     return
                 except (RpcError, Reject) as exc:
                     reason = exc.reason
@@ -492,6 +549,7 @@ class GroupedExchange:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        return lost
 
     async def _pull(
         self,
@@ -503,7 +561,8 @@ class GroupedExchange:
         mean: torch.Tensor,
         raw: bool,
         kept: list[tuple[int, int, bytes]] | None,
-    ) -> None:
+    ) -> tuple[int, ...]:
+        """Slice j from `carrier` into `mean[lo:hi]`; returns the members its mean lacks (its first chunk says)."""
         group, codec, spent = call.group, call.codec, call.spent
         loop = asyncio.get_running_loop()
         fast = getattr(codec, "optional_checksum", False) is True
@@ -515,6 +574,7 @@ class GroupedExchange:
 
         spent.sent += wire_size(ask)
         at = lo
+        lost: tuple[int, ...] = ()
         taken: list[tuple[int, int, bytes]] = []
         answers = self.client.stream(
             carrier.address,
@@ -528,6 +588,18 @@ class GroupedExchange:
             fields = Fields.loose(frame.header, "slice chunk")
             with refusing("BAD_HEADER"):
                 a, b = fields.integer("a"), fields.integer("b")
+                if a == lo and fields.has("x"):
+                    lost = tuple(
+                        sorted(
+                            set(
+                                fields.items(
+                                    "x",
+                                    lambda v, w: check_int(v, w, high=len(group.members) - 1),
+                                    max_len=len(group.members),
+                                )
+                            )
+                        )
+                    )
             what = f"slice {j} chunk [{a}, {b}) from {carrier.peer_id}"
             if a != at or not a < b <= hi:
                 raise invalid("CHUNK_ORDER", f"{what}: expected a chunk from {at} up to {hi}")
@@ -549,6 +621,7 @@ class GroupedExchange:
             raise invalid("TRUNCATED", f"slice {j} from {carrier.peer_id}: ended at {at}, expected {hi}")
         if kept is not None:
             kept.extend(taken)
+        return lost
 
     async def _on_slice(self, ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
         first = await anext(requests, None)
@@ -601,8 +674,10 @@ class GroupedExchange:
                 state.failure,
                 f"round {state.round_id}: slice {request.index} failed here",
             )
-        for a, b, data in chunks:
-            frame = Frame({"a": a, "b": b}, data)
+        for k, (a, b, data) in enumerate(chunks):
+            frame = Frame(
+                {"a": a, "b": b, "x": list(state.lost)} if k == 0 and state.lost else {"a": a, "b": b}, data
+            )
             state.served_bytes += wire_size(frame)
             state.served_values += b - a
             yield frame

@@ -156,6 +156,8 @@ class Owner:
         attempt.streams_from.add((sender, lane))
         attempt.heard[sender] = asyncio.get_running_loop().time()
         attempt.weights[sender] = hello.weight
+        if hello.tag:
+            attempt.tags[sender] = hello.tag
         if attempt.dense:  # a sparse hello is counted with its payload (_receive_sparse)
             attempt.bytes_received += wire_size(first)
         outbox = attempt.outbox(sender, lane)

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from farloco.protocol.exchange.plan import MAX_LANES
-from farloco.protocol.messages import Fields, WireError, check_str
+from farloco.protocol.messages import Fields, WireError, check_int, check_str
 from farloco.protocol.rpc import Frame, Reject, encode_frame_header
 
 PUSH_METHOD = "ExchangePush"
@@ -33,6 +33,8 @@ VOTE_METHOD = "ExchangeVote"
 NOT_BLAME = frozenset({"TRUNCATED"})
 MAX_BAD = 1 << 16  # members a vote may name as bad
 MAX_STAGE = 7  # exchanges one round may run one after the other (AttemptRef.stage)
+MAX_TAG_ITEMS = 4096  # ints a hello's tag may hold (Hello.tag)
+MAX_TAG_VALUE = (1 << 20) - 1
 
 
 @contextmanager
@@ -120,6 +122,9 @@ class Hello:
     lanes: int
     aggregator: str
     length: int | None = None
+    # The caller's note to every member (`Exchange.average(tag=)`): small ints, each member's own; grouped.py
+    # sends the indices of the round's members its row lost. Empty: not sent.
+    tag: tuple[int, ...] = ()
 
     def encode(self) -> dict[str, Any]:
         header = {
@@ -137,6 +142,8 @@ class Hello:
         }
         if self.length is not None:
             header["len"] = self.length
+        if self.tag:
+            header["tg"] = list(self.tag)
         return header
 
     @classmethod
@@ -160,8 +167,18 @@ class Hello:
             lane = fields.integer("l", default=0)
         with refusing("SIZE_MISMATCH"):
             length = None if fields.raw("len") is None else fields.integer("len")
+        with refusing("BAD_HEADER"):
+            tag = (
+                tuple(
+                    fields.items(
+                        "tg", lambda v, w: check_int(v, w, high=MAX_TAG_VALUE), max_len=MAX_TAG_ITEMS
+                    )
+                )
+                if fields.has("tg")
+                else ()
+            )
         return cls(
-            ref, numel, chunk_elems, slices, codec, dense, weight, raw, lane, lanes, aggregator, length
+            ref, numel, chunk_elems, slices, codec, dense, weight, raw, lane, lanes, aggregator, length, tag
         )
 
 

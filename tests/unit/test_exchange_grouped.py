@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ from helpers.exchange import CODECS, Node, make_input, run, start_nodes
 
 from farloco.protocol.exchange import AverageResult, ExchangeAborted, OnDemand
 from farloco.protocol.exchange.grouped import SLICE_METHOD, GroupedExchange, SliceRequest, layout
-from farloco.protocol.rpc import Frame, RpcError
+from farloco.protocol.exchange.wire import MAX_TAG_ITEMS, AttemptRef, Hello
+from farloco.protocol.rpc import Frame, Reject, RpcError
 from farloco.protocol.types import Group, GroupMember
 
 
@@ -216,44 +218,107 @@ def test_small_groups_sparse_codecs_spans_and_rules_go_flat() -> None:
     run(body())
 
 
-@pytest.mark.parametrize("count", [6, 7])
-def test_a_member_that_never_comes_makes_the_others_fall_back_to_the_flat_exchange_without_it(
-    count: int,
+def sliced_mean(plan: Any, inputs: dict[str, torch.Tensor], lost: dict[int, set[str]]) -> torch.Tensor:
+    """What a grouped round that lost members gives (raw float32, weights 1): each slice the mean of the
+    contributions its column kept (`lost[j]`: the members not in slice j's mean)."""
+    numel = next(iter(inputs.values())).numel()
+    mean = torch.empty(numel)
+    for j in range(plan.slices):
+        lo, hi = plan.bounds(numel, j)
+        kept = [x[lo:hi] for p, x in sorted(inputs.items()) if p not in lost.get(j, set())]
+        mean[lo:hi] = torch.stack(kept).double().mean(0).float()
+    return mean
+
+
+@pytest.mark.parametrize(
+    ("count", "position", "codec_name"),
+    [(6, 0, "raw"), (7, 0, "raw"), (7, 2, "raw"), (6, 0, "int8"), (7, 2, "int8")],
+)
+def test_a_member_that_never_comes_is_left_out_and_the_rounds_goes_on_in_rows(
+    count: int, position: int, codec_name: str
 ) -> None:
-    """A member that never starts the round (crashed after the group froze): its row cannot finish, so no
-    column does; every other member learns it and averages flat among the whole group, whose votes drop the
-    missing one: all the others commit the same mean of the rest, within the timeout. With 7 members in rows of
-    3, 2 and 2 the missing one's row holds a member that carries no slice: it falls back too (a member that
-    closed the round alone instead went a round ahead of the others, and formed rounds of its own with a node
-    that restarted, in a 16-node run)."""
+    """A member that never starts the round (crashed after the group froze): its row goes on without it, and so
+    does the column it would have carried, so the round commits in rows, every member with the same bits. A
+    carrier's slice is then the mean of the other rows (its row-mates are in every other slice: `partial`);
+    a member that carries nothing (a row of 3 in 7 = 3 + 2 + 2 has one) is simply left out. Every member names
+    the same contributors."""
     size = 3
 
     async def body() -> None:
         nodes, group = await start_nodes(count)
         exchanges = grouped(nodes, size)
         plan = layout(group, size)
-        missing = plan.rows[0][0].peer_id
+        missing = plan.rows[0][position].peer_id
         assert len(plan.rows[0]) == 3 and plan.slices == (2 if count == 7 else 3)
+        carrier = position < plan.slices
         try:
-            codec = CODECS["raw"]()
-            inputs = [make_input(i, 20_000) for i in range(count)]
+            codec = CODECS[codec_name]()
+            inputs = {n.peer_id: make_input(i, 20_000) for i, n in enumerate(nodes)}
             started = time.monotonic()
             results = await asyncio.gather(
                 *(
-                    ex.average(group, inputs[i], codec, timeout=10)
+                    ex.average(group, inputs[nodes[i].peer_id], codec, timeout=10)
                     for i, ex in enumerate(exchanges)
                     if nodes[i].peer_id != missing
                 )
             )
             assert time.monotonic() - started < 10 + 3
             survivors = tuple(m.peer_id for m in group.members if m.peer_id != missing)
-            exact = torch.stack([x for i, x in enumerate(inputs) if nodes[i].peer_id != missing]).mean(0)
+            row0 = {m.peer_id for m in plan.rows[0]}
+            lost = {
+                j: ({missing} | (row0 if carrier and j == position else set())) for j in range(plan.slices)
+            }
+            expected = sliced_mean(plan, inputs, lost)
             for result in results:
                 assert result.contributors == survivors
-                assert result.path == "rows, then flat"
+                assert result.partial == (tuple(sorted(row0 - {missing})) if carrier else ())
+                assert result.path == "rows"
                 assert torch.equal(result.averaged, results[0].averaged)
                 assert result.bytes_sent > 0
-            assert float((results[0].averaged - exact).abs().max()) <= 1e-6
+            # int8: each contribution coded once (row), each row's mean once (column).
+            bound = (
+                3 * max(float(x.abs().max()) for x in inputs.values()) / 127 if codec_name == "int8" else 1e-6
+            )
+            assert float((results[0].averaged - expected).abs().max()) <= bound
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())
+
+
+def test_a_hello_carries_its_tag_to_every_member_and_a_bad_one_is_refused() -> None:
+    """`average(tag=)`: small ints each member's hello carries (grouped.py tells its column what its row lost
+    this way); every member's result names every non-empty tag, its own too. A tag that is not a list of small
+    ints is refused by name, on the wire and in the call."""
+    ref = AttemptRef("ab" * 32, 0, 1)
+    hello = Hello(ref, 10, 256, 0, "fp32", True, 1.0, False, 0, 1, "mean", tag=(3, 7))
+    assert Hello.decode(hello.encode()).tag == (3, 7)
+    assert (
+        "tg" not in replace(hello, tag=()).encode()
+        and Hello.decode(replace(hello, tag=()).encode()).tag == ()
+    )
+    for bad in ([True], [-1], ["3"], list(range(MAX_TAG_ITEMS + 1))):
+        with pytest.raises(Reject, match="BAD_HEADER") as caught:
+            Hello.decode({**hello.encode(), "tg": bad})
+        assert "hello.tg" in str(caught.value)
+
+    async def body() -> None:
+        nodes, group = await start_nodes(3)
+        try:
+            tags = [(1, 2), (), (0,)]
+            results = await asyncio.gather(
+                *(
+                    n.exchange.average(group, make_input(i, 5_000), CODECS["int8"](), timeout=10, tag=tags[i])
+                    for i, n in enumerate(nodes)
+                )
+            )
+            expected = {nodes[i].peer_id: tags[i] for i in (0, 2)}
+            assert all(r.tags == expected for r in results), [r.tags for r in results]
+            with pytest.raises(ValueError, match=r"tag: expected at most 4096 ints in 0\.\.1048575"):
+                await nodes[0].exchange.average(
+                    group, make_input(0, 10), CODECS["fp32"](), timeout=1, tag=(-1,)
+                )
         finally:
             for node in nodes:
                 await node.stop()
@@ -364,10 +429,10 @@ def test_a_tensor_with_fewer_values_than_slices_goes_flat() -> None:
     run(body())
 
 
-def test_a_carrier_that_dies_after_its_row_makes_everyone_fall_back_alike() -> None:
-    """A member dies (its server and client closed) once its row finished, before its column: its column fails,
-    so every other member falls back to the flat exchange, which drops the dead one: the same mean of the rest
-    everywhere."""
+def test_a_carrier_that_dies_after_its_row_leaves_its_slice_to_the_other_rows() -> None:
+    """A member dies (its server and client closed) once its row finished, before its column: its column goes
+    on without it, so that slice is the other rows' mean, and the rest of the round holds its row's mean, the
+    dead member's contribution in it: every other member commits the same bits, in rows."""
     count, size = 6, 3
 
     async def body() -> None:
@@ -397,13 +462,14 @@ def test_a_carrier_that_dies_after_its_row_makes_everyone_fall_back_alike() -> N
             assert isinstance(results[index], RuntimeError)
             rest = [r for i, r in enumerate(results) if i != index]
             assert all(isinstance(r, AverageResult) for r in rest), rest
-            survivors = tuple(sorted(n.peer_id for n in nodes if n.peer_id != victim))
-            exact = torch.stack([x for i, x in enumerate(inputs) if i != index]).mean(0)
+            row0 = {m.peer_id for m in plan.rows[0]}
+            expected = sliced_mean(plan, {n.peer_id: inputs[i] for i, n in enumerate(nodes)}, {0: row0})
             for result in rest:
                 assert isinstance(result, AverageResult)
-                assert result.contributors == survivors
+                assert result.contributors == tuple(n.peer_id for n in sorted(nodes, key=lambda n: n.peer_id))
+                assert result.partial == tuple(sorted(row0)) and result.path == "rows"
                 assert torch.equal(result.averaged, rest[0].averaged)  # type: ignore[union-attr]
-            assert float((rest[0].averaged - exact).abs().max()) <= 1e-6  # type: ignore[union-attr]
+            assert float((rest[0].averaged - expected).abs().max()) <= 1e-6  # type: ignore[union-attr]
         finally:
             for i, node in enumerate(nodes):
                 if i != index:

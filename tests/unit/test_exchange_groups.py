@@ -239,3 +239,16 @@ def test_group_sim_rows_are_the_exchanges_layout_nested_and_exact() -> None:
     assert rows["kb_max"] < 2 * 4096 * 4 * 2 / 1e3  # under twice what the flat exchange sends
     int8 = {r["plan"]: r for r in sim.simulate(sim.Settings(peers=27, group_size=3, rounds=2, codec="int8"))}
     assert int8["rows"]["err"] < 3 * int8["flat"]["err"]
+
+
+def test_group_sim_carries_drops_through_rows_of_a_group_without_nesting() -> None:
+    """36 peers in 6 rows of 6 (no nesting): a drop is carried through the round instead of a fallback, so every
+    round commits in rows, nobody talks to more than its row and its column (and their retries), and a lost
+    carrier's row-mates are counted as partial."""
+    sim = load_script(BENCHMARKS / "group_sim.py", "group_sim")
+    churned = sim.simulate(sim.Settings(peers=36, group_size=6, rounds=4, churn=0.1, codec="fp32", seed=3))
+    rows = {r["plan"]: r for r in churned}["rows"]
+    assert rows["committed"] == 1 and rows["fell_back"] == 0
+    assert rows["conns_max"] <= 2 * 5
+    assert 0 < rows["partial"] < 0.5
+    assert rows["err"] < 0.2
