@@ -5,6 +5,7 @@ p2pd) on 127.0.0.1, the tiny preset.
     python benchmarks/swarm_scale.py --markdown                          # 2, 4, 8, 16 healthy, then 16 with faults
     python benchmarks/swarm_scale.py --nodes 4 --rounds 10 --no-faults   # one quick row
     python benchmarks/swarm_scale.py --nodes 16 --rounds 10 --no-faults --group-size 4   # bounded groups
+    python benchmarks/swarm_scale.py --nodes --group-size 4 --kill-in exchange   # the kills inside exchanges
 
 Swarms run through benchmarks/chaos_runner.py (the chaos table's harness: its invariants are checked here too: one
 outer hash per round among the nodes that committed it, no NaN, no node that no fault touched exiting other than
@@ -77,13 +78,25 @@ def healthy(nodes: int, args: argparse.Namespace) -> Scenario:
 
 def with_faults(args: argparse.Namespace) -> Scenario:
     """16 nodes: nodes 3, 7, 11 and 13 SIGKILLed (ranks and DHT child with them) at rounds 4, 8, 12 and 16 and
-    restarted 1 s later from their checkpoints; nodes 14 and 15 join at rounds 6 and 10."""
+    restarted 1 s later from their checkpoints; nodes 14 and 15 join at rounds 6 and 10. The kills come from
+    outside once the swarm committed the round before (they fall wherever the node is then), or, with
+    `--kill-in exchange`, from the node itself `--kill-offset` seconds into that round's exchange (the chaos
+    fault crash@exchange)."""
     kills = tuple(
         Fault(
             f"SIGKILL node {peer} at round {at}",
             peer,
             at,
             signal="sigkill",
+            restart_after=1.0,
+            checks=("back",),
+        )
+        if args.kill_in == "between"
+        else Fault(
+            f"SIGKILL node {peer} {args.kill_offset:g} s into its round-{at} exchange",
+            peer,
+            at,
+            plan=f"crash@exchange+{args.kill_offset:g}:{at}",
             restart_after=1.0,
             checks=("back",),
         )
@@ -209,6 +222,10 @@ def figures(work: Path, nodes: int, faults: list[tuple[int, float]]) -> dict[str
         "forks": sorted(r for r, h in hashes.items() if len(h) > 1),
         # how the commits' means were made (round events' `exchange`): flat, rows, rows then flat
         "exchange": dict(Counter(str(e.get("exchange", "?")) for rounds in events.values() for e in rounds)),
+        # rows: the rounds whose mean left some contributors out of some slices (a carrier lost)
+        "partial_rounds": sorted(
+            {e["round_id"] for rounds in events.values() for e in rounds if e.get("partial")}
+        ),
     }
 
 
@@ -260,6 +277,15 @@ def main() -> None:
         type=int,
         default=0,
         help="run.exchange_group_size: the exchange in rows and columns of at most this many (0: flat)",
+    )
+    parser.add_argument(
+        "--kill-in",
+        choices=("between", "exchange"),
+        default="between",
+        help="the fault row's SIGKILLs: from outside after a round (between), or inside a round's exchange",
+    )
+    parser.add_argument(
+        "--kill-offset", type=float, default=0.2, help="with --kill-in exchange: seconds into the exchange"
     )
     parser.add_argument("--out", type=Path, default=None, help="keep the swarms' directories here")
     parser.add_argument("--markdown", action="store_true")
