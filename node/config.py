@@ -140,9 +140,11 @@ class RunConfig:
     rows of at most G members and the columns across them, a column of more than G in rows and columns itself
     (protocol/exchange/grouped.py): each member talks to about 2(G - 1) others per level (log_G N - 1 levels)
     and sends about 3V bytes instead of 2V for a V-byte update; its mean is alike on every
-    member, within one more coding of the codec than the flat one; a member lost inside a round fails it in rows
-    and the group falls back to the flat exchange among all (which drops it). Dense codecs, no robust aggregator, no islands, every member
-    dialable (else flat). For swarms of several dozen nodes and more; 8-16 suit most. Every node agrees."""
+    member, within one more coding of the codec than the flat one. A member lost inside a round is dropped by its
+    row and column, which go on (a lost carrier's slice is then its other rows' mean) while the group has at most
+    G^2 members; above, the round falls back to the flat exchange among all (which drops it). Dense codecs, no
+    robust aggregator, no islands, every member dialable (else flat). For swarms of several dozen nodes and more;
+    8-32 suit most (G^2 at least the swarm's size keeps a loss inside the rows). Every node agrees."""
 
     def __post_init__(self) -> None:
         _positive(self, "inner_steps", "batch_size", "seq_len", "data_slots", "min_peers")
