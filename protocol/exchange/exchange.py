@@ -207,6 +207,7 @@ class Exchange:
         else:
             flat, shape = tensor.detach().reshape(-1).contiguous(), tensor.shape
         members = group.members
+        heard: set[str] = set()  # members whose hello reached us in some attempt (AverageResult.silent)
         bytes_sent = bytes_received = 0
         fp32_sent = 0.0
         attempt_no = 0
@@ -246,6 +247,7 @@ class Exchange:
                 votes = await self._voter.vote_phase(attempt, vote_deadline)
             finally:
                 self.attempts.retire(attempt)
+            heard.update(members[j].peer_id for j in attempt.weights)
             bytes_sent += attempt.bytes_sent
             bytes_received += attempt.bytes_received
             fp32_sent += attempt.fp32_sent
@@ -268,6 +270,7 @@ class Exchange:
                     else tuple((a, b, data) for a, (b, data) in sorted(attempt.mean_chunks.items())),
                     total_weight=attempt.total_weight(),
                     tags={members[j].peer_id: t for j, t in sorted(attempt.tags.items())},
+                    silent=tuple(sorted(m.peer_id for m in group.members if m.peer_id not in heard)),
                 )
             excluded = vote_excluded(alive, votes)
             survivors = tuple(m for m in alive if m.peer_id not in excluded)

@@ -27,7 +27,10 @@ where the round's columns are flat (at most G rows): its row's flat exchange goe
 the lost member, as in any flat round), and its row's carriers tell their columns whom the row lost (the tag of
 their hellos, `Exchange.average(tag=)`). A carrier lost by its column stage leaves its column without its row:
 that slice is then the weighted mean of the other rows (the lost carrier's row-mates are in every other slice's
-mean: `AverageResult.partial`). A column goes on without a carrier likewise. Each carrier serves its slice with
+mean: `AverageResult.partial`). A column goes on only without carriers that never reached it (none of their
+hellos came, `AverageResult.silent`: lost in their row stage): one that spoke and was then dropped by the votes
+may have ended the column otherwise (its votes late, the flat exchange's split), and a mean without its row
+could then differ from the one it serves, so that column fails as below. Each carrier serves its slice with
 the members its mean lacks (the first chunk's header: the rows its column went on without, and what the rows in
 it lost), so every member that commits holds the same bits and names the same contributors: those in some
 slice's mean. A member that gathers skips the row-mates its row lost and, should a slice's carrier not hold it
@@ -453,7 +456,9 @@ class GroupedExchange:
                 raise _again(exc, reason, f"{column_where}: {exc}") from None
             spent.add(column_result)
             absent = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
-            if absent and not tolerant:
+            if absent and not (tolerant and set(absent) <= set(column_result.silent)):
+                # A carrier we heard from may have ended the column otherwise (its votes late: the flat
+                # exchange's split), so its slice's mean could differ from ours: not without it, then.
                 raise ExchangeAborted(
                     COLUMN_FAILED, f"{column_where}: averaged without {absent}, so the round cannot commit"
                 )
