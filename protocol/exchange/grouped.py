@@ -25,12 +25,12 @@ coding more than the flat exchange, so the error bound is the codec's for a mean
 A member lost. A member that crashes (or is excluded by its row's votes) inside the round does not fail it
 where the round's columns are flat (at most G rows): its row's flat exchange goes on without it (its votes drop
 the lost member, as in any flat round), and its row's carriers tell their columns whom the row lost (the tag of
-their hellos, `Exchange.average(tag=)`). A carrier lost by its column stage leaves its column without its row:
-that slice is then the weighted mean of the other rows (the lost carrier's row-mates are in every other slice's
-mean: `AverageResult.partial`). A column goes on only without carriers that never reached it (none of their
-hellos came, `AverageResult.silent`: lost in their row stage): one that spoke and was then dropped by the votes
-may have ended the column otherwise (its votes late, the flat exchange's split), and a mean without its row
-could then differ from the one it serves, so that column fails as below. Each carrier serves its slice with
+their hellos, `Exchange.average(tag=)`). A carrier lost in its row stage never reaches its column (none of its
+hellos came, `AverageResult.silent`), which goes on without its row: that slice is then the weighted mean of the
+other rows (the lost carrier's row-mates are in every other slice's mean: `AverageResult.partial`). A carrier
+that spoke in its column and was then dropped by the votes may have ended the column otherwise (its votes late,
+the flat exchange's split), and a mean without its row could then differ from the one it serves: that column
+fails as below. Each carrier serves its slice with
 the members its mean lacks (the first chunk's header: the rows its column went on without, and what the rows in
 it lost), so every member that commits holds the same bits and names the same contributors: those in some
 slice's mean. A member that gathers skips the row-mates its row lost and, should a slice's carrier not hold it
@@ -38,11 +38,11 @@ slice's mean. A member that gathers skips the row-mates its row lost and, should
 row took longer (its flat exchange waited out the silence, then retried): the columns end at the same time on
 every row (ROW_SHARE + COLUMN_SHARE of the timeout from the start), so the carriers of quick rows wait for it.
 
-A failed round. Otherwise (a column of more than G, nested: all or nothing; a column that aborted; this member
-left out of its row) the round does not commit in rows, or not here. A row whose exchange ends without one of
-its members (nested) or aborts keeps its carriers out of the columns; a column that ends without one of its
-rows fails (nested); a carrier whose row or column failed answers requests for its slice with SLICE_FAILED. A
-member that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among
+A failed round. Otherwise (a column of more than G, nested: all or nothing; a column that aborted or dropped a
+carrier that had reached it; this member left out of its row) the round does not commit in rows, or not here. A
+row whose exchange ends without one of its members (nested) or aborts keeps its carriers out of the columns; a
+column that ends without one of its rows fails (nested, or a carrier it had heard from); a carrier whose row
+or column failed answers requests for its slice with SLICE_FAILED. A member that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among
 the whole group instead, in the time left (stage FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the
 timeout): its votes and retries drop the members lost, as in any flat round, so a member lost inside the round
 costs the round's time, not the round. A member left out of its row falls back too, since a member left out
