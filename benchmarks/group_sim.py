@@ -468,7 +468,9 @@ def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]
     """A round through GroupedExchange. Without nesting (at most G rows), a drop is carried through the round
     (grouped.py, "A member lost"): a member lost in the row stage is left out of its row's mean, the row goes on
     (its flat exchange notices the drop after `detect` and retries among the rest); a carrier lost by its
-    column stage leaves that slice to the other rows (the column notices and retries likewise); a drop in the
+    column stage leaves that slice to the other rows (the column notices and retries likewise; a drop is a
+    crash, whose address refuses connections, which is what grouped.py needs of a carrier that reached its
+    column); a drop in the
     gather changes nothing (the slice comes from another row's carrier). Each slice's mean is then the weighted
     mean of what its column kept, alike on every member; `partial` counts the live members missing from some
     slice. With nesting (a column of more than G), a drop fails the grouped round and the members fall back

@@ -25,12 +25,13 @@ coding more than the flat exchange, so the error bound is the codec's for a mean
 A member lost. A member that crashes (or is excluded by its row's votes) inside the round does not fail it
 where the round's columns are flat (at most G rows): its row's flat exchange goes on without it (its votes drop
 the lost member, as in any flat round), and its row's carriers tell their columns whom the row lost (the tag of
-their hellos, `Exchange.average(tag=)`). A carrier lost in its row stage never reaches its column (none of its
-hellos came, `AverageResult.silent`), which goes on without its row: that slice is then the weighted mean of the
-other rows (the lost carrier's row-mates are in every other slice's mean: `AverageResult.partial`). A carrier
-that spoke in its column and was then dropped by the votes may have ended the column otherwise (its votes late,
-the flat exchange's split), and a mean without its row could then differ from the one it serves: that column
-fails as below. Each carrier serves its slice with
+their hellos, `Exchange.average(tag=)`). A column goes on without a carrier its votes dropped where that carrier
+never reached it (none of its hellos came, `AverageResult.silent`: lost in its row stage) or no process listens
+at its address any more (a connection there is refused: it crashed, and serves nothing): that slice is then the
+weighted mean of the other rows (the lost carrier's row-mates are in every other slice's mean:
+`AverageResult.partial`). A dropped carrier that still runs (or does not answer: frozen, cut off) may have ended
+the column otherwise (its votes late, the flat exchange's split), and a mean without its row could then differ
+from the one it serves: that column fails as below. Each carrier serves its slice with
 the members its mean lacks (the first chunk's header: the rows its column went on without, and what the rows in
 it lost), so every member that commits holds the same bits and names the same contributors: those in some
 slice's mean. A member that gathers skips the row-mates its row lost and, should a slice's carrier not hold it
@@ -39,9 +40,9 @@ row took longer (its flat exchange waited out the silence, then retried): the co
 every row (ROW_SHARE + COLUMN_SHARE of the timeout from the start), so the carriers of quick rows wait for it.
 
 A failed round. Otherwise (a column of more than G, nested: all or nothing; a column that aborted or dropped a
-carrier that had reached it; this member left out of its row) the round does not commit in rows, or not here. A
+carrier that had reached it and still runs; this member left out of its row) the round does not commit in rows, or not here. A
 row whose exchange ends without one of its members (nested) or aborts keeps its carriers out of the columns; a
-column that ends without one of its rows fails (nested, or a carrier it had heard from); a carrier whose row
+column that ends without one of its rows fails (nested, or a carrier that may still serve); a carrier whose row
 or column failed answers requests for its slice with SLICE_FAILED. A member that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among
 the whole group instead, in the time left (stage FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the
 timeout): its votes and retries drop the members lost, as in any flat round, so a member lost inside the round
@@ -69,10 +70,11 @@ dialable); otherwise the flat exchange does the round as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,6 +88,7 @@ from farloco.protocol.exchange.wire import MAX_STAGE, invalid, precondition, ref
 from farloco.protocol.messages import Fields, check_int
 from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
 from farloco.protocol.types import Group, GroupMember
+from farloco.util.tasks import wait_for
 
 log = logging.getLogger("farloco.protocol.exchange")
 
@@ -118,6 +121,8 @@ SLICE_WAIT_SECONDS = 60.0
 # (requests that came before this member started their round) at most.
 ROUNDS_KEPT = 2
 MAX_PLACEHOLDERS = 8
+# How long a column waits for a dropped carrier's address to refuse a connection (`_all_refuse`).
+KNOCK_SECONDS = 2.0
 # Values per frame of a raw float32 slice.
 RAW_FRAME_ELEMS = 1 << 18
 
@@ -456,9 +461,12 @@ class GroupedExchange:
                 raise _again(exc, reason, f"{column_where}: {exc}") from None
             spent.add(column_result)
             absent = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
-            if absent and not (tolerant and set(absent) <= set(column_result.silent)):
-                # A carrier we heard from may have ended the column otherwise (its votes late: the flat
-                # exchange's split), so its slice's mean could differ from ours: not without it, then.
+            heard = [
+                m for m in column.members if m.peer_id in absent and m.peer_id not in column_result.silent
+            ]
+            if absent and not (tolerant and await _all_refuse(heard, deadline)):
+                # A carrier we heard from that still runs may have ended the column otherwise (its votes late:
+                # the flat exchange's split), so its slice's mean could differ from ours: not without it, then.
                 raise ExchangeAborted(
                     COLUMN_FAILED, f"{column_where}: averaged without {absent}, so the round cannot commit"
                 )
@@ -706,6 +714,27 @@ class GroupedExchange:
         for group_id, (round_id, _) in list(self._uses.items()):
             if round_id < self._newest - (ROUNDS_KEPT - 1):
                 del self._uses[group_id]
+
+
+async def _all_refuse(members: Sequence[GroupMember], deadline: float) -> bool:
+    """Whether every one of `members` refuses a connection at its address: no process listens there, so it
+    serves nothing (a frozen process, or a partition, times out instead: not a refusal)."""
+
+    async def refuses(address: str) -> bool:
+        host, _, port = address.rpartition(":")
+        timeout = max(0.001, min(KNOCK_SECONDS, deadline - asyncio.get_running_loop().time()))
+        try:
+            _, writer = await wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, TimeoutError, ValueError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return False
+
+    return all(await asyncio.gather(*(refuses(m.address) for m in members)))
 
 
 def _again(exc: ExchangeAborted, reason: str, detail: str) -> ExchangeAborted:
