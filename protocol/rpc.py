@@ -10,6 +10,7 @@ gRPC status whose trailing metadata carries the stable reason. Callers only ever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from collections import Counter
@@ -687,3 +688,20 @@ class RpcClient:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+
+
+async def knock(address: str, timeout: float) -> str:
+    """A bare TCP connection to `address` (no handshake, nothing sent): "refused" (no process listens there: it
+    is gone, and serves nothing), "silent" (no answer within `timeout`, another error, or a malformed address: a
+    frozen host, a partition) or "open" (something accepted it)."""
+    try:
+        host, port = split_host_port(address)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), max(0.001, timeout))
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, TimeoutError, ValueError):
+        return "silent"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return "open"

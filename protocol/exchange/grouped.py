@@ -70,7 +70,6 @@ dialable); otherwise the flat exchange does the round as before.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -86,9 +85,8 @@ from farloco.protocol.exchange.codec import all_finite, decode, raw_bytes, raw_v
 from farloco.protocol.exchange.plan import max_chunk_payload
 from farloco.protocol.exchange.wire import MAX_STAGE, invalid, precondition, refusing, wire_size
 from farloco.protocol.messages import Fields, check_int
-from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer
+from farloco.protocol.rpc import CallContext, Frame, Reject, RpcClient, RpcError, RpcServer, knock
 from farloco.protocol.types import Group, GroupMember
-from farloco.util.tasks import wait_for
 
 log = logging.getLogger("farloco.protocol.exchange")
 
@@ -720,21 +718,9 @@ async def _all_refuse(members: Sequence[GroupMember], deadline: float) -> bool:
     """Whether every one of `members` refuses a connection at its address: no process listens there, so it
     serves nothing (a frozen process, or a partition, times out instead: not a refusal)."""
 
-    async def refuses(address: str) -> bool:
-        host, _, port = address.rpartition(":")
-        timeout = max(0.001, min(KNOCK_SECONDS, deadline - asyncio.get_running_loop().time()))
-        try:
-            _, writer = await wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-        except ConnectionRefusedError:
-            return True
-        except (OSError, TimeoutError, ValueError):
-            return False
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return False
-
-    return all(await asyncio.gather(*(refuses(m.address) for m in members)))
+    timeout = min(KNOCK_SECONDS, deadline - asyncio.get_running_loop().time())
+    verdicts = await asyncio.gather(*(knock(m.address, timeout) for m in members))
+    return all(verdict == "refused" for verdict in verdicts)
 
 
 def _again(exc: ExchangeAborted, reason: str, detail: str) -> ExchangeAborted:

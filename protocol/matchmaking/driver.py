@@ -5,7 +5,6 @@ inbox of records that arrive for rounds around ours, the waits and the late answ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -47,9 +46,10 @@ from farloco.protocol.matchmaking.rules import (
     spread_sample,
 )
 from farloco.protocol.membership import DHTMembership, members_key
+from farloco.protocol.rpc import knock
 from farloco.protocol.types import NO_INBOUND, Group, GroupMember
 from farloco.util.clock import Clock, DHTClock
-from farloco.util.tasks import cancel_and_wait, wait_for
+from farloco.util.tasks import cancel_and_wait
 
 logger = logging.getLogger("farloco.protocol.matchmaking")
 T = TypeVar("T")
@@ -388,18 +388,9 @@ class DHTMatchmaker:
                 self._spawn(self._knock(peer_id, address, round_id))
 
     async def _knock(self, peer_id: str, address: str, round_id: int) -> None:
-        host, _, port = address.rpartition(":")
-        verdict = ""
-        try:
-            _, writer = await wait_for(asyncio.open_connection(host.strip("[]"), int(port)), KNOCK_TIMEOUT)
-        except ConnectionRefusedError:
-            verdict = "refused"
-        except (OSError, TimeoutError, ValueError):
-            verdict = "silent"
-        else:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        verdict = await knock(address, KNOCK_TIMEOUT)
+        if verdict == "open":
+            verdict = ""
             if self.client is not None and not await self.client.answers(
                 address, round_id=round_id, timeout=KNOCK_TIMEOUT
             ):

@@ -26,6 +26,7 @@ from farloco.protocol.rpc import (
     TlsConfig,
     decode_frame,
     encode_frame,
+    knock,
 )
 
 RUN = "run-test"
@@ -334,5 +335,21 @@ def test_mutual_tls_round_trip() -> None:
             await client.close()
             await plain.close()
             await server.stop(0)
+
+    run(body)
+
+
+def test_a_knock_tells_a_port_nobody_listens_on_from_one_that_accepts_and_from_a_bad_address() -> None:
+    """`knock`: "refused" where no process listens (a crashed node's address), "open" where something accepts,
+    "silent" for a malformed address (and, by its timeout, for a host that never answers)."""
+
+    async def body() -> None:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        assert await knock(f"127.0.0.1:{port}", 2.0) == "open"
+        server.close()
+        await server.wait_closed()
+        assert await knock(f"127.0.0.1:{port}", 2.0) == "refused"
+        assert await knock("no-port-here", 2.0) == "silent"
 
     run(body)
