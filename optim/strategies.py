@@ -162,16 +162,43 @@ class OuterStrategy(abc.ABC):
         """Length of this round's contribution (all parameters, except for fragment-wise strategies)."""
         return self.num_params
 
-    def propose(self, contribution: torch.Tensor, transmitted: torch.Tensor, *, reuse: bool = False) -> None:
+    def propose(
+        self,
+        contribution: torch.Tensor,
+        transmitted: torch.Tensor,
+        *,
+        reuse: bool = False,
+        withheld: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Stage the new error-feedback state from what `contribution` became on the wire; do not apply it yet.
 
         `reuse=True`: the caller gives up `contribution` (typically the `out` of `make_contribution`): the staged
         state is computed in place in it, and `commit()` installs it without a copy (see the module docstring).
-        `transmitted` may be `contribution` itself (a lossless codec: nothing was lost)."""
+        `transmitted` may be `contribution` itself (a lossless codec: nothing was lost). `withheld`: ranges of
+        the contribution that reached no mean (the exchange's `AverageResult.withheld`): nothing of them was
+        transmitted, so the error feedback keeps them whole (a strategy without feedback loses them)."""
         expected = self.contribution_numel()
         self._check_vector("contribution", contribution, expected)
         self._check_vector("transmitted", transmitted, expected)
+        ranges = self._withheld(withheld)
+        if ranges and self._feedback() is not None:
+            transmitted = transmitted.clone()  # the caller's (or the contribution itself): not written
+            for a, b in ranges:
+                transmitted[a:b] = 0.0
         self._staged = self._stage(contribution, transmitted, reuse)
+
+    def _withheld(self, withheld: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """`withheld`, checked: non-empty ranges within the contribution, in order, not overlapping."""
+        ranges = [(int(a), int(b)) for a, b in withheld]
+        end = 0
+        for a, b in ranges:
+            if not end <= a < b <= self.contribution_numel():
+                raise StrategyError(
+                    f"{self.name}: expected withheld ranges in order within [0, {self.contribution_numel()}), "
+                    f"not overlapping, got {ranges[:4]}{' ...' if len(ranges) > 4 else ''}"
+                )
+            end = b
+        return ranges
 
     def commit(self) -> torch.Tensor | None:
         """The round committed: the staged error-feedback state becomes current. Returns the state buffer that a
@@ -246,28 +273,40 @@ class OuterStrategy(abc.ABC):
         theta_outer: torch.Tensor,
         theta_local: torch.Tensor,
         encoded_in: Sequence[tuple[int, int]] | SparsePayload | None,
+        withheld: Sequence[tuple[int, int]] = (),
     ) -> None:
         """`propose` for a contribution made on demand, written straight into the state buffer: for each range
         [a, b) the exchange encoded our contribution in (`encoded_in`, covering it in order), the state becomes
         c[a:b] - decode(encode(c[a:b])), c being `contribution_range`; for a sparse codec's payload (what the
         exchange sent of it, parsed: `encoded_in` a `SparsePayload`) it becomes c - decode(payload), range by
-        range; with None (a lossless codec, or a group of one: nothing was lost) it becomes c - c. The same bits as `propose(make_contribution(...), transmitted)`
-        then `commit()`, which must follow (it installs nothing more). Only once the round commits: the old state
-        is gone (theta_outer must not have moved yet: the contribution is measured from it)."""
+        range; with None (a lossless codec, or a group of one: nothing was lost) it becomes c - c. On the
+        `withheld` ranges (dense codecs: in no mean, nothing of them transmitted) it becomes c. The same bits as
+        `propose(make_contribution(...), transmitted, withheld=...)` then `commit()`, which must follow (it
+        installs nothing more). Only once the round commits: the old state is gone (theta_outer must not have
+        moved yet: the contribution is measured from it)."""
         self._check_vector("theta_outer", theta_outer, self.num_params)
         self._check_vector("theta_local", theta_local, self.num_params)
         numel = self.contribution_numel()
+        kept = self._withheld(withheld)
+        if kept and isinstance(encoded_in, SparsePayload):
+            raise StrategyError(
+                f"{self.name} stage_in_place: expected no withheld ranges with a sparse payload, got {kept[:4]}"
+            )
         self._stage_started()
         self._staged = {}
         feedback = self._feedback()
         if feedback is None:
             return
         offset = self._offset()
-        if encoded_in is None:  # nothing lost: c - c, zeros (c is finite: checked before it was sent)
-            run_split(lambda part: feedback[offset + part.start : offset + part.stop].zero_(), numel, 4)
-            return
         if isinstance(encoded_in, SparsePayload):
             self._stage_from_payload(theta_outer, theta_local, encoded_in, feedback, offset)
+            return
+        if encoded_in is None:  # nothing lost: c - c, zeros (c is finite: checked before it was sent)
+            # The withheld ranges first: the zeros would overwrite the residual their contribution reads.
+            self._keep_whole(theta_outer, theta_local, kept, feedback, offset)
+            starts, ends = [0, *(b for _, b in kept)], [*(a for a, _ in kept), numel]
+            for a, b in zip(starts, ends, strict=True):
+                self._zero(feedback[offset + a : offset + b])
             return
         ranges = list(encoded_in)
         ends = [a for _, a in ranges]
@@ -293,8 +332,33 @@ class OuterStrategy(abc.ABC):
                 else:
                     _, lost = self.codec.encode_decoded(contribution, checksum=False, out=decoded[: b - a])
                     piece.copy_(torch.sub(contribution, lost, out=lost))
+                for x, y in kept:  # in no mean: kept whole (the contribution is still in the scratch)
+                    if x < b and y > a:
+                        lo, hi = max(x, a), min(y, b)
+                        piece[lo - a : hi - a].copy_(contribution[lo - a : hi - a])
 
         run_ranges(stage, len(ranges), 12 * numel)
+
+    @staticmethod
+    def _zero(span: torch.Tensor) -> None:
+        run_split(lambda part: span[part].zero_(), span.numel(), 4)
+
+    def _keep_whole(
+        self,
+        theta_outer: torch.Tensor,
+        theta_local: torch.Tensor,
+        ranges: Sequence[tuple[int, int]],
+        feedback: torch.Tensor,
+        offset: int,
+    ) -> None:
+        """The state on `ranges` becomes the contribution there (nothing of it transmitted), a chunk at a time."""
+        scratch = torch.empty(min(CHUNK, self.contribution_numel()))
+        for a, b in ranges:
+            for x in range(a, b, CHUNK):
+                y = min(x + CHUNK, b)
+                feedback[offset + x : offset + y].copy_(
+                    self.contribution_range(theta_outer, theta_local, x, y, scratch)
+                )
 
     def _stage_from_payload(
         self,

@@ -31,6 +31,7 @@ faults and zeroing), and a round that touches each value a few times is bound by
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -207,23 +208,31 @@ class OuterRound:
         return contribution, mean
 
     def commit(
-        self, contribution: torch.Tensor | OnDemand, transmitted: Transmitted, averaged: torch.Tensor
+        self,
+        contribution: torch.Tensor | OnDemand,
+        transmitted: Transmitted,
+        averaged: torch.Tensor,
+        withheld: Sequence[tuple[int, int]] = (),
     ) -> str:
         """Stage the error feedback (in place in the contribution, or straight into the state for an OnDemand
-        one), take the outer step on theta, install the staged state (a buffer swap) and return theta's new
-        hash."""
-        self.stage(contribution, transmitted, averaged)
+        one; the `withheld` ranges, in no mean, kept whole), take the outer step on theta, install the staged
+        state (a buffer swap) and return theta's new hash."""
+        self.stage(contribution, transmitted, averaged, withheld)
         self.step(averaged)
         self.install()
         return self.rehash()
 
     # commit's phases, apart for benchmarks/round_overhead.py
     def stage(
-        self, contribution: torch.Tensor | OnDemand, transmitted: Transmitted, averaged: torch.Tensor
+        self,
+        contribution: torch.Tensor | OnDemand,
+        transmitted: Transmitted,
+        averaged: torch.Tensor,
+        withheld: Sequence[tuple[int, int]] = (),
     ) -> None:
         if not isinstance(contribution, OnDemand):
             assert isinstance(transmitted, torch.Tensor), "a contribution tensor's transmitted is a tensor"
-            self.strategy.propose(contribution, transmitted, reuse=True)
+            self.strategy.propose(contribution, transmitted, reuse=True, withheld=withheld)
             return
         if self._inputs is None or isinstance(transmitted, torch.Tensor):
             raise ValueError(
@@ -237,9 +246,10 @@ class OuterRound:
             parse = getattr(self.codec, "parse", None)
             if parse is None:
                 raise ValueError(f"commit: a payload for codec {self.codec.name!r}, which parses none")
-            self.strategy.stage_in_place(start, local, parse(transmitted, checksum=False))
+            self.strategy.stage_in_place(start, local, parse(transmitted, checksum=False), withheld)
         else:
-            self.strategy.stage_in_place(start, local, None if self.codec.lossless else transmitted)
+            encoded_in = None if self.codec.lossless else transmitted
+            self.strategy.stage_in_place(start, local, encoded_in, withheld)
         self._inputs = None
 
     def step(self, averaged: torch.Tensor) -> None:

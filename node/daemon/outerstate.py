@@ -165,13 +165,18 @@ class OuterState:
             raise AgentError(f"round {self.round_id}: {exc}") from None
 
     async def commit(
-        self, contribution: torch.Tensor | OnDemand, transmitted: Transmitted, mean: torch.Tensor
+        self,
+        contribution: torch.Tensor | OnDemand,
+        transmitted: Transmitted,
+        mean: torch.Tensor,
+        withheld: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """`OuterRound.commit` (the outer step and theta's digest: seconds at 10B) on the outer thread, so the
-        event loop goes on serving the swarm meanwhile; then round r+1."""
+        event loop goes on serving the swarm meanwhile; then round r+1. `withheld`: ranges of our contribution
+        in no mean (AverageResult.withheld), kept whole by the error feedback."""
         async with self.lock:
             self.outer_hash, cancelled = await self.on_thread(
-                self.round.commit, contribution, transmitted, mean
+                self.round.commit, contribution, transmitted, mean, withheld
             )
             self.merge_pending = True
             self.round_id += 1

@@ -58,6 +58,7 @@ class Averaged:
     fp32_bytes: int
     path: str = "flat"  # AverageResult.path: flat, rows, or rows then flat ("alone": a group of one)
     partial: tuple[str, ...] = ()  # AverageResult.partial: in some slices' mean only (a row lost a carrier)
+    withheld: tuple[tuple[int, int], ...] = ()  # AverageResult.withheld: our ranges in no mean
 
 
 class RoundRunner:
@@ -515,6 +516,7 @@ class RoundRunner:
                     result.fp32_bytes,
                     result.path,
                     tuple(result.partial),
+                    tuple(result.withheld),
                 )
             else:
                 # The mean and what the swarm saw of our contribution land in buffers kept across rounds.
@@ -550,6 +552,7 @@ class RoundRunner:
                     result.fp32_bytes,
                     result.path,
                     tuple(result.partial),
+                    tuple(result.withheld),
                 )
         except ExchangeAborted as exc:
             # What crossed the wire before the abort counts too (and its fp32 equivalent).
@@ -614,7 +617,9 @@ class RoundRunner:
         phase_started = time.monotonic()
         outer_lr = self.outer.outer_lr  # the rate this commit applies (run.outer_lr_schedule)
         try:  # seen through once begun, even if the round is cancelled meanwhile (a leave): theta moved
-            await self.outer.commit(prepared.contribution, averaged.transmitted, averaged.mean)
+            await self.outer.commit(
+                prepared.contribution, averaged.transmitted, averaged.mean, averaged.withheld
+            )
         finally:
             self.net.exchange.advance(self.outer.round_id)
         if self.late_work is not None:
@@ -648,6 +653,8 @@ class RoundRunner:
             fp32_bytes=averaged.fp32_bytes,
             exchange=averaged.path,  # flat, rows (run.exchange_group_size), rows then flat, alone
             partial=list(averaged.partial),  # rows: contributors missing from some slices (a carrier lost)
+            # rows: values of our contribution in no slice's mean (the error feedback carries them whole)
+            withheld=sum(b - a for a, b in averaged.withheld),
             seconds=self.state.counters.last_round_seconds,
             phases=self._phases,
             # matchmaking: frozen in one hop, and the last member's ready record -> the group known here

@@ -112,6 +112,9 @@ class AverageResult:
     # grouped.py: the group's members whose contribution is in some ranges of the mean and not in others (a row
     # lost the carrier of a slice: that slice's mean is its other rows'); see "A member lost" there.
     partial: tuple[str, ...] = ()
+    # The ranges of our contribution (in order) that are in no range of the mean: we are partial, and these
+    # slices' means lack us. Nothing of them was transmitted: error feedback keeps them whole (OuterStrategy).
+    withheld: tuple[tuple[int, int], ...] = ()
     # The group's members none of whose hellos reached us in any attempt (they never started the exchange, or
     # died before): grouped.py goes on without a column's carrier only if it is one (see "A member lost").
     silent: tuple[str, ...] = ()

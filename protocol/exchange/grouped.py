@@ -29,7 +29,8 @@ their hellos, `Exchange.average(tag=)`). A column goes on without a carrier its 
 never reached it (none of its hellos came, `AverageResult.silent`: lost in its row stage) or no process listens
 at its address any more (a connection there is refused: it crashed, and serves nothing): that slice is then the
 weighted mean of the other rows (the lost carrier's row-mates are in every other slice's mean:
-`AverageResult.partial`). A dropped carrier that still runs (or does not answer: frozen, cut off) may have ended
+`AverageResult.partial`; each of them gets that slice's range in `AverageResult.withheld`, which its error
+feedback keeps whole for the next round). A dropped carrier that still runs (or does not answer: frozen, cut off) may have ended
 the column otherwise (its votes late, the flat exchange's split), and a mean without its row could then differ
 from the one it serves: that column fails as below. Each carrier serves its slice with
 the members its mean lacks (the first chunk's header: the rows its column went on without, and what the rows in
@@ -499,6 +500,8 @@ class GroupedExchange:
         everywhere = set.intersection(*(set(lost.get(j, ())) for j in range(plan.slices)))
         somewhere = set().union(*(lost.get(j, ()) for j in range(plan.slices)))
         ids = [m.peer_id for m in group.members]
+        me = index[self.inner.peer_id]
+        withheld = tuple(plan.bounds(numel, j) for j in range(plan.slices) if me in lost.get(j, ()))
         # What we served of our slice so far (late requests after this are not counted).
         spent.sent += state.served_bytes
         spent.fp32 += 4 * state.served_values
@@ -515,6 +518,7 @@ class GroupedExchange:
             total_weight=None,
             path="rows",
             partial=tuple(sorted(ids[k] for k in somewhere - everywhere)),
+            withheld=() if me in everywhere else withheld,
         )
 
     async def _gather(

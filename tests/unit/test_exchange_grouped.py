@@ -269,9 +269,14 @@ def test_a_member_that_never_comes_is_left_out_and_the_rounds_goes_on_in_rows(
                 j: ({missing} | (row0 if carrier and j == position else set())) for j in range(plan.slices)
             }
             expected = sliced_mean(plan, inputs, lost)
-            for result in results:
+            went = [n.peer_id for n in nodes if n.peer_id != missing]
+            for peer, result in zip(went, results, strict=True):
                 assert result.contributors == survivors
                 assert result.partial == (tuple(sorted(row0 - {missing})) if carrier else ())
+                # The slice whose mean lacks our row: kept whole by our error feedback.
+                assert result.withheld == (
+                    (plan.bounds(20_000, position),) if carrier and peer in row0 else ()
+                )
                 assert result.path == "rows"
                 assert torch.equal(result.averaged, results[0].averaged)
                 assert result.bytes_sent > 0
@@ -483,10 +488,11 @@ def test_a_carrier_that_dies_after_its_row_leaves_its_slice_to_the_other_rows(wh
             assert all(isinstance(r, AverageResult) for r in rest), rest
             row0 = {m.peer_id for m in plan.rows[0]}
             expected = sliced_mean(plan, {n.peer_id: inputs[i] for i, n in enumerate(nodes)}, {0: row0})
-            for result in rest:
+            for node, result in zip([n for i, n in enumerate(nodes) if i != index], rest, strict=True):
                 assert isinstance(result, AverageResult)
                 assert result.contributors == tuple(n.peer_id for n in sorted(nodes, key=lambda n: n.peer_id))
                 assert result.partial == tuple(sorted(row0)) and result.path == "rows"
+                assert result.withheld == ((plan.bounds(20_000, 0),) if node.peer_id in row0 else ())
                 assert torch.equal(result.averaged, rest[0].averaged)  # type: ignore[union-attr]
             # int8: each contribution coded once (row), each row's mean once (column).
             bound = 3 * max(float(x.abs().max()) for x in inputs) / 127 if when == "in its column" else 1e-6

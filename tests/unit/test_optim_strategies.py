@@ -546,6 +546,64 @@ def test_a_sparse_contribution_on_demand_gives_the_same_bits_as_one_made_whole(
         on_demand.stage_in_place(theta_d, local, codec.parse(other, checksum=False))
 
 
+@pytest.mark.parametrize(
+    ("name", "feedback"),
+    [("diloco", "bf16"), ("diloco", "fp32"), ("streaming-diloco", "bf16"), ("diloco", "")],
+)  # fmt: skip
+@pytest.mark.parametrize("codec_name", ["int8", "fp32"])
+def test_withheld_ranges_stay_whole_in_the_error_feedback(name: str, feedback: str, codec_name: str) -> None:
+    """Ranges of a contribution that reached no mean (`withheld`: a grouped round whose slice lost our row) are
+    kept whole by the error feedback, on demand and whole alike, bit for bit: the residual there is the
+    contribution (rounded once to the residual's dtype), elsewhere what the codec lost; the next round's
+    contribution carries them. Without feedback (DiLoCo's default for a lossless codec) nothing is kept."""
+    numel = 3_001
+    codec = get_codec(codec_name, **({"block_size": 32} if codec_name == "int8" else {}))
+    whole, on_demand, theta_w, theta_d, generator = two_alike(name, feedback, numel, codec, seed=5)
+    for round_index in range(3):
+        local = theta_w + torch.randn(numel, generator=generator) * 0.01
+        contribution = whole.make_contribution(theta_w, local)
+        n = contribution.numel()
+        ranges = None if codec.lossless else ranges_of(n, [400, 1100, 2000])
+        withheld = [(300, 700), (n - 50, n)] if round_index < 2 else [(0, n)]
+        if ranges is None:
+            transmitted = contribution
+        else:
+            transmitted = torch.cat([codec.encode_decoded(contribution[a:b])[1] for a, b in ranges])
+        averaged = transmitted * 0.5 + 0.001
+        kept = contribution.clone()
+        whole.propose(contribution, transmitted, withheld=withheld)
+        whole.apply(theta_w, averaged)
+        whole.commit()
+        on_demand.stage_in_place(theta_d, local, ranges, withheld)
+        on_demand.apply(theta_d, averaged)
+        on_demand.commit()
+        assert torch.equal(theta_d, theta_w)
+        for key, value in whole.state_dict().items():
+            assert torch.equal(on_demand.state_dict()[key], value), (round_index, key)
+        residual = whole.state_dict().get("residual")
+        if residual is None:  # DiLoCo's default for a lossless codec: no feedback
+            assert not feedback and codec.lossless
+            continue
+        offset = int(getattr(whole, "_staged_fragment", slice(0, n)).start) if name != "diloco" else 0
+        lost = kept - transmitted
+        for a, b in withheld:
+            assert torch.equal(residual[offset + a : offset + b], kept[a:b].to(residual.dtype))
+        if round_index < 2:  # the third round withheld it all
+            assert torch.equal(residual[offset : offset + 300], lost[:300].to(residual.dtype))
+            assert torch.equal(residual[offset + 700 : offset + 800], lost[700:800].to(residual.dtype))
+
+
+def test_withheld_ranges_are_checked() -> None:
+    strategy = make_strategy("diloco", 100, get_codec("int8"))
+    theta, local = torch.zeros(100), torch.ones(100)
+    for withheld in ([(50, 40)], [(0, 101)], [(10, 20), (15, 30)], [(5, 5)]):
+        with pytest.raises(StrategyError, match=r"expected withheld ranges in order within \[0, 100\)"):
+            strategy.stage_in_place(theta, local, [(0, 100)], withheld)
+        with pytest.raises(StrategyError, match=r"expected withheld ranges in order"):
+            strategy.propose(torch.ones(100), torch.ones(100), withheld=withheld)
+    assert torch.equal(strategy.state_dict()["residual"], torch.zeros(100))  # nothing written
+
+
 def test_stage_in_place_refuses_ranges_that_do_not_cover_the_contribution() -> None:
     strategy = make_strategy("diloco", 100, get_codec("int8"))
     theta, local = torch.zeros(100), torch.ones(100)
