@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -268,6 +269,25 @@ class Peer:
         await self.dht.shutdown()
 
 
+# Seconds the cyclic garbage collector ran in this worker, and its collections, by generation.
+GC_SPENT: dict[str, float] = {"s": 0.0, "gen0": 0, "gen1": 0, "gen2": 0}
+
+
+def gc_timer() -> Any:
+    """Time every collection from now on (`gc.callbacks`) into GC_SPENT; returns the callback."""
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            GC_SPENT["s"] += time.perf_counter() - began[0]
+            GC_SPENT[f"gen{info['generation']}"] += 1
+
+    gc.callbacks.append(timed)
+    return timed
+
+
 async def worker(
     first: int, count: int, peers: int, work: float, seconds: float, host: str, ttl: float, heartbeat: float
 ) -> None:
@@ -323,8 +343,10 @@ async def worker(
                 lag.update(max_s=round(late, 3), at_s=round(time.monotonic() - started, 1))
 
     watcher = asyncio.create_task(watch_lag())
+    collections = gc_timer()
     await asyncio.gather(*(run(p) for p in local))
     elapsed = time.monotonic() - started
+    gc.callbacks.remove(collections)
     watcher.cancel()
     dht_sent = p2pd_bytes_sent(pids) - dht_sent
     reports = [
@@ -338,7 +360,7 @@ async def worker(
         }
         for p in local
     ]
-    send({"reports": reports, "dht_sent": dht_sent, "elapsed": elapsed, "loop_lag": lag})
+    send({"reports": reports, "dht_sent": dht_sent, "elapsed": elapsed, "loop_lag": lag, "gc": GC_SPENT})
     for peer in local:
         await peer.stop()
 
@@ -417,6 +439,9 @@ def run_swarm(
         # each worker's event loop at its latest (seconds, and when): several peers share one loop here
         "loop_lag_max_s": max(a["loop_lag"]["max_s"] for a in answers),
         "loop_lag": [a["loop_lag"] for a in answers],
+        # the cyclic garbage collector: its share of the workers' time, and its full collections
+        "gc_share": round(sum(a["gc"]["s"] for a in answers) / (elapsed * len(answers)), 4),
+        "gc_full_collections": sum(a["gc"]["gen2"] for a in answers),
     }
 
 

@@ -25,7 +25,9 @@ cleanly, nothing left behind). Figures per row, from the nodes' own round events
   included); the DHT's own traffic is measured by benchmarks/matchmaking.py;
 - `forks`: round ids committed with two outer hashes (must be 0);
 - `exchange`: how the commits' means were made (flat; with `--group-size`, rows, or rows then flat where a
-  grouped round fell back).
+  grouped round fell back); `partial_rounds`: rounds in rows whose mean left some contributors out of a slice
+  (a carrier lost), `withheld_commits` / `withheld_share`: the commits (and share of the contributions' values)
+  whose node's own values reached no mean there, kept whole by its error feedback for its next round.
 
 Timeouts are the loopback demo's (node/tools/demo.py) widened for many processes on few cores: `--member-ttl`
 (default 15 s) and `--heartbeat` (default 2 s), match_timeout 60 s, isolation_timeout 60 s. Each node runs
@@ -226,7 +228,16 @@ def figures(work: Path, nodes: int, faults: list[tuple[int, float]]) -> dict[str
         "partial_rounds": sorted(
             {e["round_id"] for rounds in events.values() for e in rounds if e.get("partial")}
         ),
+        # ... and of the contributions' values, the share in no mean (round events' `withheld` over `synced`):
+        # what the partial members' error feedback carried to their next round
+        "withheld_commits": sum(bool(e.get("withheld")) for rounds in events.values() for e in rounds),
+        "withheld_share": _withheld_share([e for rounds in events.values() for e in rounds]),
     }
+
+
+def _withheld_share(commits: list[dict[str, Any]]) -> float | None:
+    values = sum(int(e["synced"][1]) - int(e["synced"][0]) for e in commits if e.get("synced"))
+    return sum(int(e.get("withheld") or 0) for e in commits) / values if values else None
 
 
 def _peer_ids(work: Path, nodes: int) -> dict[str, int]:
