@@ -55,6 +55,11 @@ logger = logging.getLogger("farloco.protocol.matchmaking")
 T = TypeVar("T")
 STORE_ATTEMPTS = 4
 KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
+# A vanished member that answers (alive: its record lapsed, as under load) is knocked at half as often after
+# each answer, down to every KNOCK_EVERY * 2**KNOCK_BACKOFF_STEPS seconds: on an overloaded swarm every record
+# lapses at once, and a knock a second from every member at every other (a connect and an authenticated call
+# each) fed the overload (11% of a worker's CPU at 64 protocol peers on 2 cores).
+KNOCK_BACKOFF_STEPS = 3
 KNOCK_TIMEOUT = 2.0  # a knock that has no answer by then says nothing
 FROZEN_READ_TIMEOUT = 5.0  # `frozen_without` is an optimisation: a catch-up never waits longer on it
 # Rounds of pushed messages kept around the one we are in: behind it (a relay or a duplicate arriving late) and
@@ -160,6 +165,7 @@ class DHTMatchmaker:
         # whether the connection was refused there). A refusal means no process listens there any more.
         # vanished member of our last group -> (last knock, verdict: "refused", "silent" or "" = it answered)
         self._knocked: dict[str, tuple[float, str]] = {}
+        self._answered: Counter[str] = Counter()  # vanished members' answers in a row (KNOCK_BACKOFF_STEPS)
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected / one_hop (groups
         # frozen in one hop)
         self.counters: Counter[str] = Counter()
@@ -366,7 +372,8 @@ class DHTMatchmaker:
 
     def _knock_vanished(self, round_id: int, live: Sequence[Any], now: float, me: str) -> None:
         """Knock at the address of each member of our last group whose record vanished, every KNOCK_EVERY
-        seconds while it stays so: a TCP connect, then an authenticated call (`RpcClient.answers`). A refused
+        seconds while it stays so (twice as long after each answer, up to KNOCK_BACKOFF_STEPS doublings): a TCP
+        connect, then an authenticated call (`RpcClient.answers`). A refused
         connection means its process is gone (crashed, killed; a restarted one listens again): the round stops
         waiting for it instead of waiting out the straggler wait. No answer within KNOCK_TIMEOUT is `silent`: a
         frozen process (its kernel still accepts the connect), a dead host without reset, or a partition; the
@@ -377,13 +384,14 @@ class DHTMatchmaker:
         for peer_id in list(self._knocked):
             if peer_id in records or peer_id not in members:
                 del self._knocked[peer_id]  # back (or no longer of our last group): forget the knock
+                self._answered.pop(peer_id, None)
         if last_round != round_id - 1 or self.client is None:
             return
         for peer_id, address in members.items():
             if peer_id == me or peer_id in records or address == NO_INBOUND:
                 continue
             knocked_at, verdict = self._knocked.get(peer_id, (-math.inf, ""))
-            if now - knocked_at >= KNOCK_EVERY:
+            if now - knocked_at >= KNOCK_EVERY * 2 ** min(self._answered[peer_id], KNOCK_BACKOFF_STEPS):
                 self._knocked[peer_id] = (now, verdict)
                 self._spawn(self._knock(peer_id, address, round_id))
 
@@ -398,6 +406,10 @@ class DHTMatchmaker:
         if peer_id in self._knocked:
             was = self._knocked[peer_id][1]
             self._knocked[peer_id] = (self._knocked[peer_id][0], verdict)
+            if verdict:
+                self._answered.pop(peer_id, None)
+            else:
+                self._answered[peer_id] += 1
             if verdict and verdict != was:
                 logger.info(
                     "%s (of our last group) vanished and %s: not waited for%s",

@@ -851,6 +851,62 @@ def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -
         assert membership.core.ignored["NOT_A_MEMBER"] >= 1, membership.core.ignored
 
 
+def test_a_vanished_member_that_answers_is_knocked_at_less_and_less_often() -> None:
+    """A member of the last group whose record lapsed but which answers the knock (alive: records lapse under
+    load) is knocked at again after 2, 4, 8, 8 ... seconds (KNOCK_BACKOFF_STEPS), not every second: on an overloaded
+    swarm every member would knock at every other each second. Once it stops answering (it crashed) the next
+    knock says so, and a member whose record is back starts afresh."""
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.matchmaking.driver import KNOCK_BACKOFF_STEPS, KNOCK_EVERY
+    from farloco.protocol.membership import DHTMembership
+    from farloco.protocol.rpc import RpcClient, RpcServer
+    from farloco.util.clock import FakeClock
+
+    secret = b"0123456789abcdef0123"
+
+    async def main() -> None:
+        clock = FakeClock(1000.0)
+        auth = Authenticator("mm:h", secret, "p0")
+        membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
+        maker = DHTMatchmaker(
+            None, "mm", membership, clock=clock, server=RpcServer(auth), client=RpcClient(auth)
+        )
+        alive = RpcServer(Authenticator("mm:h", secret, "p1"))
+        address = await alive.start()
+        maker._last_group = (4, {"p0": "127.0.0.1:1", "p1": address})
+        knocks: list[float] = []
+        try:
+            started = clock.now()
+            for _ in range(8 * 2**KNOCK_BACKOFF_STEPS):  # 4 * cap seconds in steps of KNOCK_EVERY / 2
+                maker._knock_vanished(5, [], clock.now(), "p0")
+                if maker._background:
+                    knocks.append(clock.now() - started)
+                while maker._background:
+                    await asyncio.sleep(0.01)
+                assert maker._knocked["p1"][1] == "", "an answering member is waited for"
+                clock.advance(KNOCK_EVERY / 2)
+            gaps = [b - a for a, b in itertools.pairwise(knocks)]
+            cap = KNOCK_EVERY * 2**KNOCK_BACKOFF_STEPS
+            expected = [KNOCK_EVERY * 2**k for k in range(1, KNOCK_BACKOFF_STEPS)]
+            assert gaps[: len(expected)] == expected and set(gaps[len(expected) :]) == {cap}, gaps
+            assert len(gaps) > len(expected) + 1, gaps
+            await alive.stop(0)  # it crashes: the next knock finds its address refusing connections
+            clock.advance(cap)
+            maker._knock_vanished(5, [], clock.now(), "p0")
+            while maker._background:
+                await asyncio.sleep(0.01)
+            assert maker._knocked["p1"][1] == "refused" and maker._answered["p1"] == 0
+            # its record back, then gone again: knocked at once, at the first interval
+            maker._knock_vanished(5, [record_of("p1", 5, clock.now())], clock.now(), "p0")
+            assert "p1" not in maker._knocked and maker._answered["p1"] == 0
+        finally:
+            await maker.close()
+            await alive.stop(0)
+
+    asyncio.run(main())
+
+
 def test_a_vanished_member_that_refuses_connections_or_answers_no_call_is_not_waited_for() -> None:
     """A member of the last group whose record expired is still expected (DHT reads lag under load) unless its
     address refuses connections (no process there: it crashed) or it answers no authenticated call (a frozen
