@@ -248,6 +248,8 @@ class Peer:
                 entry["contributors"] = list(result.contributors)
                 entry["digest"] = hashlib.sha256(result.averaged.numpy().tobytes()).hexdigest()[:16]
                 entry["exchange_s"] = round(result.seconds, 4)
+                entry["path"] = result.path  # flat, rows, or rows then flat
+                entry["partial"] = list(result.partial)
                 entry["exchange_sent"] = result.bytes_sent
                 # the exact mean is made again from every contributor's id: done by the group's first member
                 if self.peer_id == min(result.contributors):
@@ -321,6 +323,7 @@ async def worker(
     for peer in local:
         peer.client.unary_bytes.clear()
         peer.membership.counters.clear()
+        peer.matchmaker.counters.clear()
         peer.dht.calls.clear()
 
     async def run(peer: Peer) -> None:
@@ -356,6 +359,7 @@ async def worker(
             "control_bytes": sum(p.client.unary_bytes.values()),
             "reads": p.membership.counters["reads"],
             "beats": p.membership.counters["stores"],
+            "knocks": p.matchmaker.counters["knocks"],
             "dht_calls": dict(p.dht.calls),
         }
         for p in local
@@ -375,6 +379,10 @@ def worker_main(argv: list[str]) -> None:
         use_hivemind_log_handler("nowhere")
         logging.basicConfig(level=logging.DEBUG, format=f"w{first} %(name)s %(message)s")
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_KNOCK_BACKOFF_STEPS"):  # --knock-every-second
+        from farloco.protocol.matchmaking import driver
+
+        driver.KNOCK_BACKOFF_STEPS = int(os.environ["BENCH_KNOCK_BACKOFF_STEPS"])
     numbers = [float(v) for v in (work, seconds, ttl, heartbeat)]
     asyncio.run(
         worker(int(first), int(count), int(peers), numbers[0], numbers[1], host, numbers[2], numbers[3])
@@ -431,6 +439,8 @@ def run_swarm(
         "control_bytes_per_peer_s": round(sum(r["control_bytes"] for r in reports) / per_peer_s),
         "table_reads_per_peer_s": round(sum(r["reads"] for r in reports) / per_peer_s, 3),
         "heartbeats_per_peer_s": round(sum(r["beats"] for r in reports) / per_peer_s, 3),
+        # knocks at members of the last group whose record lapsed (a connect and an authenticated call each)
+        "knocks_per_peer_s": round(sum(r["knocks"] for r in reports) / per_peer_s, 3),
         "dht_calls_per_peer_s": {
             kind: round(sum(r["dht_calls"].get(kind, 0) for r in reports) / per_peer_s, 3)
             for kind in sorted({k for r in reports for k in r["dht_calls"]})
@@ -485,6 +495,11 @@ def main() -> None:
         help="read the member table at every heartbeat (the cadence before the pacer) instead of the pacer's",
     )
     parser.add_argument(
+        "--knock-every-second",
+        action="store_true",
+        help="knock at a lapsed member that answers every second (before the matchmaker's back-off)",
+    )
+    parser.add_argument(
         "--walk-every-store",
         action="store_true",
         help="every member-record store walks the DHT (hivemind's store) instead of going to the replicas",
@@ -531,6 +546,8 @@ def main() -> None:
         os.environ["BENCH_REPLAN_EVERY"] = "0"
     if args.read_every_beat:
         os.environ["BENCH_READ_INTERVAL"] = "0"  # the workers inherit it
+    if args.knock_every_second:
+        os.environ["BENCH_KNOCK_BACKOFF_STEPS"] = "0"
     print(f"# load before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores", flush=True)
     rows = []
     for peers in args.peers:

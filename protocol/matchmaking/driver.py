@@ -167,7 +167,7 @@ class DHTMatchmaker:
         self._knocked: dict[str, tuple[float, str]] = {}
         self._answered: Counter[str] = Counter()  # vanished members' answers in a row (KNOCK_BACKOFF_STEPS)
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected / one_hop (groups
-        # frozen in one hop)
+        # frozen in one hop) / knocks (at lapsed members of the last group)
         self.counters: Counter[str] = Counter()
         if server is not None:
             server.add_unary(READY_METHOD, self._on_ready)
@@ -396,6 +396,7 @@ class DHTMatchmaker:
                 self._spawn(self._knock(peer_id, address, round_id))
 
     async def _knock(self, peer_id: str, address: str, round_id: int) -> None:
+        self.counters["knocks"] += 1
         verdict = await knock(address, KNOCK_TIMEOUT)
         if verdict == "open":
             verdict = ""
