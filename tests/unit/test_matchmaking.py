@@ -851,30 +851,37 @@ def test_records_of_a_foreign_dht_node_are_ignored_and_counted(dht_nodes: Any) -
         assert membership.core.ignored["NOT_A_MEMBER"] >= 1, membership.core.ignored
 
 
+KNOCK_SECRET = b"0123456789abcdef0123"
+
+
+async def knocking_maker() -> tuple[Any, Any, Any]:
+    """(clock, matchmaker of p0 with a real client, p1's started server: a running node that answers a knock's
+    authenticated call), on a fake clock, for the knock tests."""
+    from farloco.protocol.auth import Authenticator
+    from farloco.protocol.matchmaking import DHTMatchmaker
+    from farloco.protocol.membership import DHTMembership
+    from farloco.protocol.rpc import RpcClient, RpcServer
+    from farloco.util.clock import FakeClock
+
+    clock = FakeClock(1000.0)
+    auth = Authenticator("mm:h", KNOCK_SECRET, "p0")
+    membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
+    maker = DHTMatchmaker(None, "mm", membership, clock=clock, server=RpcServer(auth), client=RpcClient(auth))
+    alive = RpcServer(Authenticator("mm:h", KNOCK_SECRET, "p1"))
+    await alive.start()
+    return clock, maker, alive
+
+
 def test_a_vanished_member_that_answers_is_knocked_at_less_and_less_often() -> None:
     """A member of the last group whose record lapsed but which answers the knock (alive: records lapse under
     load) is knocked at again after 2, 4, 8, 8 ... seconds (KNOCK_BACKOFF_STEPS), not every second: on an overloaded
     swarm every member would knock at every other each second. Once it stops answering (it crashed) the next
     knock says so, and a member whose record is back starts afresh."""
-    from farloco.protocol.auth import Authenticator
-    from farloco.protocol.matchmaking import DHTMatchmaker
     from farloco.protocol.matchmaking.driver import KNOCK_BACKOFF_STEPS, KNOCK_EVERY
-    from farloco.protocol.membership import DHTMembership
-    from farloco.protocol.rpc import RpcClient, RpcServer
-    from farloco.util.clock import FakeClock
-
-    secret = b"0123456789abcdef0123"
 
     async def main() -> None:
-        clock = FakeClock(1000.0)
-        auth = Authenticator("mm:h", secret, "p0")
-        membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
-        maker = DHTMatchmaker(
-            None, "mm", membership, clock=clock, server=RpcServer(auth), client=RpcClient(auth)
-        )
-        alive = RpcServer(Authenticator("mm:h", secret, "p1"))
-        address = await alive.start()
-        maker._last_group = (4, {"p0": "127.0.0.1:1", "p1": address})
+        clock, maker, alive = await knocking_maker()
+        maker._last_group = (4, {"p0": "127.0.0.1:1", "p1": alive.address})
         knocks: list[float] = []
         try:
             started = clock.now()
@@ -915,23 +922,9 @@ def test_a_vanished_member_that_refuses_connections_or_answers_no_call_is_not_wa
     (a partition's sides must not both stop waiting). A member whose record is back is expected again."""
     import socket
 
-    from farloco.protocol.auth import Authenticator
-    from farloco.protocol.matchmaking import DHTMatchmaker
-    from farloco.protocol.membership import DHTMembership
-    from farloco.protocol.rpc import RpcClient, RpcServer
-    from farloco.util.clock import FakeClock
-
-    secret = b"0123456789abcdef0123"
-
     async def main() -> None:
-        clock = FakeClock(1000.0)
-        auth = Authenticator("mm:h", secret, "p0")
-        membership = DHTMembership(None, "mm", "h", {}, clock=clock, public_key=b"p0")
-        maker = DHTMatchmaker(
-            None, "mm", membership, clock=clock, server=RpcServer(auth), client=RpcClient(auth)
-        )
-        alive = RpcServer(Authenticator("mm:h", secret, "p1"))  # a running node: answers the knock's call
-        alive_address = await alive.start()
+        clock, maker, alive = await knocking_maker()  # p1 (alive): a running node, answers the knock's call
+        alive_address = alive.address
 
         accepted: list[asyncio.StreamWriter] = []
 
