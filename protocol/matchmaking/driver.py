@@ -161,11 +161,10 @@ class DHTMatchmaker:
         self.last_one_hop = False
         self.last_freeze_seconds: float | None = None
         self._last_group: tuple[int, dict[str, str]] = (-1, {})  # (round, peer id -> address) of that group
-        # Members of the last group whose record vanished: peer id -> (when we last knocked at its address,
-        # whether the connection was refused there). A refusal means no process listens there any more.
-        # vanished member of our last group -> (last knock, verdict: "refused", "silent" or "" = it answered)
-        self._knocked: dict[str, tuple[float, str]] = {}
-        self._answered: Counter[str] = Counter()  # vanished members' answers in a row (KNOCK_BACKOFF_STEPS)
+        # Members of the last group whose record vanished: peer id -> (when we last knocked at its address, the
+        # verdict: "refused" (no process listens there any more), "silent" or "" (it answered), how many knocks
+        # in a row it answered: KNOCK_BACKOFF_STEPS).
+        self._knocked: dict[str, tuple[float, str, int]] = {}
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected / one_hop (groups
         # frozen in one hop) / knocks (at lapsed members of the last group)
         self.counters: Counter[str] = Counter()
@@ -349,7 +348,7 @@ class DHTMatchmaker:
             return frozenset()
         records = {r.peer_id: r for r in live}
         departed = self.membership.core.departed(now)
-        verdicts = {p: self._knocked.get(p, (0.0, ""))[1] for p in members if p != me and p not in records}
+        verdicts = {p: self._knocked.get(p, (0.0, "", 0))[1] for p in members if p != me and p not in records}
         refused = {p for p, verdict in verdicts.items() if verdict == "refused"}
         silent = {p for p, verdict in verdicts.items() if verdict == "silent"}
         # Silent members are given up only while the rest of the group (less those whose process is gone for
@@ -384,15 +383,14 @@ class DHTMatchmaker:
         for peer_id in list(self._knocked):
             if peer_id in records or peer_id not in members:
                 del self._knocked[peer_id]  # back (or no longer of our last group): forget the knock
-                self._answered.pop(peer_id, None)
         if last_round != round_id - 1 or self.client is None:
             return
         for peer_id, address in members.items():
             if peer_id == me or peer_id in records or address == NO_INBOUND:
                 continue
-            knocked_at, verdict = self._knocked.get(peer_id, (-math.inf, ""))
-            if now - knocked_at >= KNOCK_EVERY * 2 ** min(self._answered[peer_id], KNOCK_BACKOFF_STEPS):
-                self._knocked[peer_id] = (now, verdict)
+            knocked_at, verdict, answered = self._knocked.get(peer_id, (-math.inf, "", 0))
+            if now - knocked_at >= KNOCK_EVERY * 2 ** min(answered, KNOCK_BACKOFF_STEPS):
+                self._knocked[peer_id] = (now, verdict, answered)
                 self._spawn(self._knock(peer_id, address, round_id))
 
     async def _knock(self, peer_id: str, address: str, round_id: int) -> None:
@@ -405,12 +403,8 @@ class DHTMatchmaker:
             ):
                 verdict = "silent"
         if peer_id in self._knocked:
-            was = self._knocked[peer_id][1]
-            self._knocked[peer_id] = (self._knocked[peer_id][0], verdict)
-            if verdict:
-                self._answered.pop(peer_id, None)
-            else:
-                self._answered[peer_id] += 1
+            knocked_at, was, answered = self._knocked[peer_id]
+            self._knocked[peer_id] = (knocked_at, verdict, 0 if verdict else answered + 1)
             if verdict and verdict != was:
                 logger.info(
                     "%s (of our last group) vanished and %s: not waited for%s",
