@@ -393,141 +393,41 @@ class RowsCost:
     peers: dict[str, set[str]]
 
 
-def grouped_mean(
+@dataclass
+class Carried:
+    """One grouped average as the sim runs it: the mean every member decodes; by range of it, the round's
+    members not in it; and when it ended, with a payload of the model's size and propagation only."""
+
+    mean: torch.Tensor
+    lost: list[tuple[int, int, set[str]]]
+    end: float
+    prop: float
+
+
+def carried(
     sim: Sim,
     group: Group,
     values: dict[str, torch.Tensor],
     weights: dict[str, float],
+    lost_in: dict[str, set[str]],
+    cover: dict[str, set[str]],
+    drop_at: dict[str, float],
+    start: tuple[float, float],
     depth: int,
-    cost: RowsCost,
-) -> tuple[torch.Tensor, float, float]:
-    """farloco.protocol.exchange.grouped's average of `values` (peer id -> its contribution) over `group`, with
-    its layout and its nesting (a column of more than G members in rows and columns, one level down): the
-    mean every member decodes, and the stages' latency with a payload of the model's size and without one.
-    `cost` gathers each member's messages, bytes and peers."""
+    cost: RowsCost | None,
+) -> Carried:
+    """grouped.py's average of `values` (by member of `group`: its contribution at this depth, weighted) from
+    `start` (with a payload, propagation only), with its layout, its nesting and its losses (see rows_round):
+    `lost_in` and `cover`, by member, the round's members its contribution lacks and brings; `drop_at`, by
+    member, when it drops (with a payload). `cost` gathers each member's messages, bytes and peers (None: the
+    latency alone, no arithmetic: the round's length without drops, to place the drops in it)."""
     s, coding = sim.s, sim.coding
     numel = next(iter(values.values())).numel()
+    payload = s.model_params * coding.bytes_per_value * numel / s.numel
     plan = layout(group, s.group_size)
-    row_means, row_weights = [], []
-    for row in plan.rows:
-        ids = sorted(m.peer_id for m in row)
-        flat = flat_plan(ids)
-        for m in ids:
-            cost.msgs[m] += flat.load(m).messages_sent
-            cost.sent[m] += flat.bytes_sent(m, numel, coding.bytes_per_value, coding.per_message)
-            cost.peers[m] |= set(ids) - {m}
-        row_means.append(
-            allreduce_mean(coding, torch.stack([values[m] for m in ids]), [weights[m] for m in ids])
-        )
-        row_weights.append(math.fsum(weights[m] for m in ids))
-    payload = s.model_params * coding.bytes_per_value * numel / s.numel
-
-    def rows_latency(payload: float) -> float:
-        return max(allreduce_latency(sim.wan, [index(m.peer_id) for m in row], payload) for row in plan.rows)
-
-    latency, prop = rows_latency(payload), rows_latency(0.0)
-    mean = torch.empty(numel)
-    column_latency, column_prop = 0.0, 0.0
-    for i in range(plan.slices):
-        lo, hi = plan.bounds(numel, i)
-        column = Group.make(group.round_id, list(plan.column(i)))
-        inputs = {plan.rows[r][i].peer_id: row_means[r][lo:hi] for r in range(len(plan.rows))}
-        carried = {plan.rows[r][i].peer_id: row_weights[r] for r in range(len(plan.rows))}
-        if len(column.members) > s.group_size and depth < MAX_DEPTH and hi - lo >= s.group_size:
-            part, lat, pr = grouped_mean(sim, column, inputs, carried, depth + 1, cost)
-        else:
-            ids = [m.peer_id for m in column.members]
-            flat = flat_plan(ids)
-            for m in ids:
-                cost.msgs[m] += flat.load(m).messages_sent
-                cost.sent[m] += flat.bytes_sent(m, hi - lo, coding.bytes_per_value, coding.per_message)
-                cost.peers[m] |= set(ids) - {m}
-            part = allreduce_mean(coding, torch.stack([inputs[m] for m in ids]), [carried[m] for m in ids])
-            idx = [index(m) for m in ids]
-            lat = allreduce_latency(sim.wan, idx, payload * (hi - lo) / numel)
-            pr = allreduce_latency(sim.wan, idx, 0.0)
-        mean[lo:hi] = part
-        column_latency, column_prop = max(column_latency, lat), max(column_prop, pr)
-        for row in plan.rows:  # the carrier's slice to each of its row-mates
-            carrier = row[i].peer_id
-            cost.msgs[carrier] += len(row) - 1
-            cost.sent[carrier] += (len(row) - 1) * ((hi - lo) * coding.bytes_per_value + coding.per_message)
-    gather, gather_prop = 0.0, 0.0
-    for row in plan.rows:
-        for i, carrier in enumerate(row[: plan.slices]):
-            others = np.asarray([index(m.peer_id) for m in row if m is not carrier])
-            if len(others):
-                lo, hi = plan.bounds(numel, i)
-                owd = float(sim.wan.owd(index(carrier.peer_id), others).max())
-                link = len(others) * payload * (hi - lo) / numel / sim.wan.bandwidth
-                gather, gather_prop = max(gather, owd + link), max(gather_prop, owd)
-    return mean, latency + column_latency + gather, prop + column_prop + gather_prop
-
-
-def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]) -> dict[str, Any]:
-    """A round through GroupedExchange. Without nesting (at most G rows), a drop is carried through the round
-    (grouped.py, "A member lost"): a member lost in the row stage is left out of its row's mean, the row goes on
-    (its flat exchange notices the drop after `detect` and retries among the rest); a carrier lost by its
-    column stage leaves that slice to the other rows (the column notices and retries likewise; a drop is a
-    crash, whose address refuses connections, which is what grouped.py needs of a carrier that reached its
-    column); a drop in the
-    gather changes nothing (the slice comes from another row's carrier). Each slice's mean is then the weighted
-    mean of what its column kept, alike on every member; `partial` counts the live members missing from some
-    slice. With nesting (a column of more than G), a drop fails the grouped round and the members fall back
-    to the flat exchange among the group, whose votes drop the lost ones (the survivors' exact mean, at the
-    cost of the grouped attempt and a flat all-reduce)."""
-    group = Group.make(round_id, [GroupMember(m, "127.0.0.1:1") for m in sim.ids])
-    cost = RowsCost(defaultdict(int), defaultdict(float), defaultdict(set))
-    values = {m: x[index(m)] for m in sim.ids}
-    plan = layout(group, sim.s.group_size)
-    hops = 5 * (1 + max(0, math.ceil(math.log(len(sim.ids), sim.s.group_size)) - 2))
-    survivors = [m for m in sim.ids if m not in drops]
-    exact = x[[index(m) for m in survivors]].double().mean(dim=0)
-    if len(plan.rows) <= sim.s.group_size:
-        mean, full, prop_full, partial = carried_round(sim, plan, values, drops, cost)
-        conns = {m: len(cost.peers[m]) for m in sim.ids}
-        row = sim.summary(
-            survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact)
-        )
-        row["fell_back"] = 0.0
-        row["partial"] = len(partial) / max(1, len(survivors))
-        return row
-    mean, full, prop_full = grouped_mean(sim, group, values, dict.fromkeys(sim.ids, 1.0), 0, cost)
-    if drops:
-        s, coding = sim.s, sim.coding
-        flat = flat_plan(sim.ids)
-        for m in survivors:  # the fallback's first attempt among all, then the retry among the survivors
-            for fplan in (flat, flat_plan(survivors)):
-                cost.msgs[m] += fplan.load(m).messages_sent
-                cost.sent[m] += fplan.bytes_sent(m, s.numel, coding.bytes_per_value, coding.per_message)
-                cost.peers[m] |= set(sim.ids) - {m}
-        mean = allreduce_mean(coding, x[[index(m) for m in survivors]])
-        payload = s.model_params * coding.bytes_per_value
-        idx = [index(m) for m in survivors]
-        u = min(drops.values())
-        full = u * full + sim.detect + sim.detect + allreduce_latency(sim.wan, idx, payload)
-        prop_full = u * prop_full + 2 * sim.detect + allreduce_latency(sim.wan, idx, 0.0)
-        hops += 4
-    conns = {m: len(cost.peers[m]) for m in sim.ids}
-    row = sim.summary(survivors, cost.msgs, conns, cost.sent, hops, full, prop_full, rel_error(mean, exact))
-    row["fell_back"] = 1.0 if drops else 0.0
-    row["partial"] = 0.0
-    return row
-
-
-def carried_round(
-    sim: Sim, plan: Any, values: dict[str, torch.Tensor], drops: dict[str, float], cost: RowsCost
-) -> tuple[torch.Tensor, float, float, set[str]]:
-    """One grouped round of at most G rows whose drops are carried through (see rows_round): the mean every
-    member decodes, the latency with a payload of the model's size and without one, and the live members
-    missing from some slice. A drop at time u (a fraction of the round) falls in the row stage, the column
-    stage or the gather by the stages' shares of the round without drops."""
-    s, coding = sim.s, sim.coding
-    numel = next(iter(values.values())).numel()
-    payload = s.model_params * coding.bytes_per_value * numel / s.numel
 
     def charge(ids: Sequence[str], n: int) -> None:
-        if len(ids) < 2:
+        if len(ids) < 2 or cost is None:
             return
         ids = sorted(ids)
         flat = flat_plan(ids)
@@ -536,65 +436,90 @@ def carried_round(
             cost.sent[m] += flat.bytes_sent(m, n, coding.bytes_per_value, coding.per_message)
             cost.peers[m] |= set(ids) - {m}
 
+    def mean_of(ids: Sequence[str], a: int, b: int, by: dict[str, float]) -> torch.Tensor:
+        rows = torch.stack([values[m][a:b] for m in ids]) if cost is not None else None
+        return allreduce_mean(coding, rows, [by[m] for m in ids]) if rows is not None else values[ids[0]][a:b]
+
+    def allreduce(ids: Sequence[str], load: float) -> tuple[float, float]:
+        idx = [index(m) for m in ids]
+        return allreduce_latency(sim.wan, idx, load), allreduce_latency(sim.wan, idx, 0.0)
+
     rows = [[m.peer_id for m in row] for row in plan.rows]
-    row_lat = [allreduce_latency(sim.wan, [index(m) for m in row], payload) for row in rows]
-    row_prop = [allreduce_latency(sim.wan, [index(m) for m in row], 0.0) for row in rows]
-    columns = [[row[i] for row in rows] for i in range(plan.slices)]
-    col_lat = [
-        allreduce_latency(sim.wan, [index(m) for m in col], payload * (hi - lo) / numel)
-        for col, (lo, hi) in zip(columns, (plan.bounds(numel, i) for i in range(plan.slices)), strict=True)
-    ]
-    col_prop = [allreduce_latency(sim.wan, [index(m) for m in col], 0.0) for col in columns]
-    rows_end = max(row_lat)
-    columns_end = rows_end + max(col_lat)
-    total = columns_end * 1.2  # the gather: a carrier's slice to its row, about a fifth of the stages before
-    in_row = {m for m, u in drops.items() if u * total < rows_end}
-    by_column = {m for m, u in drops.items() if u * total < columns_end}
+    # Rows: a member dropped by the rows' end without drops is lost to its row, which notices it after `detect`
+    # and retries among the rest.
+    nominal = start[0] + max(allreduce(row, payload)[0] for row in rows)
     row_means: list[torch.Tensor | None] = []
     row_weights: list[float] = []
     row_lost: list[set[str]] = []
-    lat, prop = 0.0, 0.0
-    for r, row in enumerate(rows):
-        kept = [m for m in row if m not in in_row]
+    rows_end = start
+    for row in rows:
+        kept = [m for m in row if drop_at.get(m, math.inf) >= nominal]
         charge(row, numel)
-        if len(kept) < len(row):  # noticed after `detect`, then a retry among the rest
+        lat, prop = allreduce(row, payload)
+        if len(kept) < len(row):
             charge(kept, numel)
-            retry = allreduce_latency(sim.wan, [index(m) for m in kept], payload)
-            lat = max(lat, row_lat[r] + sim.detect + retry)
-            prop = max(
-                prop, row_prop[r] + sim.detect + allreduce_latency(sim.wan, [index(m) for m in kept], 0.0)
-            )
-        else:
-            lat, prop = max(lat, row_lat[r]), max(prop, row_prop[r])
-        row_lost.append(set(row) - set(kept))
-        row_weights.append(float(len(kept)))
-        row_means.append(allreduce_mean(coding, torch.stack([values[m] for m in kept])) if kept else None)
+            again, again_prop = allreduce(kept, payload)
+            lat, prop = lat + sim.detect + again, prop + sim.detect + again_prop
+        rows_end = (max(rows_end[0], start[0] + lat), max(rows_end[1], start[1] + prop))
+        row_lost.append(set().union(*(cover[m] for m in row if m not in kept), *(lost_in[m] for m in kept)))
+        row_weights.append(math.fsum(weights[m] for m in kept))
+        row_means.append(mean_of(kept, 0, numel, weights) if kept else None)
     mean = torch.empty(numel)
-    lost_by_slice: list[set[str]] = []
-    c_lat, c_prop = 0.0, 0.0
-    for i, column in enumerate(columns):
+    lost: list[tuple[int, int, set[str]]] = []
+    columns_end = rows_end
+    for i in range(plan.slices):
         lo, hi = plan.bounds(numel, i)
-        present = [r for r, c in enumerate(column) if c not in by_column and row_means[r] is not None]
-        charge(column, hi - lo)
-        retry_lat = retry_prop = 0.0
-        if len(present) < len(column):
-            ids = [column[r] for r in present]
-            charge(ids, hi - lo)
-            retry_lat = sim.detect + allreduce_latency(
-                sim.wan, [index(m) for m in ids], payload * (hi - lo) / numel
+        column = [row[i] for row in rows]
+        brings = {c: set().union(*(cover[m] for m in rows[r])) for r, c in enumerate(column)}
+        if len(column) > s.group_size and depth < MAX_DEPTH and hi - lo >= s.group_size:
+            sub = carried(
+                sim,
+                Group.make(group.round_id, [GroupMember(c, "127.0.0.1:1") for c in column]),
+                {
+                    c: row_means[r][lo:hi] if row_means[r] is not None else values[c][lo:hi]
+                    for r, c in enumerate(column)
+                },  # type: ignore[index]
+                {c: row_weights[r] for r, c in enumerate(column)},
+                {c: row_lost[r] for r, c in enumerate(column)},
+                brings,
+                drop_at,
+                rows_end,
+                depth + 1,
+                cost,
             )
-            retry_prop = sim.detect + allreduce_latency(sim.wan, [index(m) for m in ids], 0.0)
-        c_lat, c_prop = max(c_lat, col_lat[i] + retry_lat), max(c_prop, col_prop[i] + retry_prop)
-        part = torch.stack([row_means[r][lo:hi] for r in present])  # type: ignore[index]
-        mean[lo:hi] = allreduce_mean(coding, part, [row_weights[r] for r in present])
-        lost = set().union(*(row_lost[r] for r in present))
-        lost |= {m for r in range(len(rows)) if r not in present for m in rows[r]}
-        lost_by_slice.append(lost)
+            mean[lo:hi] = sub.mean
+            lost.extend((lo + a, lo + b, gone) for a, b, gone in sub.lost)
+            end = (sub.end, sub.prop)
+        else:
+            # A carrier dropped by the column's end without drops is lost to it (noticed after `detect`); so
+            # is one whose row was lost whole. That slice is then its other rows' mean.
+            lat, prop = allreduce(column, payload * (hi - lo) / numel)
+            present = [
+                r
+                for r, c in enumerate(column)
+                if drop_at.get(c, math.inf) >= rows_end[0] + lat and row_means[r] is not None
+            ]
+            charge(column, hi - lo)
+            if len(present) < len(column):
+                ids = [column[r] for r in present]
+                charge(ids, hi - lo)
+                again, again_prop = allreduce(ids, payload * (hi - lo) / numel)
+                lat, prop = lat + sim.detect + again, prop + sim.detect + again_prop
+            end = (rows_end[0] + lat, rows_end[1] + prop)
+            if cost is not None:
+                part = torch.stack([row_means[r][lo:hi] for r in present])  # type: ignore[index]
+                mean[lo:hi] = allreduce_mean(coding, part, [row_weights[r] for r in present])
+            gone = set().union(
+                *(row_lost[r] for r in present),
+                *(brings[c] for r, c in enumerate(column) if r not in present),
+            )
+            lost.append((lo, hi, gone))
+        columns_end = (max(columns_end[0], end[0]), max(columns_end[1], end[1]))
         for r, row in enumerate(rows):  # the slice to each member of each row (from another row if need be)
-            carrier = column[r]
-            others = [m for m in row if m != carrier]
-            cost.msgs[carrier] += len(others)
-            cost.sent[carrier] += len(others) * ((hi - lo) * coding.bytes_per_value + coding.per_message)
+            if cost is not None:
+                others = len(row) - 1
+                cost.msgs[column[r]] += others
+                cost.sent[column[r]] += others * ((hi - lo) * coding.bytes_per_value + coding.per_message)
     gather, gather_prop = 0.0, 0.0
     for row in rows:
         for i, carrier in enumerate(row[: plan.slices]):
@@ -604,10 +529,39 @@ def carried_round(
                 owd = float(sim.wan.owd(index(carrier), others).max())
                 link = len(others) * payload * (hi - lo) / numel / sim.wan.bandwidth
                 gather, gather_prop = max(gather, owd + link), max(gather_prop, owd)
-    everywhere = set.intersection(*lost_by_slice)
-    somewhere = set().union(*lost_by_slice)
+    return Carried(mean, lost, columns_end[0] + gather, columns_end[1] + gather_prop)
+
+
+def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]) -> dict[str, Any]:
+    """A round through GroupedExchange, its drops carried through at every depth (grouped.py, "A member
+    lost"): a member lost in a row stage is left out of its row's mean, the row goes on (its flat exchange
+    notices the drop after `detect` and retries among the rest) and its carriers tell their columns; a carrier
+    lost by its column stage leaves that slice (or, one level down, that part of it) to the other rows (the
+    column notices and retries likewise; a drop is a crash, whose address refuses connections, which is what
+    grouped.py needs of a carrier that reached its column); a drop in the gather changes nothing (the slice
+    comes from another row's carrier). Each range of the mean is then the weighted mean of what its column
+    kept, alike on every member; `partial` counts the live members missing from some range. A drop at time u
+    (a fraction of the round) falls in the stage the round without drops is in at that time."""
+    group = Group.make(round_id, [GroupMember(m, "127.0.0.1:1") for m in sim.ids])
+    cost = RowsCost(defaultdict(int), defaultdict(float), defaultdict(set))
+    values = {m: x[index(m)] for m in sim.ids}
+    hops = 5 * (1 + max(0, math.ceil(math.log(len(sim.ids), sim.s.group_size)) - 2))
+    survivors = [m for m in sim.ids if m not in drops]
+    exact = x[[index(m) for m in survivors]].double().mean(dim=0)
+    ones, nobody, own = dict.fromkeys(sim.ids, 1.0), {m: set() for m in sim.ids}, {m: {m} for m in sim.ids}
+    length = carried(sim, group, values, ones, nobody, own, {}, (0.0, 0.0), 0, None).end
+    drop_at = {m: u * length for m, u in drops.items()}
+    result = carried(sim, group, values, ones, nobody, own, drop_at, (0.0, 0.0), 0, cost)
+    everywhere = set.intersection(*(gone for _, _, gone in result.lost))
+    somewhere = set().union(*(gone for _, _, gone in result.lost))
     partial = {m for m in somewhere - everywhere if m not in drops}
-    return mean, lat + c_lat + gather, prop + c_prop + gather_prop, partial
+    conns = {m: len(cost.peers[m]) for m in sim.ids}
+    row = sim.summary(
+        survivors, cost.msgs, conns, cost.sent, hops, result.end, result.prop, rel_error(result.mean, exact)
+    )
+    row["fell_back"] = 0.0
+    row["partial"] = len(partial) / max(1, len(survivors))
+    return row
 
 
 # -- Moshpit ----------------------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ class Exchange:
         stage: int = 0,
         keep_mean: bool = False,
         tag: tuple[int, ...] = (),
+        data_by: float | None = None,
     ) -> AverageResult:
         """Weighted mean of `tensor` over the group (see the package docstring). Raises ExchangeAborted if no
         consistent mean can be produced before `timeout` seconds, ValueError on bad arguments.
@@ -130,7 +131,11 @@ class Exchange:
         `transmitted` (None in the result; pass no `transmitted_out`): `encoded_in` (dense) or `payload`
         (sparse) says how to rebuild it.
         `tag`: small ints our hello carries to every member (wire.py Hello.tag); the result's `tags` has every
-        member's that was not empty."""
+        member's that was not empty.
+        `data_by`: a loop time, alike on every member, before which the first attempt's data phase does not end
+        (instead of DATA_PHASE_SHARE of the time left from our own start): for an exchange members enter at
+        different times (a stage of grouped.py), so that the early ones wait for the late ones; ignored where
+        it is not before the deadline."""
         if isinstance(tensor, OnDemand):
             if not codec.dense and not payload_terms(codec):
                 raise ValueError(
@@ -241,7 +246,12 @@ class Exchange:
             )
             remaining = deadline - loop.time()
             data_deadline = loop.time() + remaining * DATA_PHASE_SHARE
-            vote_deadline = data_deadline + remaining * VOTE_PHASE_SHARE
+            if attempt_no == 0 and data_by is not None and data_by < deadline:
+                data_deadline = max(data_deadline, data_by)
+            # The votes take the same share of what the data phase left as they do of a whole attempt.
+            vote_deadline = data_deadline + (deadline - data_deadline) * VOTE_PHASE_SHARE / (
+                1 - DATA_PHASE_SHARE
+            )
             try:
                 await self._data_phase(attempt, data_deadline)
                 votes = await self._voter.vote_phase(attempt, vote_deadline)

@@ -19,32 +19,38 @@ A round, three stages:
 
 The mean is the group's weighted mean. A lossy codec codes each contribution once (row), each row's mean once
 (column; once more per level of nesting) and nothing more (the slices travel as the column coded them): one
-coding more than the flat exchange, so the error bound is the codec's for a mean of means. fp32 sums in another order than the flat exchange
-(rows, then columns): within a few ulps of it.
+coding more than the flat exchange, so the error bound is the codec's for a mean of means. fp32 sums in another
+order than the flat exchange (rows, then columns): within a few ulps of it.
 
-A member lost. A member that crashes (or is excluded by its row's votes) inside the round does not fail it
-where the round's columns are flat (at most G rows): its row's flat exchange goes on without it (its votes drop
-the lost member, as in any flat round), and its row's carriers tell their columns whom the row lost (the tag of
-their hellos, `Exchange.average(tag=)`). A column goes on without a carrier its votes dropped where that carrier
-never reached it (none of its hellos came, `AverageResult.silent`: lost in its row stage) or no process listens
-at its address any more (a connection there is refused: it crashed, and serves nothing): that slice is then the
-weighted mean of the other rows (the lost carrier's row-mates are in every other slice's mean:
-`AverageResult.partial`; each of them gets that slice's range in `AverageResult.withheld`, which its error
-feedback keeps whole for the next round). A dropped carrier that still runs (or does not answer: frozen, cut off) may have ended
-the column otherwise (its votes late, the flat exchange's split), and a mean without its row could then differ
-from the one it serves: that column fails as below. Each carrier serves its slice with
-the members its mean lacks (the first chunk's header: the rows its column went on without, and what the rows in
-it lost), so every member that commits holds the same bits and names the same contributors: those in some
-slice's mean. A member that gathers skips the row-mates its row lost and, should a slice's carrier not hold it
-(SLICE_UNKNOWN: its row or its column went on without it), asks the next member of that column. A lost member's
-row took longer (its flat exchange waited out the silence, then retried): the columns end at the same time on
-every row (ROW_SHARE + COLUMN_SHARE of the timeout from the start), so the carriers of quick rows wait for it.
+A member lost. A member that crashes (or is excluded by its row's votes) inside the round does not fail it, at
+any depth: its row's flat exchange goes on without it (its votes drop the lost member, as in any flat round), and
+its row's carriers tell their columns whom the row lost (the tag of their hellos, `Exchange.average(tag=)`). A
+column goes on without a carrier its votes dropped where that carrier never reached it (none of its hellos came,
+`AverageResult.silent`: lost in its row stage) or no process listens at its address any more (a connection there
+is refused: it crashed, and serves nothing): that slice is then the weighted mean of the other rows (the lost
+carrier's row-mates are in every other slice's mean: `AverageResult.partial`; each of them gets that slice's range
+in `AverageResult.withheld`, which its error feedback keeps whole for the next round). A dropped carrier that
+still runs (or does not answer: frozen, cut off) may have ended the column otherwise (its votes late, the flat
+exchange's split), and a mean without its row could then differ from the one it serves: that column fails as
+below. Losses are told as the round's members (indices in the round's group order), by range of the tensor
+(`Ranges`): one level down a column's member brings its whole row one level up, and its contribution lacks what
+that row lost (the tag of its hellos in the nested row), so a nested column's slice may lack different members
+in each of its own slices. Each carrier serves its slice with the members its mean lacks (in the header of a
+chunk, where that changes: the rows its column went on without, and what the rows in it lost), so every member
+that commits holds the same bits and names the same contributors: those in some range's mean. A member that
+gathers skips the row-mates its row lost and, should a slice's carrier not hold it (SLICE_UNKNOWN: its row or
+its column went on without it), asks the next member of that column. A lost member's row took longer (its flat
+exchange waited out the silence, then retried): the stages end at the same times on every member (the rows at
+ROW_SHARE of the timeout from the round's start, the columns at ROW_SHARE + COLUMN_SHARE; one level down, the
+same shares of the time from the rows' end to the columns' end), and each flat stage's data phase ends no
+sooner than its share of the stage from the stage's start (`Exchange.average(data_by=)`), so the carriers of
+quick rows wait for the slow ones.
 
-A failed round. Otherwise (a column of more than G, nested: all or nothing; a column that aborted or dropped a
-carrier that had reached it and still runs; this member left out of its row) the round does not commit in rows, or not here. A
-row whose exchange ends without one of its members (nested) or aborts keeps its carriers out of the columns; a
-column that ends without one of its rows fails (nested, or a carrier that may still serve); a carrier whose row
-or column failed answers requests for its slice with SLICE_FAILED. A member that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among
+A failed round. Otherwise (a column that aborted or dropped a carrier that had reached it and still runs; this
+member left out of its row or, one level down, of a row or a column there) the round does not commit in rows, or
+not here. A row whose exchange aborts keeps its carriers out of the columns; a carrier whose column failed (or
+whose nested column did, where nobody can hold its slice) answers requests for its slice with SLICE_FAILED. A
+member that learns any of these (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED) averages with the flat exchange among
 the whole group instead, in the time left (stage FALLBACK_STAGE; not with less than FALLBACK_MIN_SHARE of the
 timeout): its votes and retries drop the members lost, as in any flat round, so a member lost inside the round
 costs the round's time, not the round. A member left out of its row falls back too, since a member left out
@@ -74,7 +80,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,6 +89,7 @@ import torch
 
 from farloco.protocol.exchange.api import AverageResult, ExchangeAborted, OnDemand, RobustRule, TensorCodec
 from farloco.protocol.exchange.codec import all_finite, decode, raw_bytes, raw_view
+from farloco.protocol.exchange.exchange import DATA_PHASE_SHARE
 from farloco.protocol.exchange.plan import max_chunk_payload
 from farloco.protocol.exchange.wire import MAX_STAGE, invalid, precondition, refusing, wire_size
 from farloco.protocol.messages import Fields, check_int
@@ -92,6 +99,9 @@ from farloco.protocol.types import Group, GroupMember
 log = logging.getLogger("farloco.protocol.exchange")
 
 SLICE_METHOD = "ExchangeSlice"
+# By range [start, end) of a tensor, in order: the round's members (indices in the round's group order) whose
+# contribution is not in the mean there.
+Ranges = tuple[tuple[int, int, tuple[int, ...]], ...]
 # Levels of rows and columns at most: a column longer than G is itself averaged in rows and columns, one level
 # down (stages 2d and 2d + 1 at depth d, within AttemptRef's MAX_STAGE).
 MAX_DEPTH = (MAX_STAGE - 1) // 2 - 1
@@ -220,9 +230,9 @@ class _Round:
     # Why a slice is not served once `chunks` is None: SLICE_FAILED (our row or column failed: nobody has it) or
     # SLICE_UNKNOWN (another carrier may have it: see there)
     failure: str = SLICE_FAILED
-    # The group's members (indices in the group's order) whose contribution is not in the slice's mean (see "A
-    # member lost"); sent with the slice's first chunk.
-    lost: tuple[int, ...] = ()
+    # The round's members (indices in the round's group order) whose contribution is not in the slice's mean, by
+    # range of the slice (see "A member lost"); sent with the chunks where it changes.
+    lost: Ranges = ()
     # What this member served of the slice before its own average returned (counted in its AverageResult)
     served_bytes: int = 0
     served_values: int = 0
@@ -306,8 +316,21 @@ class GroupedExchange:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        ids = tuple(m.peer_id for m in group.members)
+        call = self._begin(
+            group,
+            codec,
+            loop.time(),
+            deadline,
+            0,
+            False,
+            ids,
+            {p: frozenset({k}) for k, p in enumerate(ids)},
+            (),
+        )
         try:
-            return await self._grouped(group, tensor, codec, weight, out, transmitted_out, deadline, 0, False)
+            result, _ = await self._run(call, tensor, weight, out, transmitted_out)
+            return result
         except ExchangeAborted as exc:
             proven = exc.reason in (ROW_FAILED, COLUMN_FAILED, SLICE_FAILED)
             left = deadline - loop.time()
@@ -330,21 +353,24 @@ class GroupedExchange:
                 path="rows, then flat",
             )
 
-    async def _grouped(
+    def _begin(
         self,
         group: Group,
-        tensor: torch.Tensor | OnDemand,
         codec: TensorCodec,
-        weight: float,
-        out: torch.Tensor | None,
-        transmitted_out: torch.Tensor | None,
+        begun: float,
         deadline: float,
         depth: int,
         keep: bool,
-    ) -> AverageResult:
+        root: tuple[str, ...],
+        cover: dict[str, frozenset[int]],
+        lost_in: tuple[int, ...],
+    ) -> _Call:
         """One grouped average at `depth` (0: the round's group; d + 1: a column of depth d with more than G
-        members, itself in rows and columns). `keep`: the result carries the mean's coded chunks."""
-        started = time.monotonic()
+        members, itself in rows and columns), set up: from `begun` to `deadline` (loop times alike on every
+        member: one level down, from the time every row one level up ended to the time its columns end); `keep`,
+        the result carries the mean's coded chunks; `root`, the round's members (whose indices every loss is told
+        in); `cover`, the round's members each of `group`'s members brings (its own at depth 0, its row's one
+        level down); `lost_in`, those our contribution lacks (what our row lost)."""
         plan = layout(group, self.group_size)
         r, i = plan.row_of(self.peer_id)
         use = self._uses.get(group.group_id, (group.round_id, 0))[1]
@@ -354,8 +380,21 @@ class GroupedExchange:
         state.carried = i if i < plan.slices else -1
         state.started.set()
         self._forget(group.round_id)
-        spent = _Spent()
-        call = _Call(group, codec, deadline, depth, keep, plan, r, i, state, use, spent, started)
+        return _Call(
+            group, codec, begun, deadline, depth, keep, plan, r, i, state, use, _Spent(), time.monotonic(), root,
+            cover, lost_in,
+        )  # fmt: skip
+
+    async def _run(
+        self,
+        call: _Call,
+        tensor: torch.Tensor | OnDemand,
+        weight: float,
+        out: torch.Tensor | None,
+        transmitted_out: torch.Tensor | None,
+    ) -> tuple[AverageResult, Ranges]:
+        """Run `call`: its result, and by range of the tensor the round's members the mean lacks there."""
+        state, spent = call.state, call.spent
         try:
             return await self._stages(call, tensor, weight, out, transmitted_out)
         except ExchangeAborted as exc:
@@ -376,42 +415,40 @@ class GroupedExchange:
         weight: float,
         out: torch.Tensor | None,
         transmitted_out: torch.Tensor | None,
-    ) -> AverageResult:
+    ) -> tuple[AverageResult, Ranges]:
         group, plan, r, i, state, codec, deadline, spent = (
             call.group, call.plan, call.r, call.i, call.state, call.codec, call.deadline, call.spent,
         )  # fmt: skip
-        depth, keep = call.depth, call.keep
+        depth, keep, cover = call.depth, call.keep, call.cover
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        # The stages end at the same times on every member, however late it came (see "A member lost").
+        started = call.begun
         timeout = deadline - started
         row = Group.make(group.round_id, list(plan.rows[r]))
         where = f"round {group.round_id} depth {depth} row {r} of {len(plan.rows)}"
-        # Losses are carried as far as the columns (see "A member lost"): in the round's group, whose columns
-        # are flat; a nested column keeps all or nothing.
-        tolerant = depth == 0 and len(plan.rows) <= self.group_size
         try:
             row_result: AverageResult = await self.inner.average(
                 row,
                 tensor,
                 codec,
-                timeout=timeout * ROW_SHARE,
+                timeout=max(0.001, started + timeout * ROW_SHARE - loop.time()),
                 weight=weight,
                 out=out,
                 transmitted_out=transmitted_out,
                 stage=2 * depth,
+                data_by=started + timeout * ROW_SHARE * DATA_PHASE_SHARE,
+                **({"tag": call.lost_in} if call.lost_in else {}),
             )
         except ExchangeAborted as exc:
-            if tolerant:
-                state.failure = SLICE_UNKNOWN  # the rest of our row may have gone on without us
+            state.failure = SLICE_UNKNOWN  # the rest of our row may have gone on without us
             raise _again(exc, ROW_FAILED, f"{where}: {exc}") from None
         spent.add(row_result)
+        if row_result.total_weight is None:
+            raise ExchangeAborted(ROW_FAILED, f"{where}: the row's weight is unknown here")
         missing = sorted({m.peer_id for m in row.members} - set(row_result.contributors))
-        if (missing and not tolerant) or row_result.total_weight is None:
-            raise ExchangeAborted(
-                ROW_FAILED, f"{where}: the row averaged without {missing}, so the round cannot commit"
-            )
-        index = {m.peer_id: k for k, m in enumerate(group.members)}
-        row_lost = tuple(sorted(index[p] for p in missing))
+        # Not in the row's mean: the members it went on without (what each brings), and what the contributions in
+        # it lacked (their tags; one level down, a contribution is a row's mean one level up).
+        row_lost = tuple(sorted(set().union(*(cover[p] for p in missing), *row_result.tags.values())))
         if missing:
             log.info("%s: the row went on without %s", where, missing)
         mean = row_result.averaged.view(-1)
@@ -421,6 +458,13 @@ class GroupedExchange:
         if i < plan.slices:
             lo, hi = plan.bounds(numel, i)
             column = Group.make(group.round_id, list(plan.column(i)))
+            # What each carrier of the column brings: its row's members, whatever they bring.
+            brings = {
+                c.peer_id: frozenset().union(
+                    *(cover[m.peer_id] for m in plan.rows[plan.row_of(c.peer_id)[0]])
+                )
+                for c in column.members
+            }
             part = mean[lo:hi]
             column_out = torch.empty(hi - lo, dtype=torch.float32)
             contribution = OnDemand(hi - lo, lambda a, b, into: into.copy_(part[a:b]))
@@ -428,16 +472,30 @@ class GroupedExchange:
             # silent member (its data phase, then the votes) joins its columns late, and the carriers of the rows
             # that were quick still wait for it.
             budget = max(0.001, started + (ROW_SHARE + COLUMN_SHARE) * timeout - loop.time())
-            column_result: AverageResult
             column_where = f"round {group.round_id} depth {depth} column {i}"
-            try:
-                if len(column.members) > self.group_size and depth < MAX_DEPTH and hi - lo >= self.group_size:
-                    # A column longer than G: in rows and columns itself, one level down.
-                    column_result = await self._grouped(
-                        column, contribution, codec, row_result.total_weight, column_out, None,
-                        loop.time() + budget, depth + 1, not raw,
-                    )  # fmt: skip
-                else:
+            if len(column.members) > self.group_size and depth < MAX_DEPTH and hi - lo >= self.group_size:
+                # A column longer than G: in rows and columns itself, one level down.
+                # Its stages start when every row here ended (or gave up) and end when our columns would.
+                nested = self._begin(
+                    column, codec, started + ROW_SHARE * timeout, loop.time() + budget, depth + 1, not raw,
+                    call.root, brings, row_lost,
+                )  # fmt: skip
+                try:
+                    column_result, inner_lost = await self._run(
+                        nested, contribution, row_result.total_weight, column_out, None
+                    )
+                except ExchangeAborted as exc:
+                    # Where the column may hold the slice without us (we were left out of a row or a column
+                    # down there, or only failed to gather), another carrier may serve it; anything else
+                    # proves nobody does.
+                    if nested.state.failure == SLICE_UNKNOWN:
+                        state.failure = SLICE_UNKNOWN
+                    reason = GATHER_FAILED if exc.reason == GATHER_FAILED else COLUMN_FAILED
+                    raise _again(exc, reason, f"{column_where}: {exc}") from None
+                spent.add(column_result)
+                slice_lost = tuple((lo + a, lo + b, lost) for a, b, lost in inner_lost)
+            else:
+                try:
                     column_result = await self.inner.average(
                         column,
                         contribution,
@@ -447,65 +505,66 @@ class GroupedExchange:
                         out=column_out,
                         stage=2 * depth + 1,
                         keep_mean=True,
+                        data_by=started + timeout * (ROW_SHARE + COLUMN_SHARE * DATA_PHASE_SHARE),
                         **({"tag": row_lost} if row_lost else {}),
                     )
-            except ExchangeAborted as exc:
-                # A nested gather that failed proves nothing of the column's other members, nor does our own
-                # exclusion where the column may go on without us; anything else does.
-                if exc.reason == GATHER_FAILED or (tolerant and exc.reason == "EXCLUDED"):
-                    state.failure = SLICE_UNKNOWN
-                    reason = GATHER_FAILED if exc.reason == GATHER_FAILED else COLUMN_FAILED
-                else:
-                    reason = COLUMN_FAILED
-                raise _again(exc, reason, f"{column_where}: {exc}") from None
-            spent.add(column_result)
-            absent = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
-            heard = [
-                m for m in column.members if m.peer_id in absent and m.peer_id not in column_result.silent
-            ]
-            if absent and not (tolerant and await _all_refuse(heard, deadline)):
-                # A carrier we heard from that still runs may have ended the column otherwise (its votes late:
-                # the flat exchange's split), so its slice's mean could differ from ours: not without it, then.
-                raise ExchangeAborted(
-                    COLUMN_FAILED, f"{column_where}: averaged without {absent}, so the round cannot commit"
-                )
-            # Not in the slice's mean: the rows whose carrier the column went on without, whole, and what the
-            # rows in it lost (their carriers' tags).
-            slice_lost = {index[m.peer_id] for c in absent for m in plan.rows[plan.row_of(c)[0]]}
-            for tag in column_result.tags.values():
-                slice_lost.update(tag)
-            state.lost = tuple(sorted(slice_lost))
-            if absent:
-                log.info("%s: the column went on without %s", column_where, absent)
+                except ExchangeAborted as exc:
+                    # Our own exclusion proves nothing of the column's other members: it may go on without us.
+                    if exc.reason == "EXCLUDED":
+                        state.failure = SLICE_UNKNOWN
+                    raise _again(exc, COLUMN_FAILED, f"{column_where}: {exc}") from None
+                spent.add(column_result)
+                absent = sorted({m.peer_id for m in column.members} - set(column_result.contributors))
+                heard = [
+                    m for m in column.members if m.peer_id in absent and m.peer_id not in column_result.silent
+                ]
+                if absent and not await _all_refuse(heard, deadline):
+                    # A carrier we heard from that still runs may have ended the column otherwise (its votes
+                    # late: the flat exchange's split), so its slice's mean could differ from ours: not without
+                    # it, then.
+                    raise ExchangeAborted(
+                        COLUMN_FAILED,
+                        f"{column_where}: averaged without {absent}, so the round cannot commit",
+                    )
+                if absent:
+                    log.info("%s: the column went on without %s", column_where, absent)
+                # Not in the slice's mean: the rows whose carrier the column went on without, whole, and what
+                # the rows in it lost (their carriers' tags).
+                lost = set().union(*(brings[c] for c in absent), *column_result.tags.values())
+                slice_lost = ((lo, hi, tuple(sorted(lost))),)
             part.copy_(column_out)
             if raw:
+                # Frames cut where the members the mean lacks change, so that each frame says its own.
                 chunks = [
                     (
-                        lo + a,
-                        lo + min(a + RAW_FRAME_ELEMS, hi - lo),
-                        bytes(raw_bytes(column_out[a : a + RAW_FRAME_ELEMS])),
+                        a,
+                        min(a + RAW_FRAME_ELEMS, end),
+                        bytes(raw_bytes(mean[a : min(a + RAW_FRAME_ELEMS, end)])),
                     )
-                    for a in range(0, hi - lo, RAW_FRAME_ELEMS)
+                    for start, end, _ in slice_lost
+                    for a in range(start, end, RAW_FRAME_ELEMS)
                 ]
             else:
                 chunks = [(lo + a, lo + b, data) for a, b, data in column_result.mean_chunks]
             del column_out
+            state.lost = slice_lost
             state.chunks.set_result(chunks)
         kept: list[tuple[int, int, bytes]] | None = list(chunks) if keep and not raw else None
-        lost = await self._gather(call, mean, raw, kept, skip=set(missing))
+        lost_by_slice = await self._gather(call, mean, raw, kept, skip=set(missing))
         if i < plan.slices:
-            lost[i] = state.lost
-        # In the mean: every member that is in some slice's (a member a slice lost is in the others'; the
-        # group's members are in every slice unless a row or a column went on without some).
-        everywhere = set.intersection(*(set(lost.get(j, ())) for j in range(plan.slices)))
-        somewhere = set().union(*(lost.get(j, ()) for j in range(plan.slices)))
-        ids = [m.peer_id for m in group.members]
-        me = index[self.inner.peer_id]
-        withheld = tuple(plan.bounds(numel, j) for j in range(plan.slices) if me in lost.get(j, ()))
+            lost_by_slice[i] = state.lost
+        ranges = tuple(item for j in range(plan.slices) for item in lost_by_slice[j])
+        # In the mean: every member of the round that is in some range's (a member a slice lost is in the
+        # others'; everyone is everywhere unless a row or a column went on without some).
+        everywhere = set.intersection(*(set(lost) for _, _, lost in ranges))
+        somewhere = set().union(*(lost for _, _, lost in ranges))
+        ids = call.root
+        me = ids.index(self.inner.peer_id)
+        withheld = merged((a, b) for a, b, lost in ranges if me in lost) if me not in everywhere else ()
         # What we served of our slice so far (late requests after this are not counted).
         spent.sent += state.served_bytes
         spent.fp32 += 4 * state.served_values
-        return AverageResult(
+        result = AverageResult(
             averaged=row_result.averaged,
             transmitted=row_result.transmitted,
             contributors=tuple(sorted(p for k, p in enumerate(ids) if k not in everywhere)),
@@ -518,8 +577,9 @@ class GroupedExchange:
             total_weight=None,
             path="rows",
             partial=tuple(sorted(ids[k] for k in somewhere - everywhere)),
-            withheld=() if me in everywhere else withheld,
+            withheld=withheld,
         )
+        return result, ranges
 
     async def _gather(
         self,
@@ -528,12 +588,12 @@ class GroupedExchange:
         raw: bool,
         kept: list[tuple[int, int, bytes]] | None,
         skip: set[str],
-    ) -> dict[int, tuple[int, ...]]:
+    ) -> dict[int, Ranges]:
         """Every slice but ours, from its carrier in our row or, failing that, another member of its column (and
         into `kept`, their coded chunks), never from a member in `skip` (our row went on without it); returns, by
-        slice, the members not in its mean (`_Round.lost`)."""
+        slice, the round's members not in its mean, by range (`_Round.lost`)."""
         plan, r, i = call.plan, call.r, call.i
-        lost: dict[int, tuple[int, ...]] = {}
+        lost: dict[int, Ranges] = {}
 
         async def one(j: int) -> None:
             lo, hi = plan.bounds(mean.numel(), j)
@@ -576,8 +636,9 @@ class GroupedExchange:
         mean: torch.Tensor,
         raw: bool,
         kept: list[tuple[int, int, bytes]] | None,
-    ) -> tuple[int, ...]:
-        """Slice j from `carrier` into `mean[lo:hi]`; returns the members its mean lacks (its first chunk says)."""
+    ) -> Ranges:
+        """Slice j from `carrier` into `mean[lo:hi]`; returns the round's members its mean lacks, by range (a chunk
+        says where that changes: from the slice's start, nobody)."""
         group, codec, spent = call.group, call.codec, call.spent
         loop = asyncio.get_running_loop()
         fast = getattr(codec, "optional_checksum", False) is True
@@ -590,6 +651,8 @@ class GroupedExchange:
         spent.sent += wire_size(ask)
         at = lo
         lost: tuple[int, ...] = ()
+        ranges: list[tuple[int, int, tuple[int, ...]]] = []
+        size = len(call.root)
         taken: list[tuple[int, int, bytes]] = []
         answers = self.client.stream(
             carrier.address,
@@ -603,16 +666,10 @@ class GroupedExchange:
             fields = Fields.loose(frame.header, "slice chunk")
             with refusing("BAD_HEADER"):
                 a, b = fields.integer("a"), fields.integer("b")
-                if a == lo and fields.has("x"):
+                if fields.has("x"):
                     lost = tuple(
                         sorted(
-                            set(
-                                fields.items(
-                                    "x",
-                                    lambda v, w: check_int(v, w, high=len(group.members) - 1),
-                                    max_len=len(group.members),
-                                )
-                            )
+                            set(fields.items("x", lambda v, w: check_int(v, w, high=size - 1), max_len=size))
                         )
                     )
             what = f"slice {j} chunk [{a}, {b}) from {carrier.peer_id}"
@@ -621,6 +678,10 @@ class GroupedExchange:
             if len(frame.payload) > max_chunk_payload(b - a):
                 raise invalid("SIZE_MISMATCH", f"{what}: {len(frame.payload)} bytes for {b - a} values")
             spent.received += wire_size(frame)
+            if ranges and ranges[-1][2] == lost and ranges[-1][1] == a:
+                ranges[-1] = (ranges[-1][0], b, lost)
+            else:
+                ranges.append((a, b, lost))
             target = mean[a:b]
             if raw:
                 target.copy_(raw_view(frame.payload, b - a, what))
@@ -636,7 +697,7 @@ class GroupedExchange:
             raise invalid("TRUNCATED", f"slice {j} from {carrier.peer_id}: ended at {at}, expected {hi}")
         if kept is not None:
             kept.extend(taken)
-        return lost
+        return tuple(ranges)
 
     async def _on_slice(self, ctx: CallContext, requests: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
         first = await anext(requests, None)
@@ -689,10 +750,11 @@ class GroupedExchange:
                 state.failure,
                 f"round {state.round_id}: slice {request.index} failed here",
             )
-        for k, (a, b, data) in enumerate(chunks):
-            frame = Frame(
-                {"a": a, "b": b, "x": list(state.lost)} if k == 0 and state.lost else {"a": a, "b": b}, data
-            )
+        said: tuple[int, ...] = ()  # the members the mean lacks, as our frames said so far
+        for a, b, data in chunks:
+            lost = lost_at(state.lost, a, b)
+            frame = Frame({"a": a, "b": b, "x": list(lost)} if lost != said else {"a": a, "b": b}, data)
+            said = lost
             state.served_bytes += wire_size(frame)
             state.served_values += b - a
             yield frame
@@ -716,6 +778,27 @@ class GroupedExchange:
         for group_id, (round_id, _) in list(self._uses.items()):
             if round_id < self._newest - (ROUNDS_KEPT - 1):
                 del self._uses[group_id]
+
+
+def lost_at(ranges: Ranges, a: int, b: int) -> tuple[int, ...]:
+    """The members a slice's mean lacks over chunk [a, b): the range holding it (a chunk never straddles two)."""
+    for start, end, lost in ranges:
+        if start <= a < end:
+            if b > end:
+                raise RuntimeError(f"chunk [{a}, {b}) straddles the end {end} of a range of the slice")
+            return lost
+    raise RuntimeError(f"chunk [{a}, {b}) is outside the slice's ranges")
+
+
+def merged(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Ordered ranges, the adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
 
 
 async def _all_refuse(members: Sequence[GroupMember], deadline: float) -> bool:
@@ -744,6 +827,7 @@ class _Call:
 
     group: Group
     codec: TensorCodec
+    begun: float  # loop time the stages are timed from, alike on every member
     deadline: float
     depth: int  # 0: the round's group; d + 1: a column of depth d in rows and columns itself
     keep: bool  # the result carries the mean's coded chunks
@@ -754,6 +838,9 @@ class _Call:
     use: int
     spent: _Spent
     started: float
+    root: tuple[str, ...]  # the round's members, in the round's group order: losses are told as their indices
+    cover: dict[str, frozenset[int]]  # by member of `group`: the round's members its contribution brings
+    lost_in: tuple[int, ...]  # the round's members our contribution lacks
 
 
 @dataclass

@@ -504,3 +504,80 @@ def test_a_carrier_that_dies_after_its_row_leaves_its_slice_to_the_other_rows(wh
             nodes[index].exchange.close()
 
     run(body())
+
+
+@pytest.mark.parametrize(("position", "codec_name"), [(0, "raw"), (2, "int8")])
+def test_a_member_lost_below_a_nested_column_is_carried_range_by_range(
+    position: int, codec_name: str
+) -> None:
+    """12 members in rows of at most 3: 4 rows, so each column (4 carriers) is itself in rows and columns one
+    level down (2 rows of 2). A carrier X that never comes: its row goes on without it, and in its nested column
+    its row-mate there goes on alone, so of X's slice one sub-slice lacks X's row and that row-mate's row, the other
+    X's row; every other slice lacks X alone. The round commits in rows, every member with the same bits, and
+    every member names the same contributors, partial members and (its own) withheld ranges."""
+    count, size, numel = 12, 3, 20_000
+
+    async def body() -> None:
+        nodes, group = await start_nodes(count)
+        exchanges = grouped(nodes, size)
+        plan = layout(group, size)
+        assert len(plan.rows) == 4 and plan.slices == 3
+        missing = plan.rows[0][position].peer_id
+        column = Group.make(group.round_id, list(plan.column(position)))
+        sub = layout(column, size)
+        assert [len(row) for row in sub.rows] == [2, 2] and sub.slices == 2
+        s, k = sub.row_of(missing)
+        mate = sub.rows[s][1 - k].peer_id  # X's row-mate one level down: it goes on alone
+
+        def row_of(peer: str) -> set[str]:
+            return {m.peer_id for m in plan.rows[plan.row_of(peer)[0]]}
+
+        row0, mates = row_of(missing), row_of(mate)
+        lo, hi = plan.bounds(numel, position)
+        inner = [(lo + a, lo + b) for a, b in (sub.bounds(hi - lo, j) for j in range(sub.slices))]
+        lost: list[tuple[int, int, set[str]]] = []
+        for j in range(plan.slices):
+            if j != position:
+                lost.append((*plan.bounds(numel, j), {missing}))
+        lost.append((*inner[k], row0 | mates))  # X's sub-slice: its sub-row's column went on without X
+        lost.append((*inner[1 - k], set(row0)))  # the mate's: its sub-row's mean lacks X's row
+        try:
+            codec = CODECS[codec_name]()
+            inputs = {n.peer_id: make_input(i, numel) for i, n in enumerate(nodes)}
+            went = [n.peer_id for n in nodes if n.peer_id != missing]
+            results = await asyncio.gather(
+                *(
+                    ex.average(group, inputs[nodes[i].peer_id], codec, timeout=10)
+                    for i, ex in enumerate(exchanges)
+                    if nodes[i].peer_id != missing
+                )
+            )
+            expected = torch.empty(numel)
+            for a, b, gone in lost:
+                kept = [x[a:b] for p, x in sorted(inputs.items()) if p not in gone]
+                expected[a:b] = torch.stack(kept).double().mean(0).float()
+            for peer, result in zip(went, results, strict=True):
+                assert result.path == "rows"
+                assert torch.equal(result.averaged, results[0].averaged)
+                assert result.contributors == tuple(sorted(went))
+                assert result.partial == tuple(sorted((row0 | mates) - {missing}))
+                mine = sorted((a, b) for a, b, gone in lost if peer in gone)
+                joined: list[tuple[int, int]] = []
+                for a, b in mine:
+                    joined = (
+                        [*joined[:-1], (joined[-1][0], b)]
+                        if joined and joined[-1][1] == a
+                        else [*joined, (a, b)]
+                    )
+                assert result.withheld == tuple(joined), peer
+            # int8: each contribution coded once (row), each row's mean once (the nested column's row), each
+            # of those means once (its column).
+            bound = (
+                4 * max(float(x.abs().max()) for x in inputs.values()) / 127 if codec_name == "int8" else 1e-6
+            )
+            assert float((results[0].averaged - expected).abs().max()) <= bound
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    run(body())

@@ -220,9 +220,10 @@ def test_group_sim_runs_and_its_figures_hold() -> None:
     by_plan = {r["plan"]: r for r in churned}
     assert by_plan["flat"]["msgs_max"] > 2 * 26  # a retry
     assert by_plan["tree"]["err"] < 0.2 and by_plan["tree"]["hops"] == 6
-    # a round with a drop falls back to the flat exchange: it commits, at a flat retry's cost
-    assert by_plan["rows"]["fell_back"] > 0 and by_plan["rows"]["committed"] == 1
-    assert by_plan["rows"]["conns_max"] == 26
+    # nested columns (9 rows of 3) carry the drops too: every round commits in rows, nobody talks to more than
+    # its row and its nested column's row and column (and their retries), and some live members miss a range
+    assert by_plan["rows"]["fell_back"] == 0 and by_plan["rows"]["committed"] == 1
+    assert by_plan["rows"]["conns_max"] <= 6 and 0 < by_plan["rows"]["partial"] < 1
 
 
 def test_group_sim_rows_are_the_exchanges_layout_nested_and_exact() -> None:
