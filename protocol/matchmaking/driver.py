@@ -700,6 +700,10 @@ class DHTMatchmaker:
         # same, each peer holding their records knows the group at once (rules.one_hop_sets). Never a set of us
         # alone: a peer whose member table is still empty would freeze by itself while others are in the round.
         expected = self._expected(round_id, live, now, me.peer_id) | {me.peer_id}
+        # Members past this round before we are ready for it: no group of it can hold us and them.
+        left_before_us = frozenset(
+            r.peer_id for r in live if r.peer_id != me.peer_id and self.round_of(r, now) > round_id
+        )
         mine = ReadyRecord(
             me.peer_id,
             me.address,
@@ -758,6 +762,7 @@ class DHTMatchmaker:
                     catching_up=catching_up,
                     ahead=frozenset(r.peer_id for r in live if self.round_of(r, now) > round_id),
                     leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
+                    left_before_us=left_before_us,
                 )
                 decision = decide(
                     round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout

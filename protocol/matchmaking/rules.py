@@ -24,7 +24,10 @@ class RoundView:
     already exist); `leaving`: peer ids whose member record says 'leaving' (never waited for, never grouped);
     `catching_up`: the members of `expected` that are there because their record says they are fetching the
     swarm's state (`syncing`, at this round or behind): waited for like the others, but one that misses the
-    freeze says nothing about how long stragglers need (no `StragglerWait` sample).
+    freeze says nothing about how long stragglers need (no `StragglerWait` sample); `left_before_us`: members
+    that were past this round already when our ready record was made (a member moves past a round once its
+    group froze, and a group holds only members whose ready records came before it froze, so none of those
+    groups holds us).
     """
 
     now: float
@@ -34,6 +37,7 @@ class RoundView:
     ahead: frozenset[str] = frozenset()
     leaving: frozenset[str] = frozenset()
     catching_up: frozenset[str] = frozenset()
+    left_before_us: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,16 @@ def decide(
             group_formed=True,
         )
 
+    # Every other member we know of had left this round before we were ready for it (a node that joined the
+    # round while fetching the state it started from, and found it over once its first inner steps were done):
+    # no group of it can hold us, so we are late now rather than at give_up_at.
+    others = (view.expected | view.ready.keys() | view.ahead) - {me.peer_id}
+    if view.left_before_us and not others - view.left_before_us:
+        return Late(
+            f"round {round_id}: every other member had left it before we were ready: "
+            f"{len(view.left_before_us)} member(s) are past it ({', '.join(sorted(view.left_before_us))})",
+            group_formed=True,
+        )
     now = view.now
     if me.peer_id in plan.candidates:
         rank = plan.candidates.index(me.peer_id)

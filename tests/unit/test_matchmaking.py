@@ -282,6 +282,26 @@ def test_a_peer_that_finds_no_group_while_others_are_past_the_round_takes_their_
     assert "2 member(s) are past it (p1, p5)" in gave_up.reason
 
 
+def test_a_peer_ready_after_every_other_member_left_the_round_is_late_at_once() -> None:
+    """A node that joined round 7 while fetching the state it started from, and was ready for it only after
+    every other member had moved past it (their records or announcements said round 8 when its ready record was
+    made): no group of round 7 can hold it, so it is late at once (taking the swarm's state), not a match timeout
+    later (the round opened, as it sees it, with its own ready record: the others' are not read here)."""
+    seen = {"p9": 30.0}
+    past = frozenset({"p1", "p2"})
+    assert isinstance(run("p9", replace(view(30.01, seen, {"p9"}), ahead=past)), Wait)  # without it: the wait
+    joiner = replace(view(30.01, seen, {"p9"}), ahead=past, left_before_us=past)
+    late = run("p9", joiner)
+    assert isinstance(late, Late) and late.group_formed
+    assert (
+        "every other member had left it before we were ready: 2 member(s) are past it (p1, p2)" in late.reason
+    )
+    # A member that was still in the round when we were ready may group with us: we wait as before.
+    assert isinstance(run("p9", replace(joiner, expected=frozenset({"p9", "p3"}))), Wait)
+    # Members that left only after we were ready may have frozen a group holding us: its record settles it.
+    assert isinstance(run("p9", replace(joiner, left_before_us=frozenset({"p1"}))), Wait)
+
+
 # ------------------------------------------------------------------------------------------- the one-hop freeze
 
 
