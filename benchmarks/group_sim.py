@@ -30,11 +30,11 @@ The plans:
 - **rows**: the exchange's `GroupedExchange` (`farloco.protocol.exchange.grouped`, `run.exchange_group_size`),
   with its own layout and nesting: rows of at most G average the whole contributions (the flat arithmetic),
   column i averages slice i of the row means weighted by each row's weight (a column of more than G: in rows
-  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. With at
-  most G rows a drop is carried through the round (a row or column goes on without the lost member; a lost
-  carrier's slice is the other rows' mean: `partial`, the share of live members missing from some slice);
-  with nesting a round with a drop fails in rows and the members fall back to the flat exchange among the
-  group, which drops the lost ones (`fell back`: the share of rounds that did).
+  and columns itself, one level down), each carrier sends its slice to its row. One hash per round. A drop is
+  carried through the round at any depth (a row or column goes on without the lost member; a lost carrier's
+  slice, or one level down part of it, is the other rows' mean: `partial`, the share of live members missing
+  from some range of the mean, and in brackets the share of the live members' contributed values missing
+  from it, which their error feedback keeps for the next round).
 - **moshpit**: `moshpit_plan`; each round a reduce-scatter and all-gather inside each line of the grid, with
   farloco.optim's codec on every slice. Its replicas differ after a round, so its `err` is after d rounds over
   the same vectors (d = the grid's dimensions: the rounds it takes to mix), and `spread` gives the RMS
@@ -555,12 +555,17 @@ def rows_round(sim: Sim, round_id: int, x: torch.Tensor, drops: dict[str, float]
     everywhere = set.intersection(*(gone for _, _, gone in result.lost))
     somewhere = set().union(*(gone for _, _, gone in result.lost))
     partial = {m for m in somewhere - everywhere if m not in drops}
+    numel = result.mean.numel()
+    withheld = sum((b - a) * len(gone - drops.keys()) for a, b, gone in result.lost) / (
+        numel * len(survivors)
+    )
     conns = {m: len(cost.peers[m]) for m in sim.ids}
     row = sim.summary(
         survivors, cost.msgs, conns, cost.sent, hops, result.end, result.prop, rel_error(result.mean, exact)
     )
     row["fell_back"] = 0.0
     row["partial"] = len(partial) / max(1, len(survivors))
+    row["withheld"] = withheld
     return row
 
 
@@ -725,6 +730,8 @@ def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["committed"] = statistics.fmean(r.get("committed", 1.0) for r in rows)
     out["fell_back"] = statistics.fmean(r.get("fell_back", 0.0) for r in rows)
     out["partial"] = statistics.fmean(r.get("partial", 0.0) for r in rows)
+    if "withheld" in rows[0]:
+        out["withheld"] = statistics.fmean(r["withheld"] for r in rows)
     for key in ("msgs_max", "conns_max", "kb_max", "hops"):
         out[key] = max(r[key] for r in rows)
     out["latency_s"] = statistics.median(r["latency_s"] for r in rows)
@@ -758,12 +765,13 @@ def markdown(rows: list[dict[str, Any]], s: Settings) -> str:
     for r in rows:
         hops = f"{r['hops']}" + (f" (x{r['dims']} to mix)" if r["plan"] == "moshpit" else "")
         spread = " / ".join(f"{v:.2g}" for v in r.get("spread", [])) or ""
+        withheld = f" ({r['withheld']:.2%})" if r.get("withheld") else ""
         lines.append(
             f"| {r['peers']} | {r['plan']} | {r['msgs_mean']:.1f} | {r['msgs_max']} | "
             f"{r['conns_mean']:.1f} | "
             f"{r['conns_max']} | {r['kb_mean']:.1f} | {r['kb_max']:.1f} | {hops} | {r['prop_ms']:.0f} | "
             f"{r['latency_s']:.2f} | {r.get('committed', 1.0):.0%} | {r.get('fell_back', 0.0):.0%} | "
-            f"{r.get('partial', 0.0):.1%} | "
+            f"{r.get('partial', 0.0):.1%}{withheld} | "
             f"{r['err']:.2g} | {spread} |"
         )
     return "\n".join(lines)
