@@ -121,6 +121,7 @@ def assert_left_cleanly(run_dirs: list[Path], output: str) -> None:
     assert "Killed" not in output and '"level": "ERROR"' not in output, output[-3000:]
 
 
+@pytest.mark.timeout(450)  # two jobs, the second with a 120 s limit
 def test_the_sbatch_runs_leaves_and_resumes_on_a_real_slurm_cluster(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -161,17 +162,19 @@ def test_the_sbatch_runs_leaves_and_resumes_on_a_real_slurm_cluster(
     }
 
     # 3. The next job resumes from those checkpoints, trains on together, and leaves before its time limit
-    # by itself (a 60 s limit, a margin of 10 + 1 + 20 s, three times the leave's bound: it asks the nodes to leave
-    # ~26 s in). With a 30 s slack (leave ~16 s in) a loaded machine took 13 of those 16 s to start the nodes
-    # and their ranks, and the leave came before their first round together.
+    # by itself (a 120 s limit, a margin of 10 + 1 + 20 s, three times the leave's bound: it asks the nodes to
+    # leave ~85 s in). With a 30 s slack (leave ~16 s in) a loaded machine took 13 of those 16 s to start the
+    # nodes and their ranks, and the leave came before their first round together; with a 60 s limit the script
+    # itself refused to start on a machine busy with two other processes (its start and its `farloco config`
+    # calls took more than the 19 s a 60 s job leaves above the margin and FARLOCO_MIN_TRAIN).
     second = cluster.sbatch(
         *fit,
-        "--time=1",
+        "--time=2",
         str(SBATCH),
         env={**env, "FARLOCO_LEAVE_SLACK": "20", "FARLOCO_MIN_TRAIN": "10"},
         cwd=ROOT,
     )
-    fields = cluster.wait_job(second, 90)
+    fields = cluster.wait_job(second, 150)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, output(second))
     assert "asking every node to leave" in output(second), output(second)
     for run_dir in run_dirs:  # each node from its newest checkpoint of the first job
