@@ -35,10 +35,19 @@ async def cancel_and_wait(task: asyncio.Future[Any] | None, *, timeout: float = 
         if not done:
             name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
             logger.error("task %s did not end within %.1f s of being cancelled; leaving it", name, timeout)
+            # Its outcome, whenever it comes, is consumed too (else asyncio logs "exception was never
+            # retrieved" for it at garbage collection).
+            task.add_done_callback(_consume)
             return False
     if not task.cancelled() and task.exception() is not None:
         logger.debug("cancelled task ended with %r", task.exception())
     return True
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Mark a finished task's outcome as seen (its exception, if any, is of no use to anyone any more)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def wait_for(awaitable: Awaitable[T], timeout: float | None) -> T:
@@ -54,7 +63,9 @@ async def wait_for(awaitable: Awaitable[T], timeout: float | None) -> T:
     try:
         done, _ = await asyncio.wait({inner}, timeout=timeout)
     except BaseException:
-        if not inner.done():
+        if inner.done():  # it ended in the turn we were cancelled in: its outcome goes unused, consume it
+            _consume(inner)
+        else:
             await cancel_and_wait(inner)
         raise
     if not done:
