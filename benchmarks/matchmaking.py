@@ -204,8 +204,7 @@ def worker_farloco(rank: int, peers: int, rounds: int, work: float, host: str) -
         # Heartbeats from the start: with many peers on few cores the table fills more slowly than a record's
         # TTL (8 s), and a record published once would expire before the last peer saw it.
         beats = asyncio.create_task(heartbeat())
-        while len(await membership.members()) < peers:  # everyone in the table before round 0
-            await asyncio.sleep(0.2)
+        await fill_table(membership, peers, rank)
         codec = get_codec("fp32")
         tensor = torch.full((NUMEL,), float(rank))
         log: list[dict[str, Any]] = []
@@ -406,6 +405,29 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
         "filed_to_known_p50_ms": q(0.5, filed_to_known),
         "filed_to_known_p90_ms": q(0.9, filed_to_known),
     }
+
+
+TABLE_PATIENCE = 300.0  # seconds a peer waits for every member in its table before round 0
+
+
+async def fill_table(membership: Any, peers: int, rank: int) -> None:
+    """Wait until `membership`'s table holds all `peers` members; what it holds every 30 s, and a clear error
+    past TABLE_PATIENCE (a peer that never sees another would otherwise hold the run for good)."""
+    waited = told = time.monotonic()
+    while True:
+        seen = await membership.members()
+        if len(seen) >= peers:
+            return
+        now = time.monotonic()
+        if now - told > 30:
+            told = now
+            print(f"peer {rank}: table holds {len(seen)} of {peers} members", file=sys.stderr, flush=True)
+        if now - waited > TABLE_PATIENCE:
+            raise RuntimeError(
+                f"peer {rank}: the member table held {len(seen)} of {peers} members after {TABLE_PATIENCE:.0f} s: "
+                f"{sorted(r.peer_id[-8:] for r in seen)}"
+            )
+        await asyncio.sleep(0.2)
 
 
 def drive(procs: list[subprocess.Popen[str]], what: str) -> list[dict[str, Any]]:

@@ -5,11 +5,12 @@ inbox of records that arrive for rounds around ours, the waits and the late answ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,6 +55,9 @@ from farloco.util.tasks import cancel_and_wait
 logger = logging.getLogger("farloco.protocol.matchmaking")
 T = TypeVar("T")
 STORE_ATTEMPTS = 4
+# Seconds a ready or group record's DHT copy waits behind the links' pushes (at most leader_timeout / 16): longer
+# than a freeze takes on loopback, short beside the leader_timeout / 2 in which a record must reach every peer.
+COPY_DELAY = 0.1
 KNOCK_EVERY = 1.0  # seconds between knocks at a vanished member's address
 # A vanished member that answers (alive: its record lapsed, as under load) is knocked at half as often after
 # each answer, down to every KNOCK_EVERY * 2**KNOCK_BACKOFF_STEPS seconds: on an overloaded swarm every record
@@ -124,6 +128,7 @@ class DHTMatchmaker:
         server: Any = None,
         client: Any = None,
         push_timeout: float = 2.0,
+        copy_delay: float = COPY_DELAY,
     ) -> None:
         if not 0 < min_poll_interval <= poll_interval:
             raise ValueError(
@@ -133,6 +138,8 @@ class DHTMatchmaker:
             raise ValueError("links need both the gRPC server and the client (or neither)")
         if not push_timeout > 0:
             raise ValueError(f"push_timeout must be > 0, got {push_timeout}")
+        if not copy_delay >= 0:
+            raise ValueError(f"copy_delay must be >= 0, got {copy_delay}")
         self.dht = dht
         self.run_name = run_name
         self.membership = membership
@@ -141,6 +148,7 @@ class DHTMatchmaker:
         self.min_poll_interval = min_poll_interval
         self.client = client
         self.push_timeout = push_timeout
+        self.copy_delay_max = copy_delay
         # Pushes ride the kept-open links to the members (protocol/links.py); False sends each as a gRPC call
         # (benchmarks/matchmaking.py --no-links compares the two).
         self.over_links = True
@@ -456,7 +464,36 @@ class DHTMatchmaker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _push(self, address: str, method: str, header: dict[str, Any], round_id: int) -> bool:
+    def copy_delay(self, leader_timeout: float) -> float:
+        """How long a DHT copy of a round's record waits behind the links' pushes: `copy_delay`, at most
+        `leader_timeout / 16` (what the agreement argument's `leader_timeout / 2` bound can spare)."""
+        return min(self.copy_delay_max, leader_timeout / 16)
+
+    @staticmethod
+    async def _after_freeze(
+        store: Coroutine[Any, Any, Any], delay: float, now: asyncio.Event | None = None
+    ) -> None:
+        """Run `store` once `delay` seconds passed (real time), or at once when `now` is set."""
+        try:
+            if now is None:
+                await asyncio.sleep(delay)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(now.wait(), delay)
+        except BaseException:
+            store.close()
+            raise
+        await store
+
+    async def _push(
+        self,
+        address: str,
+        method: str,
+        header: dict[str, Any],
+        round_id: int,
+        *,
+        failed: asyncio.Event | None = None,
+    ) -> bool:
         from farloco.protocol.rpc import Frame, RpcError
 
         assert self.client is not None
@@ -473,6 +510,8 @@ class DHTMatchmaker:
             )
         except (RpcError, OSError) as exc:
             self.counters["pushes_failed"] += 1
+            if failed is not None:  # its DHT copy now: the peer we missed reads it there
+                failed.set()
             logger.debug("round %d: %s to %s failed: %s", round_id, method, address, exc)
             return False
         self.counters["pushes_ok"] += 1
@@ -721,6 +760,10 @@ class DHTMatchmaker:
             raise MatchmakingError(f"the DHT refused our ready record for round {round_id} under {key}")
         pushed: set[str] = {me.peer_id}  # peers our ready record went to (or that we gave up on)
         stored = not linked  # our ready record's DHT copy is under way (without links: stored above)
+        # The DHT copies are the links' fallback: they wait `copy_delay` (or a push of ours that failed), so
+        # their stores do not take the cores the round's pushes need while it freezes (class docstring).
+        copy_delay = self.copy_delay(leader_timeout)
+        push_failed = asyncio.Event()
         dht = _DHTView({}, {}, [])
         poller = asyncio.ensure_future(
             self._poll(round_id, dht, wake, pushed_to=me.dialable, leader_timeout=leader_timeout)
@@ -745,11 +788,21 @@ class DHTMatchmaker:
                         if peer_id not in pushed:
                             pushed.add(peer_id)
                             self._spawn(
-                                self._push(address, READY_METHOD, RecordPush(mine).encode(), round_id)
+                                self._push(
+                                    address,
+                                    READY_METHOD,
+                                    RecordPush(mine).encode(),
+                                    round_id,
+                                    failed=push_failed,
+                                )
                             )
-                    if not stored:  # the DHT copy after the pushes: its work in this process goes second
+                    if not stored:  # the DHT copy after the pushes, held back while the round freezes
                         stored = True
-                        self._spawn(self._store_ready(key, mine, expiration))
+                        self._spawn(
+                            self._after_freeze(
+                                self._store_ready(key, mine, expiration), copy_delay, push_failed
+                            )
+                        )
                 groups = list(dht.groups)
                 groups += [g for g in self._groups_in.get(round_id, {}).values() if g.leader in ready]
                 catching_up = self._catching_up(round_id, live, now, me.peer_id)
@@ -773,19 +826,29 @@ class DHTMatchmaker:
                     if decision.one_hop:
                         self.counters["one_hop"] += 1
                         # Every member derives the group itself: nothing to relay. Its two lowest peer ids (one
-                        # survives either's death) push it to the others, so a member one of whose ready records
-                        # is slow or lost has it two hops after the last ready record, not at its next DHT read;
-                        # and keep a DHT copy, which tells peers the records missed that they are late.
+                        # survives either's death) push it to the others `copy_delay` later, so a member one of
+                        # whose ready records is slow or lost has it then, not at its next DHT read; and keep a
+                        # DHT copy, which tells peers the records missed that they are late.
                         if me.peer_id in [m.peer_id for m in decision.group.members[:2]]:
                             if linked and not any(g.group == decision.group for g in groups):
-                                self._relay(chosen, me)
-                            self._spawn(self._store(group_key, chosen.to_wire(), expiration))
+                                # after `copy_delay`: the others derive it from the same records meanwhile,
+                                # and these pushes would take the cores their last record needs to reach them
+                                self._relay(chosen, me, copy_delay)
+                            self._spawn(
+                                self._after_freeze(
+                                    self._store(group_key, chosen.to_wire(), expiration), copy_delay
+                                )
+                            )
                     elif linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)
                         # A DHT copy under our key too: if the leader died having reached only us and our relays
                         # are lost, the next candidate must still see this group before its window opens, or it
                         # freezes a second one (tests/unit/test_matchmaking_links.py finds such rounds without it).
-                        self._spawn(self._store(group_key, chosen.to_wire(), expiration))
+                        self._spawn(
+                            self._after_freeze(
+                                self._store(group_key, chosen.to_wire(), expiration), copy_delay
+                            )
+                        )
                     self.last_leader = chosen.leader
                     self._last_group = (round_id, {m.peer_id: m.address for m in decision.group.members})
                     self._sample(decision.group, view, match_timeout, leader_timeout, decision.one_hop)
@@ -834,13 +897,15 @@ class DHTMatchmaker:
             plan = schedule(view, match_timeout=match_timeout, leader_timeout=leader_timeout)
             self.straggler.observe(spread_sample(group, view, plan))
 
-    def _relay(self, record: GroupRecord, me: GroupMember) -> None:
-        """Pass the group on once to its other members (the leader may have reached only some)."""
+    def _relay(self, record: GroupRecord, me: GroupMember, delay: float = 0.0) -> None:
+        """Pass the group on once to its other members (the leader may have reached only some), after `delay`
+        seconds (real time)."""
         self.counters["relayed"] += 1
         header = RecordPush(record).encode()
         for member in record.group.members:
             if member.peer_id not in (me.peer_id, record.leader) and member.dialable:
-                self._spawn(self._push(member.address, GROUP_METHOD, header, record.group.round_id))
+                push = self._push(member.address, GROUP_METHOD, header, record.group.round_id)
+                self._spawn(self._after_freeze(push, delay) if delay > 0 else push)
 
     async def _publish(
         self, record: GroupRecord, view: RoundView, live: Sequence[Any], group_key: str, expiration: float

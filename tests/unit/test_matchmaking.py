@@ -770,6 +770,68 @@ def test_linked_peers_form_their_group_while_their_dht_reads_hang(
 
 
 @pytest.mark.dht
+def test_a_ready_records_dht_copy_waits_behind_the_pushes_unless_a_push_fails(
+    dht_swarm: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The DHT copy of a linked peer's ready record goes `copy_delay` after the record, so its store is not on the
+    cores the round's pushes need while it freezes: two members freeze in one hop first, each copy then stored.
+    When a push fails (a third member whose address refuses), the copy goes at once, for the member it missed."""
+    import socket
+
+    a, b, c = dht_swarm(3)
+    delay = 0.6  # at most leader_timeout / 16 = 0.625 here
+
+    async def main() -> None:
+        async with linked((a, b)) as (makers, mes):
+            stored: dict[int, list[float]] = {0: [], 1: []}
+            for i, mk in enumerate(makers):
+                mk.copy_delay_max = delay
+                real = mk._store_ready
+
+                async def timed(key: str, mine: Any, expiration: float, i: int = i, real: Any = real) -> bool:
+                    stored[i].append(time.perf_counter())
+                    return bool(await real(key, mine, expiration))
+
+                monkeypatch.setattr(mk, "_store_ready", timed)
+            for p, me in zip((a, b), mes, strict=True):
+                await p.membership.publish(rec(me.peer_id, round_id=50, address=me.address))
+            for p in (a, b):
+                await p.membership.refresh()
+            started = time.perf_counter()
+            groups = await asyncio.gather(
+                *(
+                    mk.form_group(50, me, match_timeout=20.0, leader_timeout=10.0)
+                    for mk, me in zip(makers, mes, strict=True)
+                )
+            )
+            known = time.perf_counter()
+            assert len({g.group_id for g in groups}) == 1 and len(groups[0].members) == 2
+            assert stored == {0: [], 1: []}, "a copy was stored before the round froze"
+            assert known - started < delay
+            await asyncio.sleep(delay + 1.0)
+            assert all(len(times) == 1 and times[0] - started >= delay for times in stored.values()), stored
+
+            # A member whose address refuses: our push to it fails, and our copy goes at once.
+            with socket.socket() as closed:
+                closed.bind(("127.0.0.1", 0))
+                refusing = f"127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: refused
+                await a.membership.publish(rec(mes[0].peer_id, round_id=51, address=mes[0].address))
+                await c.membership.publish(rec(c.me.peer_id, round_id=51, address=refusing))
+                await a.membership.refresh()
+                assert c.me.peer_id in {r.peer_id for r in a.membership.core.live(a.membership.clock.now())}
+                started = time.perf_counter()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        makers[0].form_group(51, mes[0], match_timeout=20.0, leader_timeout=10.0), delay
+                    )
+            assert len(stored[0]) == 2 and stored[0][1] - started < delay / 2, (stored[0], started)
+            assert makers[0].counters["pushes_failed"] >= 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.dht
 def test_a_ready_record_the_links_missed_is_read_near_the_round_key_without_a_walk(
     dht_swarm: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

@@ -35,10 +35,11 @@ from farloco.protocol.matchmaking import (
 from farloco.protocol.types import Group, GroupMember
 
 M, L = 1.0, 0.4  # match_timeout, leader_timeout
-DHT_DELAY = 0.12  # a DHT copy reaches every reader within this (global time)
+COPY_DELAY = L / 16  # as the driver: a record's DHT copy waits this behind the pushes (at once if one failed)
+DHT_DELAY = 0.095  # a DHT copy, once stored, reaches every reader within this (global time)
 LINK_DELAY = 0.08  # a push that is not lost arrives within this
 MEMBER_TTL = 1.5  # a dead peer's member record still says its round this long
-SKEW = 0.03  # each peer's clock is off by at most this; DHT_DELAY + 2 * SKEW < L / 2
+SKEW = 0.03  # each peer's clock is off by at most this; COPY_DELAY + DHT_DELAY + 2 * SKEW < L / 2
 
 
 def member(peer_id: str) -> GroupMember:
@@ -93,13 +94,17 @@ class Sim:
                 seen[writer] = value
         return seen
 
-    def push(self, src: str, dst: str, kind: str, record: Any, now: float) -> None:
-        """One unary push: lost (the sender sees a failure and, as the driver, does not retry), or delivered after
-        a random delay, sometimes twice (a retried frame the network duplicated)."""
+    def store_later(self, key: Any, peer: Peer, value: Any, now: float) -> None:
+        """A DHT copy the way the driver makes it: COPY_DELAY after `now`, if its process is still alive then."""
+        self.at(now + COPY_DELAY, peer.name, "store", key, value, peer.incarnation)
+
+    def push(self, src: str, dst: str, kind: str, record: Any, now: float) -> bool:
+        """One unary push: lost (the sender sees a failure and, as the driver, does not retry: False), or
+        delivered after a random delay, sometimes twice (a retried frame the network duplicated)."""
         self.pushes += 1
         if self.rng.random() < self.loss:
             self.lost += 1
-            return
+            return False
         copies = 2 if self.rng.random() < self.duplication else 1
         self.duplicated += copies - 1
         for _ in range(copies):
@@ -111,6 +116,7 @@ class Sim:
                 record,
                 self.peers[dst].incarnation,
             )
+        return True
 
 
 @pytest.mark.parametrize("one_hop", [False, True], ids=["leader", "one-hop"])
@@ -198,13 +204,20 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
                 one_hop_groups += 1
                 published[round_id].append((now, decision.group))
             if peer.name in [m.peer_id for m in decision.group.members[:2]]:
-                # as the driver: its two lowest peer ids push it to the others (when they derived it themselves)
-                # and keep a DHT copy for peers the records missed
+                # as the driver: its two lowest peer ids push it to the others COPY_DELAY later (when they derived
+                # it themselves) and keep a DHT copy for peers the records missed
                 if not any(g.group == decision.group for g in view.groups):
                     for m in decision.group.members:
                         if m.peer_id not in (peer.name, decision.record.leader):
-                            sim.push(peer.name, m.peer_id, "group", decision.record, now)
-                sim.store(("group", round_id), peer.name, decision.record, now)
+                            sim.at(
+                                now + COPY_DELAY,
+                                peer.name,
+                                "relay",
+                                m.peer_id,
+                                decision.record,
+                                peer.incarnation,
+                            )
+                sim.store_later(("group", round_id), peer, decision.record, now)
             finish(peer, round_id, now, decision.group)
         elif isinstance(decision, Joined):
             chosen = min(view.groups, key=lambda g: g.leader)
@@ -216,7 +229,7 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
                 for m in chosen.group.members:
                     if m.peer_id not in (peer.name, chosen.leader):
                         sim.push(peer.name, m.peer_id, "group", chosen, now)
-                sim.store(("group", round_id), peer.name, chosen, now)
+                sim.store_later(("group", round_id), peer, chosen, now)
             finish(peer, round_id, now, decision.group)
         elif isinstance(decision, Publish):
             nonlocal partial_sends
@@ -288,11 +301,24 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
             ready_written[name, round_id] = now
             if published[round_id] and published[round_id][0][0] < now:
                 just_after_freeze += 1
-            sim.store(("ready", round_id), name, record, now)
-            for other in sim.peers:
-                if other != name and not sim.peers[other].dead:
-                    sim.push(name, other, "ready", record, now)
+            delivered = [
+                sim.push(name, other, "ready", record, now)
+                for other in sim.peers
+                if other != name and not sim.peers[other].dead
+            ]
+            if all(delivered):
+                sim.store_later(("ready", round_id), peer, record, now)
+            else:  # a push failed: the copy goes at once, for the peer it missed
+                sim.store(("ready", round_id), name, record, now)
             step(peer, round_id, now)
+        elif kind == "store":
+            key, value, incarnation = args
+            if incarnation == peer.incarnation:
+                sim.store(key, name, value, now)
+        elif kind == "relay":
+            dst, record, incarnation = args
+            if incarnation == peer.incarnation:
+                sim.push(name, dst, "group", record, now)
         elif kind == "deliver":
             what, record, incarnation = args
             if incarnation != peer.incarnation:
@@ -325,7 +351,8 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
                 )
         for name in sim.peers:  # nobody whose ready record reached the leader in time is left out
             written = ready_written.get((name, round_id))
-            if written is not None and written + DHT_DELAY <= frozen_at and name not in died_in[round_id]:
+            reached = None if written is None else written + COPY_DELAY + DHT_DELAY  # every peer, by the DHT
+            if reached is not None and reached <= frozen_at and name not in died_in[round_id]:
                 assert name in names_in, (
                     f"round {round_id}: {name} ready at {written:.3f}, frozen {frozen_at:.3f}"
                 )
