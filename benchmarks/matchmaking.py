@@ -410,9 +410,26 @@ def summarize(reports: list[dict[str, Any]], peers: int, work: float) -> dict[st
 TABLE_PATIENCE = 300.0  # seconds a peer waits for every member in its table before round 0
 
 
+async def routing_view(dht: Any, node: Any) -> dict[str, Any]:
+    """Run in the DHT's process: how many nodes its routing table holds, and whether each initial peer is one."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    table = node.protocol.routing_table
+    known = {peer for _, peer in table.get_nearest_neighbors(node.node_id, k=10_000, exclude=None)}
+    initial = {
+        PeerID.from_base58(Multiaddr(str(m))["p2p"]) for m in (getattr(dht, "initial_peers", None) or [])
+    }
+    return {"routing_table": len(known), "initial_known": sorted(str(p)[-8:] for p in initial & known),
+            "initial_missing": sorted(str(p)[-8:] for p in initial - known)}  # fmt: skip
+
+
 async def fill_table(membership: Any, peers: int, rank: int) -> None:
-    """Wait until `membership`'s table holds all `peers` members; what it holds every 30 s, and a clear error
-    past TABLE_PATIENCE (a peer that never sees another would otherwise hold the run for good)."""
+    """Wait until `membership`'s table holds all `peers` members; what it holds (and what its DHT node's routing
+    table holds) every 30 s, and a clear error past TABLE_PATIENCE (a peer that never sees another would
+    otherwise hold the run for good)."""
+    from farloco.protocol import dhtcall
+
     waited = told = time.monotonic()
     while True:
         seen = await membership.members()
@@ -421,7 +438,15 @@ async def fill_table(membership: Any, peers: int, rank: int) -> None:
         now = time.monotonic()
         if now - told > 30:
             told = now
-            print(f"peer {rank}: table holds {len(seen)} of {peers} members", file=sys.stderr, flush=True)
+            try:
+                routing = await dhtcall.run_in_dht(membership.dht, routing_view, timeout=10.0)
+            except Exception as exc:  # a diagnosis only
+                routing = {"error": repr(exc)}
+            print(
+                f"peer {rank}: table holds {len(seen)} of {peers} members; DHT node: {routing}",
+                file=sys.stderr,
+                flush=True,
+            )
         if now - waited > TABLE_PATIENCE:
             raise RuntimeError(
                 f"peer {rank}: the member table held {len(seen)} of {peers} members after {TABLE_PATIENCE:.0f} s: "

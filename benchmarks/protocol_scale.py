@@ -89,9 +89,10 @@ class InProcessDHT:
     (`store`, `get` with `return_future=True`, `peer_id`): many peers fit in one process without a forked
     DHT child each. Its futures are asyncio futures of the running loop, which `dhtcall` awaits like hivemind's."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, initial_peers: list[str]) -> None:
         self.node = node
         self.peer_id = node.peer_id
+        self.initial_peers = initial_peers  # as hivemind.DHT's: dhtcall.rejoin_initial_peers reads them
         # "store near members", "get round", ...: what each peer asks of the DHT
         self.calls: Counter[str] = Counter()
 
@@ -118,7 +119,7 @@ class InProcessDHT:
             num_workers=4,
             **options,
         )
-        return cls(node)
+        return cls(node, initial_peers)
 
     def store(
         self, key: str, value: Any, expiration: float, *, subkey: Any = None, return_future: bool

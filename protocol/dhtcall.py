@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -256,6 +257,7 @@ async def store_near(
     now = time.monotonic()
     plan = _REPLICAS.get(slot)
     if plan is None or now - plan[0] >= replan_every:
+        rejoin_initial_peers(_dht, node, replan_every)
         ok = bool(await node.store(key, value, expiration, subkey=subkey))
         _remember(slot, _nearest(node, key_id), replan_every)
         return ok
@@ -295,6 +297,56 @@ async def store_near(
     return stored or any(bool(answer and answer[0]) for answer in answered)
 
 
+# In the DHT's process: id(node) -> when `rejoin_initial_peers` last looked at its routing table (monotonic).
+_REJOIN_LOOKED: dict[int, float] = {}
+REJOIN_TIMEOUT = 4.0  # per dial and ping of an initial peer
+
+
+def rejoin_initial_peers(dht: Any, node: Any, every: float) -> int:
+    """Ping back into `node`'s routing table the initial peers (`dht.initial_peers`, hivemind's) it lost; at most
+    once per `every` seconds per node, in the background. Returns how many it tries.
+
+    hivemind drops a node from the routing table when a request to it goes unanswered and re-adds it only when
+    the two talk again, so a node whose requests all timed out (a loaded machine, a cut link) walks among what
+    it has left, for good: its stores stay there and its member table holds what it holds. The initial peers are
+    how a node found the swarm at start; one that answers again is a way back, and the walk after it finds the
+    rest. A plan's walk (`store_near`, `get_near`) calls this first."""
+    initial = getattr(dht, "initial_peers", None)
+    now = time.monotonic()
+    if not initial or now - _REJOIN_LOOKED.get(id(node), -math.inf) < every:
+        return 0
+    _REJOIN_LOOKED[id(node)] = now
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    lost: dict[Any, list[Any]] = {}
+    for text in initial:
+        try:
+            maddr = Multiaddr(str(text))
+            peer = PeerID.from_base58(maddr["p2p"])
+        except Exception:  # an address without /p2p/: nothing to ping
+            continue
+        if peer != node.peer_id and peer not in node.protocol.routing_table:
+            lost.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+
+    async def ping(peer: Any, addresses: list[Any]) -> None:
+        from farloco.util.tasks import wait_for
+
+        with contextlib.suppress(Exception):  # unreachable now: the next look tries again
+            await wait_for(node.p2p._client.connect(peer, addresses), REJOIN_TIMEOUT)
+        with contextlib.suppress(Exception):
+            # an answer puts it back in the routing table (hivemind's update_routing_table)
+            await wait_for(node.protocol.call_ping(peer), REJOIN_TIMEOUT)
+
+    for peer, addresses in lost.items():
+        task = asyncio.ensure_future(ping(peer, addresses))
+        _IN_FLIGHT.add(task)
+        task.add_done_callback(_IN_FLIGHT.discard)
+    if lost:
+        logger.info("the DHT routing table lost %d initial peer(s): pinging them back", len(lost))
+    return len(lost)
+
+
 # How many of the key's replicas a read near the key asks (besides our own storage when we are one of them).
 READ_NEAR_REPLICAS = 2
 
@@ -320,6 +372,7 @@ async def get_near(_dht: Any, node: Any, *, key: str, replan_every: float) -> An
     plan = _REPLICAS.get(slot)
 
     async def walk() -> Any:
+        rejoin_initial_peers(_dht, node, replan_every)
         result = await node.get(key, latest=True, beam_size=READ_BEAM)
         _remember(slot, _nearest(node, key_id), replan_every)
         return result
@@ -385,5 +438,6 @@ def _nearest(node: Any, key_id: Any) -> list[Any]:
 
 
 def forget_replicas() -> None:
-    """Drop every remembered replica set (tests; a DHT process restarted in place)."""
+    """Drop every remembered replica set and rejoin look (tests; a DHT process restarted in place)."""
     _REPLICAS.clear()
+    _REJOIN_LOOKED.clear()

@@ -342,6 +342,51 @@ def test_a_read_near_the_key_asks_a_few_replicas_and_merges_their_entries_withou
     asyncio.run(main())
 
 
+def test_a_node_whose_routing_table_lost_everyone_pings_its_initial_peers_back_at_its_next_walk() -> None:
+    """Real hivemind DHT nodes in this process. A node whose requests all timed out (hivemind then drops the peers
+    from its routing table) walks among what it has left: nothing, so its stores stay with itself and its member
+    table holds itself. Its next walk pings its initial peers first; one that answers is back in the routing
+    table, and the walk after finds the rest: its record reaches the others and it reads theirs."""
+    import types
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    key = "farloco/t/members"
+
+    async def main() -> None:
+        signers, nodes = await signed_nodes(3)
+        a, b, c = nodes
+        dht = types.SimpleNamespace(initial_peers=[str(m) for m in await a.p2p.get_visible_maddrs()])
+
+        async def store(index: int, value: int, replan_every: float) -> bool:
+            return await dhtcall.store_near(
+                dht, nodes[index], key=key, value={"v": value}, expiration=get_dht_time() + 60,
+                subkey=signers[index].local_public_key, replan_every=replan_every,
+            )  # fmt: skip
+
+        try:
+            assert await store(0, 0, 60.0) and await store(2, 2, 60.0)
+            for lost in (a.node_id, c.node_id):  # every request of b's went unanswered
+                del b.protocol.routing_table[lost]
+            assert len(b.protocol.routing_table.uid_to_peer_id) == 0
+            assert await store(1, 1, 60.0)  # a walk among nobody; a ping of a goes out meanwhile
+            for _ in range(100):
+                if a.node_id in b.protocol.routing_table:
+                    break
+                await asyncio.sleep(0.05)
+            assert a.node_id in b.protocol.routing_table
+            assert dhtcall.rejoin_initial_peers(dht, b, 60.0) == 0  # looked at once per `every` at most
+            assert await store(1, 11, 0.0)  # the next walk: through a, to every replica
+            read = await dhtcall.get_near(dht, b, key=key, replan_every=0.0)
+            assert read is not None and {s.local_public_key for s in signers} <= set(read.value)
+            read = await c.get(key, latest=True)
+            assert read is not None and read.value[signers[1].local_public_key].value == {"v": 11}
+        finally:
+            await shut_down(nodes)
+
+    asyncio.run(main())
+
+
 def test_a_wait_for_a_coroutine_in_the_dht_process_that_ends_early_leaves_its_future_alone() -> None:
     """hivemind's DHT process sets a coroutine's result without checking whether the future was cancelled, and
     logged a traceback (InvalidStateError) for each one cancelled: a node leaving while a store or read near a
