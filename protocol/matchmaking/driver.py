@@ -50,7 +50,7 @@ from farloco.protocol.membership import DHTMembership, members_key
 from farloco.protocol.rpc import knock
 from farloco.protocol.types import NO_INBOUND, Group, GroupMember
 from farloco.util.clock import Clock, DHTClock
-from farloco.util.tasks import cancel_and_wait
+from farloco.util.tasks import cancel_and_wait, wait_for
 
 logger = logging.getLogger("farloco.protocol.matchmaking")
 T = TypeVar("T")
@@ -93,8 +93,11 @@ class DHTMatchmaker:
     leader that dies after reaching some members only still reaches all). Pushed messages wake the decision at
     once. The same records are also stored in and read from the DHT in the background (a member our links miss,
     a joiner whose member record we have not seen yet), so the DHT is off the round's critical path: a slow or
-    refusing DHT delays nobody whose link works. A pushed ready record must come from the peer it names (the
-    sender's authenticated peer id), and a group only from one of its members.
+    refusing DHT delays nobody whose link works. The copies (and a one-hop group's relays) wait `copy_delay`
+    behind the pushes, at most `leader_timeout / 16`, and a ready record's copy goes at once when one of its
+    pushes fails: on a loaded machine a copy's store (the DHT child, its libp2p daemon, the replicas') took the
+    cores the last member's pushes needed, and the freeze waited for it. A pushed ready record must come from the
+    peer it names (the sender's authenticated peer id), and a group only from one of its members.
 
     Without links (tests of the DHT path alone) the ready record is stored first and a refusal raises
     MatchmakingError, as before.
@@ -479,7 +482,7 @@ class DHTMatchmaker:
                 await asyncio.sleep(delay)
             else:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(now.wait(), delay)
+                    await wait_for(now.wait(), delay)
         except BaseException:
             store.close()
             raise
