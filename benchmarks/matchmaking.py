@@ -412,14 +412,11 @@ TABLE_PATIENCE = 300.0  # seconds a peer waits for every member in its table bef
 
 async def routing_view(dht: Any, node: Any) -> dict[str, Any]:
     """Run in the DHT's process: how many nodes its routing table holds, and whether each initial peer is one."""
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
+    from farloco.protocol import dhtcall
 
     table = node.protocol.routing_table
     known = {peer for _, peer in table.get_nearest_neighbors(node.node_id, k=10_000, exclude=None)}
-    initial = {
-        PeerID.from_base58(Multiaddr(str(m))["p2p"]) for m in (getattr(dht, "initial_peers", None) or [])
-    }
+    initial = set(dhtcall.peers_of(getattr(dht, "initial_peers", None) or []))
     return {"routing_table": len(known), "initial_known": sorted(str(p)[-8:] for p in initial & known),
             "initial_missing": sorted(str(p)[-8:] for p in initial - known)}  # fmt: skip
 

@@ -316,27 +316,12 @@ def rejoin_initial_peers(dht: Any, node: Any, every: float) -> int:
     if not initial or now - _REJOIN_LOOKED.get(id(node), -math.inf) < every:
         return 0
     _REJOIN_LOOKED[id(node)] = now
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    lost: dict[Any, list[Any]] = {}
-    for text in initial:
-        try:
-            maddr = Multiaddr(str(text))
-            peer = PeerID.from_base58(maddr["p2p"])
-        except Exception:  # an address without /p2p/: nothing to ping
-            continue
-        if peer != node.peer_id and peer not in node.protocol.routing_table:
-            lost.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+    table = node.protocol.routing_table
+    lost = {peer: addrs for peer, addrs in peers_of(initial, node.peer_id).items() if peer not in table}
 
     async def ping(peer: Any, addresses: list[Any]) -> None:
-        from farloco.util.tasks import wait_for
-
         with contextlib.suppress(Exception):  # unreachable now: the next look tries again
-            await wait_for(node.p2p._client.connect(peer, addresses), REJOIN_TIMEOUT)
-        with contextlib.suppress(Exception):
-            # an answer puts it back in the routing table (hivemind's update_routing_table)
-            await wait_for(node.protocol.call_ping(peer), REJOIN_TIMEOUT)
+            await dial_and_ping(node, peer, addresses, REJOIN_TIMEOUT)
 
     for peer, addresses in lost.items():
         task = asyncio.ensure_future(ping(peer, addresses))
@@ -345,6 +330,34 @@ def rejoin_initial_peers(dht: Any, node: Any, every: float) -> int:
     if lost:
         logger.info("the DHT routing table lost %d initial peer(s): pinging them back", len(lost))
     return len(lost)
+
+
+def peers_of(maddrs: Any, me: Any = None) -> dict[Any, list[Any]]:
+    """hivemind PeerID -> its addresses (without the /p2p/ part), from multiaddrs that end in /p2p/<peer id>;
+    malformed ones and `me` are left out."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    by_peer: dict[Any, list[Any]] = {}
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(str(text))
+            peer = PeerID.from_base58(maddr["p2p"])
+        except Exception:  # an address without /p2p/ or malformed: nothing to dial
+            continue
+        by_peer.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+    by_peer.pop(me, None)
+    return by_peer
+
+
+async def dial_and_ping(node: Any, peer: Any, addresses: list[Any], timeout: float) -> bool:
+    """Dial `peer` at `addresses` through `node`'s libp2p daemon, then ping it: an answer puts it (back) in the
+    routing table (hivemind's update_routing_table). Each step bounded by `timeout`; True if it answered."""
+    from farloco.util.tasks import wait_for
+
+    with contextlib.suppress(Exception):  # unreachable now: the ping below says so
+        await wait_for(node.p2p._client.connect(peer, addresses), timeout)
+    return await wait_for(node.protocol.call_ping(peer), timeout) is not None
 
 
 # How many of the key's replicas a read near the key asks (besides our own storage when we are one of them).

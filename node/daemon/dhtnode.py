@@ -306,25 +306,10 @@ async def reach_peers(
     caller's whole 30 s, and the node rejoined 41 s after its peer had (tests/integration/test_netns_partition.py)."""
     import asyncio
 
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    from farloco.util.tasks import wait_for
-
-    by_peer: dict[Any, list[Any]] = {}
-    for text in maddrs:
-        try:
-            maddr = Multiaddr(text)
-            peer = PeerID.from_base58(maddr["p2p"])
-        except Exception:  # an address without /p2p/ or malformed: nothing to dial
-            continue
-        by_peer.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
-    by_peer.pop(node.peer_id, None)
+    by_peer = dhtcall.peers_of(maddrs, node.peer_id)
 
     async def reach(peer: Any, addresses: list[Any]) -> bool:
-        with contextlib.suppress(Exception):  # unreachable now: the ping below says so
-            await wait_for(node.p2p._client.connect(peer, addresses), timeout)
-        return await wait_for(node.protocol.call_ping(peer), timeout) is not None
+        return await dhtcall.dial_and_ping(node, peer, addresses, timeout)
 
     answered = await asyncio.gather(*(reach(p, a) for p, a in by_peer.items()), return_exceptions=True)
     if any(ok is True for ok in answered):
