@@ -61,6 +61,9 @@ MAX_STREAM_SECONDS = 3600.0
 IDLE_SECONDS = 60.0
 POOL_IDLE_SECONDS = 20.0
 POOL_PER_PEER = 8  # idle connections a client keeps per peer (a part's lanes open several at once)
+# After a handler that did not read the client's END (it took the frames it expected), how long the server waits
+# for that END before it closes the connection instead of keeping it for the next stream.
+END_WAIT_SECONDS = 5.0
 _U32 = struct.Struct("<I")
 
 
@@ -694,6 +697,14 @@ class DataServer:
             head, payload = _frame_parts(response, limit, method)
             await conn.write(head, payload)
         await conn.write(_U32.pack(END))
+        if not ended:
+            # A handler that took just the frames it expected (the exchange's) leaves the client's END unread,
+            # and a connection with bytes unread is closed: a new TCP connection (and TLS handshake) for every
+            # stream of every round. The END follows the last frame at once; anything else, or nothing within
+            # END_WAIT_SECONDS, closes the connection as before.
+            with contextlib.suppress(TimeoutError, OSError, ConnectionError, FrameError):
+                async with asyncio.timeout(END_WAIT_SECONDS):
+                    ended = await conn.read_u32() == END
         return ended
 
 

@@ -316,6 +316,50 @@ def test_a_stream_both_sides_ended_leaves_its_connection_to_the_next() -> None:
     run(body)
 
 
+async def taker(ctx: CallContext, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+    """As the exchange's handler: takes just the frames its first header announces, never reads the END."""
+    incoming = frames.__aiter__()
+    first = await anext(incoming)
+    rest = [await anext(incoming) for _ in range(first.header["more"])]
+    yield Frame({"got": 1 + len(rest)}, b"")
+
+
+def test_a_handler_that_took_just_its_frames_still_leaves_the_connection_to_the_next() -> None:
+    """The client's END after the frames the handler took is read by the server, so the connection stays open
+    for the next stream: one TCP (and TLS) handshake for many rounds of the exchange, not one per stream."""
+
+    async def body() -> None:
+        server, address = await started()
+        server.add_stream("Take", taker)
+        client = RpcClient(Authenticator(RUN, SECRET, "client"))
+        try:
+            for round_id in range(4):
+                items = [({"more": 2}, b"a"), ({}, b"b" * 5000), ({}, b"c")]
+                answers = [
+                    f.header["got"]
+                    async for f in client.stream(
+                        address, "Take", frames_of(*items), round_id=round_id, timeout=10, bulk=True
+                    )
+                ]
+                assert answers == [3]
+            assert client.connections.reused == 3
+            # a client that sends more than the handler takes: that connection is closed, the next is new
+            items = [({"more": 0}, b"a"), ({}, b"surplus")]
+            async for _ in client.stream(
+                address, "Take", frames_of(*items), round_id=9, timeout=10, bulk=True
+            ):
+                pass
+            assert client.connections.reused == 4  # the surplus stream went out on a kept connection
+            await asyncio.sleep(0.2)  # the server's close of it (a few turns of this event loop) reaches us
+            assert await doubled(client, address, 1) == [b"\x01" * 200]
+            assert client.connections.reused == 4  # on a new connection: that one was not kept
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(body)
+
+
 def test_a_stream_closed_early_takes_its_connection_with_it() -> None:
     async def body() -> None:
         server, address = await started()
