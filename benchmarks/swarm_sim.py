@@ -9,9 +9,8 @@ What is simulated (a discrete-event simulation; one process, no sockets):
 - **The driver's moves**: at the start of its round's work a peer announces the round to every peer it knows
   (`MatchAt`); when its work is done it pushes its ready record to them (`MatchReady`, declaring the set it
   expects, as the driver does) and stores it in the DHT; a leader pushes its group (`MatchGroup`), a member that
-  learns it from another relays it once and keeps a DHT copy; a one-hop group is pushed to the other members and
-  copied to the DHT by its two lowest peer ids, and copied by each other member whom it did not reach by push
-  within 0.2 s. The DHT is modelled as copies every reader sees after a delay (`--dht-ms`), polled every 0.25 s.
+  learns it from another relays it once and keeps a DHT copy; a one-hop group is pushed to the other members by
+  its two lowest peer ids and copied to the DHT by every member. The DHT is modelled as copies every reader sees after a delay (`--dht-ms`), polled every 0.25 s.
 - **The WAN**: one-way latency of each peer pair = half an RTT drawn once from a log-normal (median `--rtt-ms`,
   `--rtt-sigma`), each message +-10% jitter; with probability `--loss` a message loses a packet and waits for
   TCP's retransmission (at least 200 ms); with probability `--fail` the call fails and the message never
@@ -69,9 +68,6 @@ MATCH_TIMEOUT_MIN = 2.0  # timeouts.match_timeout_min: the floor of the straggle
 LEADER_TIMEOUT = 5.0  # timeouts.leader_timeout
 MEMBER_TTL = 8.0  # timeouts.member_ttl
 POLL = 0.25  # the driver's DHT poll interval with links
-COPY_DELAY = (
-    0.1  # the driver's copy_delay: a one-hop group's copy by a member past its two lowest waits 2x this
-)
 
 
 @dataclass(frozen=True)
@@ -261,10 +257,7 @@ class Simulation:
                     for m in decision.group.members:
                         if m.peer_id not in (peer.name, record.leader):
                             self.push(peer, m.peer_id, "group", record, now)
-                if peer.name in [m.peer_id for m in decision.group.members[:2]]:
-                    self.store(("group", round_id), peer, record, now)
-                else:  # the others' copy, unless the group reached them by push meanwhile
-                    self.at(now + 2 * COPY_DELAY, peer.name, "copy", record, peer.incarnation)
+                self.store(("group", round_id), peer, record, now)  # every member keeps a copy
             elif record.leader != peer.name and round_id not in peer.relayed:
                 peer.relayed.add(round_id)
                 for m in decision.group.members:
@@ -330,13 +323,7 @@ class Simulation:
                     self.outcomes[peer.round_id].setdefault(name, "dead")
                     self.at(now + self.s.restart, name, "restart")
                 continue
-            if kind in ("ready", "poll", "copy") and args[-1] != peer.incarnation:
-                continue
-            if kind == "copy":
-                record = args[0]
-                pushed = peer.groups[record.group.round_id].values()
-                if not any(g.group == record.group for g in pushed):
-                    self.store(("group", record.group.round_id), peer, record, now)
+            if kind in ("ready", "poll") and args[-1] != peer.incarnation:
                 continue
             if kind == "ready":
                 round_id = args[0]

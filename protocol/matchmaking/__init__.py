@@ -19,8 +19,7 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    their records knows it as the last one arrives, with no leader in between (`one_hop_sets`; peers outside it
    are late, once a DHT read holds the set's records: point 7). This is the common round (the same members as
    last time, ready within a few seconds of each other); the leader below settles the rest (a member joining or
-   vanishing, a straggler). Its two lowest peer ids push its group record to the others and keep a DHT copy;
-   the other members keep one too unless that push reached them.
+   vanishing, a straggler). Every member keeps a DHT copy of the set's group record.
 4. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
    (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
    live member whose member record says round r (and is not leaving) is ready and no member's record says

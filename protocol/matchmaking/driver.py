@@ -186,8 +186,7 @@ class DHTMatchmaker:
         # in a row it answered: KNOCK_BACKOFF_STEPS).
         self._knocked: dict[str, tuple[float, str, int]] = {}
         # pushes_ok / pushes_failed / ready_received / groups_received / relayed / rejected / one_hop (groups
-        # frozen in one hop) / knocks (at lapsed members of the last group) / copies_skipped (one-hop groups whose
-        # push reached us, so we kept no DHT copy of our own)
+        # frozen in one hop) / knocks (at lapsed members of the last group)
         self.counters: Counter[str] = Counter()
         if server is not None:
             server.add_unary(READY_METHOD, self._on_ready)
@@ -497,19 +496,6 @@ class DHTMatchmaker:
             store.close()
             raise
         await store
-
-    async def _copy_unless_pushed(
-        self, record: GroupRecord, group_key: str, expiration: float, delay: float
-    ) -> None:
-        """A one-hop group's DHT copy from a member other than its two lowest peer ids: `delay` seconds (real
-        time) after we derived it, unless the group reached us by push meanwhile (its sender, one of the two
-        lowest or a member that joined through their push, keeps a copy of its own)."""
-        await asyncio.sleep(delay)
-        round_id = record.group.round_id
-        if any(g.group == record.group for g in self._groups_in.get(round_id, {}).values()):
-            self.counters["copies_skipped"] += 1
-            return
-        await self._store(group_key, record.to_wire(), expiration)
 
     async def _push(
         self,
@@ -860,27 +846,23 @@ class DHTMatchmaker:
                         self.counters["one_hop"] += 1
                         # Every member derives the group itself: nothing to relay. Its two lowest peer ids (one
                         # survives either's death) push it to the others `copy_delay` later, so a member one of
-                        # whose ready records is slow or lost has it then, not at its next DHT read; and keep a
-                        # DHT copy, which tells peers the records missed that they are late.
-                        lowest = me.peer_id in [m.peer_id for m in decision.group.members[:2]]
-                        if lowest and linked and not any(g.group == decision.group for g in groups):
+                        # whose ready records is slow or lost has it then, not at its next DHT read; and every
+                        # member keeps a DHT copy, which tells peers the records missed that they are late.
+                        if (
+                            linked
+                            and me.peer_id in [m.peer_id for m in decision.group.members[:2]]
+                            and not any(g.group == decision.group for g in groups)
+                        ):
                             # after `copy_delay`: the others derive it from the same records meanwhile,
                             # and these pushes would take the cores their last record needs to reach them
                             self._relay(chosen, me, copy_delay)
-                        if lowest:
-                            self._spawn(
-                                self._after_freeze(
-                                    self._store(group_key, chosen.to_wire(), expiration), copy_delay
-                                )
+                        # Every member keeps the copy: a member that died before its ready record's copy went
+                        # may have reached some members only, and the two lowest peer ids among those it missed.
+                        self._spawn(
+                            self._after_freeze(
+                                self._store(group_key, chosen.to_wire(), expiration), copy_delay
                             )
-                        else:
-                            # The others keep one too unless the group reached them by push: a member that died
-                            # before its ready record's copy may have reached some members only, and missed
-                            # both of the two lowest; they then relay nothing, and its other members are the
-                            # only ones that can tell the rest.
-                            self._spawn(
-                                self._copy_unless_pushed(chosen, group_key, expiration, 2 * copy_delay)
-                            )
+                        )
                     elif linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)
                         # A DHT copy under our key too: if the leader died having reached only us and our relays

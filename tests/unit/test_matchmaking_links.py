@@ -216,17 +216,12 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
                 one_hop_groups += 1
                 published[round_id].append((now, decision.group))
             # as the driver: its two lowest peer ids push it to the others COPY_DELAY later (when they derived it
-            # themselves) and keep a DHT copy for peers the records missed; the other members keep one too
-            # 2 * COPY_DELAY later unless the group reached them by push meanwhile (a member that died before its
-            # ready record's copy may have reached some members only, and missed both of the two lowest)
-            lowest = peer.name in [m.peer_id for m in decision.group.members[:2]]
-            if lowest:
-                sim.store_later(("group", round_id), peer, decision.record, now)
-            else:
-                sim.at(
-                    now + 2 * COPY_DELAY, peer.name, "copy_unless_pushed", decision.record, peer.incarnation
-                )
-            if lowest and not any(g.group == decision.group for g in view.groups):
+            # themselves), and every member keeps a DHT copy for peers the records missed (a member that died
+            # before its ready record's copy may have reached only some members, the two lowest among those missed)
+            sim.store_later(("group", round_id), peer, decision.record, now)
+            if peer.name in [m.peer_id for m in decision.group.members[:2]] and not any(
+                g.group == decision.group for g in view.groups
+            ):
                 for m in decision.group.members:
                     if m.peer_id not in (peer.name, decision.record.leader):
                         sim.at(
@@ -332,11 +327,6 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
             key, value, incarnation = args
             if incarnation == peer.incarnation:
                 sim.store(key, name, value, now)
-        elif kind == "copy_unless_pushed":
-            record, incarnation = args
-            pushed = peer.groups[record.group.round_id].values()
-            if incarnation == peer.incarnation and not any(g.group == record.group for g in pushed):
-                sim.store(("group", record.group.round_id), name, record, now)
         elif kind == "relay":
             dst, record, incarnation = args
             if incarnation == peer.incarnation:
