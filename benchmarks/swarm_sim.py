@@ -9,8 +9,8 @@ What is simulated (a discrete-event simulation; one process, no sockets):
 - **The driver's moves**: at the start of its round's work a peer announces the round to every peer it knows
   (`MatchAt`); when its work is done it pushes its ready record to them (`MatchReady`, declaring the set it
   expects, as the driver does) and stores it in the DHT; a leader pushes its group (`MatchGroup`), a member that
-  learns it from another relays it once and keeps a DHT copy; a one-hop group is pushed to the other members by
-  its two lowest peer ids and copied to the DHT by every member. The DHT is modelled as copies every reader sees after a delay (`--dht-ms`), polled every 0.25 s.
+  learns it from another relays it once and keeps a DHT copy; a one-hop group is pushed to the other members and
+  copied to the DHT by its two lowest peer ids. The DHT is modelled as copies every reader sees after a delay (`--dht-ms`), polled every 0.25 s.
 - **The WAN**: one-way latency of each peer pair = half an RTT drawn once from a log-normal (median `--rtt-ms`,
   `--rtt-sigma`), each message +-10% jitter; with probability `--loss` a message loses a packet and waits for
   TCP's retransmission (at least 200 ms); with probability `--fail` the call fails and the message never
@@ -221,22 +221,14 @@ class Simulation:
         return frozenset(out)
 
     def view(self, peer: Peer, round_id: int, now: float) -> RoundView:
-        stored = {r.peer_id: r for r in self.read(("ready", round_id), peer, now).values()}
-        ready = {**stored, **peer.ready[round_id]}
+        ready = {r.peer_id: r for r in self.read(("ready", round_id), peer, now).values()}
+        ready.update(peer.ready[round_id])
         groups = list(self.read(("group", round_id), peer, now).values())
         groups += [g for g in peer.groups[round_id].values() if g.leader in ready]
         expected = self.expected(peer, round_id, now)
         peer.expected_size = len(expected)
         ahead = frozenset(n for n, r in peer.known_round.items() if r > round_id)
-        return RoundView(
-            now=now + peer.skew,
-            ready=ready,
-            groups=groups,
-            expected=expected,
-            ahead=ahead,
-            stored=frozenset(stored),  # each decision here reads the DHT afresh
-            read_at=now + peer.skew,
-        )
+        return RoundView(now=now + peer.skew, ready=ready, groups=groups, expected=expected, ahead=ahead)
 
     def step(self, peer: Peer, round_id: int, now: float) -> None:
         if not peer.alive or peer.round_id != round_id or peer.decided or peer.ready_at is None:
@@ -250,14 +242,12 @@ class Simulation:
             record = decision.record
             assert record is not None
             if decision.one_hop:
-                if peer.name in [m.peer_id for m in decision.group.members[:2]] and not any(
-                    g.group == decision.group
-                    for g in view.groups  # derived, not pushed to us
-                ):
-                    for m in decision.group.members:
-                        if m.peer_id not in (peer.name, record.leader):
-                            self.push(peer, m.peer_id, "group", record, now)
-                self.store(("group", round_id), peer, record, now)  # every member keeps a copy
+                if peer.name in [m.peer_id for m in decision.group.members[:2]]:
+                    if not any(g.group == decision.group for g in view.groups):  # derived, not pushed to us
+                        for m in decision.group.members:
+                            if m.peer_id not in (peer.name, record.leader):
+                                self.push(peer, m.peer_id, "group", record, now)
+                    self.store(("group", round_id), peer, record, now)
             elif record.leader != peer.name and round_id not in peer.relayed:
                 peer.relayed.add(round_id)
                 for m in decision.group.members:
@@ -279,8 +269,6 @@ class Simulation:
             self.finish(peer, round_id, now, "late")
         else:
             until = decision.until - peer.skew + 1e-9
-            if until <= now:  # a Wait already past asks for a fresh DHT read: the next poll's
-                until = now + POLL
             self.at(min(now + POLL, until), peer.name, "poll", round_id, peer.incarnation)
 
     def finish(

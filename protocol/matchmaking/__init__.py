@@ -17,9 +17,8 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    members still in step, members catching up). When every peer of a set declared that very set, and the last
    of them was ready within `leader_timeout/2` of the opening, the set is the round's group: each peer holding
    their records knows it as the last one arrives, with no leader in between (`one_hop_sets`; peers outside it
-   are late, once a DHT read holds the set's records: point 7). This is the common round (the same members as
-   last time, ready within a few seconds of each other); the leader below settles the rest (a member joining or
-   vanishing, a straggler). Every member keeps a DHT copy of the set's group record.
+   are late). This is the common round (the same members as last time, ready within a few seconds of each
+   other); the leader below settles the rest (a member joining or vanishing, a straggler).
 4. Leader candidates are the ready peers whose ready_at is at most `opened + wait - leader_timeout/2`
    (the *eligible* peers), ranked by peer id. Rank 0 is the leader: it freezes the group as soon as every
    live member whose member record says round r (and is not leaving) is ready and no member's record says
@@ -38,19 +37,11 @@ The rule (a pure function, `decide`, of an injected `now` and the records a peer
    A peer that sees group records takes the one from the lowest leader peer id. If it is not a member, it
    is late for r: `LateForRound` (it joins round r+1 and never blocks the others). When every candidate's
    window has passed without a group, every remaining peer is late.
-7. A peer that dies between its ready record's pushes and its DHT copy may have reached some peers only. Its
-   record is *unconfirmed* (`unconfirmed`) on a peer whose DHT read, started `leader_timeout/2` after the
-   record's ready_at, lacks it: it then neither opens the round, nor leads it, nor is a member of a published
-   group. A decision on the deadline (a takeover, the freeze at the deadline, giving up) waits for a read that
-   started after the freeze, so every candidate's record is confirmed or dropped alike on every peer by then; and
-   a peer outside a one-hop set is late for it only once a read holds the set's records (a set with such a
-   record may be one its own members cannot see).
 
 Why it agrees: windows of different candidates are `leader_timeout/2` apart, the eligibility cutoff is
 `leader_timeout/2` before the freeze, so if a record reaches every peer within `leader_timeout/2` (over a link
 or through the DHT, clock skew included), at the freeze every peer sees the same candidates and at
-most one candidate publishes. The bound holds for a live peer's record (its DHT copy); for a dead peer's, point 7
-makes every peer that read the DHT drop it alike. A one-hop set's records were all sent within `leader_timeout/2` of the earliest
+most one candidate publishes. A one-hop set's records were all sent within `leader_timeout/2` of the earliest
 ready_at any peer sees, so they reach every peer by `opened + leader_timeout`, before any candidate may publish
 (`match_timeout >= leader_timeout` is needed for this; with a shorter one no peer freezes in one hop): every
 candidate then sees the set complete and follows it instead. The early freeze is safe if a member's record moves to round r at least
@@ -102,7 +93,6 @@ from farloco.protocol.matchmaking.rules import (
     one_hop_sets,
     schedule,
     spread_sample,
-    unconfirmed,
 )
 
 __all__ = [
@@ -132,5 +122,4 @@ __all__ = [
     "round_key",
     "schedule",
     "spread_sample",
-    "unconfirmed",
 ]

@@ -11,7 +11,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -82,10 +82,6 @@ class _DHTView:
     groups: list[GroupRecord]
     polls: int = 0
     error: MatchmakingError | None = None
-    read_at: float = -math.inf  # our clock when the read that found `ready` started
-    tried_at: float = -math.inf  # ... when the last read that ended (found something or failed) started
-    # set: read now (a decision on the deadline needs a read that started after the freeze)
-    read_now: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class DHTMatchmaker:
@@ -121,11 +117,6 @@ class DHTMatchmaker:
     first store walks, and finds the key's replicas), and a pushed-to peer's polls read a few of those replicas
     (`dhtcall.get_near`) instead of walking: at 32 peers on 2 cores the round keys' walks, each of whose hops
     answered with every ready record, were a fifth of a worker's profile.
-
-    A decision on the deadline (a takeover, the freeze at the deadline, giving up) waits for a read that started
-    after the round's freeze (one is asked for at once): a ready record that read lacks although it should be
-    there (`rules.unconfirmed`) is one whose peer died between its pushes and its copy, and every peer drops it
-    alike, so the candidates rank alike. A read that fails does not hold the decision up.
     """
 
     def __init__(
@@ -661,10 +652,8 @@ class DHTMatchmaker:
             ceiling = max(self.poll_interval, leader_timeout / 8)
         rechecked: set[bytes] = set()  # unknown ready-record keys we already re-read the member table for
         if linked and pushed_to:
-            await self._wait(view.read_now, self.poll_interval)
+            await self.clock.sleep(self.poll_interval)
         while True:
-            view.read_now.clear()
-            started = self.clock.now()
             try:
                 # Pushed to, the DHT only backs the links up: read near the round's keys, no walk.
                 near = linked and pushed_to
@@ -683,14 +672,11 @@ class DHTMatchmaker:
                     wake.set()
                     return
                 logger.warning("round %d: %s (the members' links carry on)", round_id, exc)
-                view.tried_at = started
-                wake.set()
             else:
                 view.ready, view.owners, view.groups = self._parse_round(round_id, ready_raw, group_raw)
-                view.read_at = view.tried_at = started
                 view.polls += 1
                 wake.set()
-            await self._wait(view.read_now, interval)
+            await self.clock.sleep(interval)
             interval = min(interval * 2, ceiling)
 
     # -- one round ----------------------------------------------------------------------------------------
@@ -833,8 +819,6 @@ class DHTMatchmaker:
                     ahead=frozenset(r.peer_id for r in live if self.round_of(r, now) > round_id),
                     leaving=frozenset(r.peer_id for r in live if r.state == "leaving"),
                     left_before_us=left_before_us,
-                    stored=frozenset(dht.ready) if dht.polls else None,
-                    read_at=dht.read_at,
                 )
                 decision = decide(
                     round_id, me, view, match_timeout=match_timeout, leader_timeout=leader_timeout
@@ -846,23 +830,18 @@ class DHTMatchmaker:
                         self.counters["one_hop"] += 1
                         # Every member derives the group itself: nothing to relay. Its two lowest peer ids (one
                         # survives either's death) push it to the others `copy_delay` later, so a member one of
-                        # whose ready records is slow or lost has it then, not at its next DHT read; and every
-                        # member keeps a DHT copy, which tells peers the records missed that they are late.
-                        if (
-                            linked
-                            and me.peer_id in [m.peer_id for m in decision.group.members[:2]]
-                            and not any(g.group == decision.group for g in groups)
-                        ):
-                            # after `copy_delay`: the others derive it from the same records meanwhile,
-                            # and these pushes would take the cores their last record needs to reach them
-                            self._relay(chosen, me, copy_delay)
-                        # Every member keeps the copy: a member that died before its ready record's copy went
-                        # may have reached some members only, and the two lowest peer ids among those it missed.
-                        self._spawn(
-                            self._after_freeze(
-                                self._store(group_key, chosen.to_wire(), expiration), copy_delay
+                        # whose ready records is slow or lost has it then, not at its next DHT read; and keep a
+                        # DHT copy, which tells peers the records missed that they are late.
+                        if me.peer_id in [m.peer_id for m in decision.group.members[:2]]:
+                            if linked and not any(g.group == decision.group for g in groups):
+                                # after `copy_delay`: the others derive it from the same records meanwhile,
+                                # and these pushes would take the cores their last record needs to reach them
+                                self._relay(chosen, me, copy_delay)
+                            self._spawn(
+                                self._after_freeze(
+                                    self._store(group_key, chosen.to_wire(), expiration), copy_delay
+                                )
                             )
-                        )
                     elif linked and chosen.leader != me.peer_id:
                         self._relay(chosen, me)
                         # A DHT copy under our key too: if the leader died having reached only us and our relays
@@ -883,13 +862,7 @@ class DHTMatchmaker:
                 # Acting on the deadline (a takeover, giving up): only on a view that includes the DHT's.
                 # Without links, every decision waits for one (the DHT is then our only source).
                 on_deadline = (isinstance(decision, Publish) and not early) or giving_up
-                # And on a read that started after the freeze: every live candidate's ready record is in the
-                # DHT by then, so records whose peers died before their copy are dropped alike on every peer
-                # (rules.unconfirmed) and the candidates rank alike. A read that failed does not hold the
-                # deadline up (the links carry on, on what they brought).
-                stale = on_deadline and dht.tried_at < plan.freeze_at
-                if (stale or (not linked and dht.polls == 0)) and not isinstance(decision, Wait):
-                    dht.read_now.set()
+                if (on_deadline or not linked) and dht.polls == 0 and not isinstance(decision, Wait):
                     await self._wait(wake, self.poll_interval)
                     continue
                 if isinstance(decision, Late):
@@ -906,10 +879,6 @@ class DHTMatchmaker:
                         self._sample(decision.record.group, view, match_timeout, leader_timeout)
                         return decision.record.group
                     await self._wait(wake, self.min_poll_interval)
-                    continue
-                if decision.until <= now:  # settled by a read that starts after `until` (rules.Wait)
-                    dht.read_now.set()
-                    await self._wait(wake, self.poll_interval)
                     continue
                 await self._wait(wake, decision.until - now)
         finally:

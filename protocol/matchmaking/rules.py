@@ -28,12 +28,6 @@ class RoundView:
     that were past this round already when our ready record was made (a member moves past a round once its
     group froze, and a group holds only members whose ready records came before it froze, so none of those
     groups holds us).
-
-    `stored` and `read_at`: the peer ids whose ready records our latest DHT read of the round held, and when (our
-    clock) that read started; None and -inf before the first read. A record we hold only because its peer pushed
-    it to us, which a read that started `leader_timeout / 2` after its `ready_at` did not find, is *unconfirmed*
-    (`unconfirmed`): its peer died between its pushes and its DHT copy, so other peers may never see it, and it
-    neither opens the round nor leads it.
     """
 
     now: float
@@ -44,30 +38,11 @@ class RoundView:
     leaving: frozenset[str] = frozenset()
     catching_up: frozenset[str] = frozenset()
     left_before_us: frozenset[str] = frozenset()
-    stored: frozenset[str] | None = None
-    read_at: float = -math.inf
-
-
-def unconfirmed(view: RoundView, leader_timeout: float) -> frozenset[str]:
-    """The ready records of `view` that the DHT should hold by now and does not (`RoundView`): every live peer's
-    record is in the DHT within `leader_timeout / 2` of its ready_at (the bound the agreement argument rests on),
-    so a record missing from a read that started later is one whose peer died before its copy went. Its pushes
-    may have reached some peers and not others; left in, it would rank the leader candidates differently on
-    each (two takeovers in one window: two groups). Every peer that reads the DHT after that time drops it alike.
-    """
-    if view.stored is None:
-        return frozenset()
-    return frozenset(
-        peer_id
-        for peer_id, record in view.ready.items()
-        if peer_id not in view.stored and record.ready_at + leader_timeout / 2 <= view.read_at
-    )
 
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to do yet; look again (re-read the DHT) no later than `until`. An `until` already past: read the
-    DHT (a read that starts now) and decide again."""
+    """Nothing to do yet; look again (re-read the DHT) no later than `until`."""
 
     until: float
 
@@ -134,11 +109,7 @@ def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) ->
     sees the opening record computes the same freeze deadline, whatever its own estimate."""
     if not view.ready:
         raise ValueError("a round schedule needs at least one ready record (our own), got none")
-    dropped = unconfirmed(view, leader_timeout)
-    # Unconfirmed records (a peer that died before its DHT copy) neither open the round nor lead it: peers that
-    # never had them must reach the same schedule.
-    counted = [record for peer_id, record in view.ready.items() if peer_id not in dropped]
-    opener = min(counted or view.ready.values(), key=lambda record: (record.ready_at, record.peer_id))
+    opener = min(view.ready.values(), key=lambda record: (record.ready_at, record.peer_id))
     opened = opener.ready_at
     wait = min(opener.wait, match_timeout) if opener.wait > 0 else match_timeout
     # Never below leader_timeout: the agreement argument needs every record that is in time for the candidate
@@ -152,10 +123,7 @@ def schedule(view: RoundView, *, match_timeout: float, leader_timeout: float) ->
             peer_id
             for peer_id, record in view.ready.items()
             # A member behind NAT cannot lead: nobody could push it a ready record.
-            if record.ready_at <= cutoff
-            and peer_id not in view.leaving
-            and peer_id not in dropped
-            and record.address != NO_INBOUND
+            if record.ready_at <= cutoff and peer_id not in view.leaving and record.address != NO_INBOUND
         )
     )
     return RoundSchedule(opened, opened + wait, candidates, leader_timeout)
@@ -208,28 +176,18 @@ def decide(
     # The one-hop freeze needs every record in time for it to reach every peer before any candidate may
     # publish: at least `leader_timeout` from the opening, so `match_timeout` must not be shorter.
     one_hop = bool(view.ready[me.peer_id].expected) and match_timeout >= leader_timeout
-    dropped = unconfirmed(view, leader_timeout) - {me.peer_id}
-    # A one-hop set of others whose records the DHT does not hold yet: until a read settles it, it may be a set
-    # that one of its own members cannot see (a member that died before its copy reached some peers only).
-    unsettled_until = -math.inf
     if one_hop:
-        counted = {p: r for p, r in view.ready.items() if p not in dropped}
-        sets = one_hop_sets(counted, plan)
+        sets = one_hop_sets(view.ready, plan)
         for peers in sets:
             if me.peer_id in peers:
                 record = _one_hop_record(round_id, peers, view.ready)
                 return Joined(record.group, record, one_hop=True)
-        settled = [peers for peers in sets if view.stored is not None and peers <= view.stored]
-        if settled:
-            peers = min(settled, key=min)
+        if sets:
+            peers = min(sets, key=min)
             return Late(
                 f"round {round_id} froze in one hop with {len(peers)} members "
                 f"({', '.join(sorted(peers))}), not including us",
                 group_formed=True,
-            )
-        for peers in sets:
-            unsettled_until = max(
-                unsettled_until, max(view.ready[p].ready_at for p in peers) + leader_timeout / 2
             )
     groups = [record for record in view.groups if record.group.round_id == round_id]
     if groups:
@@ -253,17 +211,6 @@ def decide(
             group_formed=True,
         )
     now = view.now
-    if unsettled_until > -math.inf:
-        if now < plan.give_up_at:
-            # A read that starts after `unsettled_until` settles it: every record of the set is there, or the
-            # missing ones are dropped (`unconfirmed`) and the set with them. A Wait whose time has come means
-            # that read (the driver asks for one).
-            return Wait(unsettled_until)
-        return Late(
-            f"round {round_id}: a one-hop set of other peers was never settled by the DHT before "
-            f"{plan.give_up_at:.3f}",
-            group_formed=True,
-        )
     if me.peer_id in plan.candidates:
         rank = plan.candidates.index(me.peer_id)
         start, end = plan.window(rank)
@@ -280,8 +227,7 @@ def decide(
             if not everyone_ready:
                 return Wait(plan.freeze_at)
         if start <= now < end:
-            # Skipped candidates and unconfirmed records (their peers died) are not members.
-            skipped = set(plan.candidates[:rank]) | dropped
+            skipped = set(plan.candidates[:rank])
             members = [
                 GroupMember(record.peer_id, record.address, record.outer_hash, record.updates)
                 for record in view.ready.values()

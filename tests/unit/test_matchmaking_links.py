@@ -94,10 +94,9 @@ class Sim:
                 seen[writer] = value
         return seen
 
-    def store_later(self, key: Any, peer: Peer, value: Any, now: float, delay: float = COPY_DELAY) -> None:
-        """A DHT copy the way the driver makes it: `delay` (COPY_DELAY) after `now`, if its process is still alive
-        then."""
-        self.at(now + delay, peer.name, "store", key, value, peer.incarnation)
+    def store_later(self, key: Any, peer: Peer, value: Any, now: float) -> None:
+        """A DHT copy the way the driver makes it: COPY_DELAY after `now`, if its process is still alive then."""
+        self.at(now + COPY_DELAY, peer.name, "store", key, value, peer.incarnation)
 
     def push(self, src: str, dst: str, kind: str, record: Any, now: float) -> bool:
         """One unary push: lost (the sender sees a failure and, as the driver, does not retry: False), or
@@ -164,14 +163,10 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
             work = rng.uniform(0.9, 1.6)  # a straggler: sometimes ready just after the freeze
         if rng.random() < 0.04:
             sim.at(now + work + rng.uniform(-0.2, M + 2 * L), peer.name, "crash", round_id)
-        elif rng.random() < 0.03:
-            # dies right after its ready record went out, before its DHT copy: the record reached some peers only
-            sim.at(now + work + rng.uniform(0, COPY_DELAY), peer.name, "crash", round_id)
         sim.at(now + work, peer.name, "ready", round_id)
 
     def view_of(peer: Peer, round_id: int, now: float) -> RoundView:
-        stored = {r.peer_id: r for r in sim.read(("ready", round_id), peer.name, now).values()}
-        ready = dict(stored)
+        ready = {**{r.peer_id: r for r in sim.read(("ready", round_id), peer.name, now).values()}}
         ready.update(peer.ready[round_id])
         groups = list(sim.read(("group", round_id), peer.name, now).values())
         groups += [g for g in peer.groups[round_id].values() if g.leader in ready]
@@ -184,15 +179,8 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
             for name in sim.read(("members", r), peer.name, now)
             if record_lives(name, now)
         )
-        # Every step reads the DHT afresh (the driver's decisions on the deadline wait for such a read).
         return RoundView(
-            now=peer.now(now),
-            ready=ready,
-            groups=groups,
-            expected=expected | {peer.name},
-            ahead=ahead,
-            stored=frozenset(stored),
-            read_at=peer.now(now),
+            now=peer.now(now), ready=ready, groups=groups, expected=expected | {peer.name}, ahead=ahead
         )
 
     def finish(peer: Peer, round_id: int, now: float, outcome: Any) -> None:
@@ -215,18 +203,21 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
             if not published[round_id] or decision.group not in {g for _, g in published[round_id]}:
                 one_hop_groups += 1
                 published[round_id].append((now, decision.group))
-            # as the driver: its two lowest peer ids push it to the others COPY_DELAY later (when they derived it
-            # themselves), and every member keeps a DHT copy for peers the records missed (a member that died
-            # before its ready record's copy may have reached only some members, the two lowest among those missed)
-            sim.store_later(("group", round_id), peer, decision.record, now)
-            if peer.name in [m.peer_id for m in decision.group.members[:2]] and not any(
-                g.group == decision.group for g in view.groups
-            ):
-                for m in decision.group.members:
-                    if m.peer_id not in (peer.name, decision.record.leader):
-                        sim.at(
-                            now + COPY_DELAY, peer.name, "relay", m.peer_id, decision.record, peer.incarnation
-                        )
+            if peer.name in [m.peer_id for m in decision.group.members[:2]]:
+                # as the driver: its two lowest peer ids push it to the others COPY_DELAY later (when they derived
+                # it themselves) and keep a DHT copy for peers the records missed
+                if not any(g.group == decision.group for g in view.groups):
+                    for m in decision.group.members:
+                        if m.peer_id not in (peer.name, decision.record.leader):
+                            sim.at(
+                                now + COPY_DELAY,
+                                peer.name,
+                                "relay",
+                                m.peer_id,
+                                decision.record,
+                                peer.incarnation,
+                            )
+                sim.store_later(("group", round_id), peer, decision.record, now)
             finish(peer, round_id, now, decision.group)
         elif isinstance(decision, Joined):
             chosen = min(view.groups, key=lambda g: g.leader)
@@ -261,11 +252,8 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
         else:
             # wake at the deadline, or at the next poll of the DHT (pushes wake it on arrival); a nanosecond past
             # the deadline, or `now + skew` rounds to just before it and the peer waits at the same instant forever
-            until = decision.until - peer.skew + 1e-9
-            if until <= now:  # a Wait already past asks for a fresh DHT read: the next poll's
-                until = now + 0.06
             sim.at(
-                min(now + rng.uniform(0.02, 0.06), until),
+                min(now + rng.uniform(0.02, 0.06), decision.until - peer.skew + 1e-9),
                 peer.name,
                 "poll",
                 round_id,
@@ -318,10 +306,10 @@ def test_one_group_per_round_and_nobody_ready_in_time_left_out_over_lossy_links(
                 for other in sim.peers
                 if other != name and not sim.peers[other].dead
             ]
-            # A push that failed sends the copy at once, for the peer it missed; but the driver learns of it only
-            # when the call fails (within a link's delay), and a peer that dies first leaves no copy at all.
-            failed_known = COPY_DELAY if all(delivered) else rng.uniform(0, min(LINK_DELAY, COPY_DELAY))
-            sim.store_later(("ready", round_id), peer, record, now, failed_known)
+            if all(delivered):
+                sim.store_later(("ready", round_id), peer, record, now)
+            else:  # a push failed: the copy goes at once, for the peer it missed
+                sim.store(("ready", round_id), name, record, now)
             step(peer, round_id, now)
         elif kind == "store":
             key, value, incarnation = args
