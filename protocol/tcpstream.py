@@ -591,6 +591,8 @@ class DataServer:
                 async with asyncio.timeout(timeout):
                     ended = await self._run(conn, method, call, handler)
                 served += 1
+                # Outside the stream's deadline: our END is written, and no error may follow it.
+                ended = ended or await self._read_end(conn)
                 if not ended:  # the client may still be sending: let it finish, then close
                     await conn.drain()
                     return
@@ -697,15 +699,18 @@ class DataServer:
             head, payload = _frame_parts(response, limit, method)
             await conn.write(head, payload)
         await conn.write(_U32.pack(END))
-        if not ended:
-            # A handler that took just the frames it expected (the exchange's) leaves the client's END unread,
-            # and a connection with bytes unread is closed: a new TCP connection (and TLS handshake) for every
-            # stream of every round. The END follows the last frame at once; anything else, or nothing within
-            # END_WAIT_SECONDS, closes the connection as before.
-            with contextlib.suppress(TimeoutError, OSError, ConnectionError, FrameError):
-                async with asyncio.timeout(END_WAIT_SECONDS):
-                    ended = await conn.read_u32() == END
         return ended
+
+    @staticmethod
+    async def _read_end(conn: _Conn) -> bool:
+        """After a handler that took just the frames it expected (the exchange's): read the client's END, which
+        follows its last frame at once. True when it came; anything else, or nothing within END_WAIT_SECONDS,
+        and the connection is closed (a connection with bytes unread is, and then every stream of every round
+        costs a new TCP connection and TLS session)."""
+        with contextlib.suppress(TimeoutError, OSError, ConnectionError, FrameError):
+            async with asyncio.timeout(END_WAIT_SECONDS):
+                return await conn.read_u32() == END
+        return False
 
 
 class ConnectionPool:
